@@ -1,0 +1,1 @@
+"""The capture session and the gputraced service."""

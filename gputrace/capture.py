@@ -1,0 +1,257 @@
+"""The capture file, NAME.gputrace: an append-only msgpack stream of frames.
+
+    ["H", header]            first frame: format, host, kernel, boot id, clock, offsets, tool version, argv
+    ["M", source, meta]      a source's metadata, before its records (e.g. the eBPF syscall table)
+    ["R", kind, [row, ...]]  a batch of typed records of one kind (gputrace.records), rows positional
+    ["K", blob]              raw kernel events, decoded on read by gputrace.probes.events
+    ["T", trailer]           last frame: end time, counts, drops, source states
+
+The writer appends to a temporary file beside the output and renames it when the capture is complete, so
+the final name never holds half a capture. A capture cut off by a crash stays readable: the reader yields
+everything up to the cut and reports the capture incomplete.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from gputrace import __version__, clock
+from gputrace.errors import CorruptCapture, UserError
+from gputrace.records import RECORD_TYPES
+
+FORMAT = "gputrace.capture/1"
+MAGIC = "gputrace"
+MAX_FRAME_BYTES = 256 << 20
+
+
+def host_header(argv: Sequence[str]) -> dict[str, Any]:
+    """The header fields describing this host and clock, taken now."""
+    uname = os.uname()
+    return {
+        "magic": MAGIC,
+        "format": FORMAT,
+        "tool_version": __version__,
+        "host": socket.gethostname(),
+        "kernel": uname.release,
+        "machine": uname.machine,
+        "boot_id": _boot_id(),
+        "clock": "CLOCK_MONOTONIC",
+        "mono_to_realtime_ns": clock.realtime_offset_ns(),
+        "start_ns": clock.monotonic_ns(),
+        "argv": list(argv),
+    }
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class CaptureWriter:
+    """Writes one capture. Not thread-safe: one thread (the session's writer) owns it."""
+
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], *, force: bool = False) -> None:
+        self.path = Path(path)
+        self.counts: dict[str, int] = {}
+        self._packer = msgpack.Packer(use_bin_type=True)
+        check_output_path(self.path, force=force)
+        self.partial_path = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._fd: int | None = os.open(self.partial_path, flags, 0o640)
+        except FileExistsError:
+            raise UserError(f"{self.partial_path} exists (an earlier capture was cut off?); remove it") from None
+        except OSError as e:
+            raise UserError(f"cannot create {self.partial_path}: {e.strerror}") from None
+        self._frame(["H", header])
+
+    def write_meta(self, source: str, meta: dict[str, Any]) -> None:
+        self._frame(["M", source, meta])
+
+    def write(self, records: Iterable[tuple[Any, ...]]) -> None:
+        """Write records of any kinds, one frame per kind."""
+        by_kind: dict[str, list[tuple[Any, ...]]] = {}
+        for r in records:
+            by_kind.setdefault(type(r).__name__, []).append(r)
+        for kind, rows in by_kind.items():
+            self.write_rows(kind, rows)
+
+    def write_rows(self, kind: str, rows: Sequence[Sequence[Any]]) -> None:
+        if kind not in RECORD_TYPES:
+            raise ValueError(f"unknown record kind {kind!r}")
+        if rows:
+            self._frame(["R", kind, list(rows)])
+            self.counts[kind] = self.counts.get(kind, 0) + len(rows)
+
+    def write_kernel(self, blob: bytes, nevents: int) -> None:
+        if blob:
+            self._frame(["K", blob])
+            self.counts["kernel_events"] = self.counts.get("kernel_events", 0) + nevents
+
+    def close(self, trailer: dict[str, Any]) -> Path:
+        """Write the trailer, make the file durable and give it its final name."""
+        trailer = {**trailer, "counts": {**self.counts, **trailer.get("counts", {})}}
+        self._frame(["T", trailer])
+        assert self._fd is not None
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        os.rename(self.partial_path, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Give up: remove the temporary file, leave nothing under the final name."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.partial_path.unlink(missing_ok=True)
+
+    def _frame(self, obj: list[Any]) -> None:
+        data = self._packer.pack(obj)
+        if self._fd is None:
+            raise ValueError("capture writer is closed")
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as e:
+            self.abort()
+            raise UserError(f"writing {self.path}: {e.strerror}; nothing was written under that name") from None
+
+
+def check_output_path(path: Path, *, force: bool) -> None:
+    """Refuse an existing output without --force, and an unwritable directory, before any work starts."""
+    if path.is_dir():
+        raise UserError(f"{path} is a directory")
+    if path.exists() and not force:
+        raise UserError(f"{path} exists; use --force to overwrite it")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"directory {parent} is not writable")
+
+
+class CaptureReader:
+    """Streams a capture file's records. After iterating, ``complete``, ``trailer`` and ``problem`` are set."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close() / the context manager
+        except OSError as e:
+            raise UserError(f"cannot open {self.path}: {e.strerror}") from None
+        self._unpacker = self._new_unpacker()
+        self.header = self._read_header()
+        self.meta: dict[str, dict[str, Any]] = {}
+        self.trailer: dict[str, Any] | None = None
+        self.problem = ""  # why the capture is incomplete, when it is
+        self.drops: dict[str, int] = {}
+
+    def _new_unpacker(self) -> msgpack.Unpacker:
+        return msgpack.Unpacker(
+            self._file, raw=False, strict_map_key=False, max_buffer_size=MAX_FRAME_BYTES, use_list=True
+        )
+
+    def _read_header(self) -> dict[str, Any]:
+        try:
+            frame = self._unpacker.unpack()
+        except Exception:
+            raise CorruptCapture(f"{self.path} is not a gputrace capture (unreadable header)") from None
+        if not (isinstance(frame, list) and len(frame) == 2 and frame[0] == "H" and isinstance(frame[1], dict)):
+            raise CorruptCapture(f"{self.path} is not a gputrace capture (no header)")
+        header = frame[1]
+        if header.get("magic") != MAGIC:
+            raise CorruptCapture(f"{self.path} is not a gputrace capture (bad magic)")
+        if header.get("format") != FORMAT:
+            raise CorruptCapture(f"{self.path}: unsupported capture format {header.get('format')!r}")
+        return header
+
+    @property
+    def complete(self) -> bool:
+        return self.trailer is not None and not self.problem and bool(self.trailer.get("complete", True))
+
+    def __enter__(self) -> CaptureReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def records(self) -> Iterator[tuple[Any, ...]]:
+        """Every record in file order. Raw kernel events come out decoded, fds resolved to objects."""
+        self._file.seek(0)
+        self._unpacker = self._new_unpacker()
+        self._unpacker.skip()
+        self.trailer, self.problem, self.drops = None, "", {}
+        decoder = None
+        while True:
+            offset = self._unpacker.tell()
+            try:
+                frame = self._unpacker.unpack()
+            except msgpack.OutOfData:
+                if self.trailer is None:
+                    self.problem = f"cut off at byte {offset} (no trailer: the capture did not end cleanly)"
+                return
+            except Exception as e:  # msgpack raises several types on garbage
+                self.problem = f"corrupt at byte {offset}: {type(e).__name__}"
+                return
+            try:
+                tag = frame[0]
+                if tag == "R":
+                    yield from self._rows(frame[1], frame[2], decoder)
+                elif tag == "K":
+                    if decoder is None:
+                        raise ValueError("kernel events before the eBPF metadata")
+                    yield from decoder.decode(frame[1])
+                elif tag == "M":
+                    self.meta[frame[1]] = frame[2]
+                    if frame[1] == "ebpf":
+                        from gputrace.probes.events import KernelDecoder
+
+                        decoder = KernelDecoder(frame[2])
+                elif tag == "T":
+                    self.trailer = frame[1]
+                    self.drops.update(self.trailer.get("drops", {}))
+                else:
+                    raise ValueError(f"unknown frame {tag!r}")
+            except (TypeError, ValueError, IndexError, KeyError) as e:
+                self.problem = f"corrupt frame at byte {offset}: {e}"
+                return
+
+    def _rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]]:
+        cls = RECORD_TYPES[kind]
+        nfields = len(cls._fields)
+        make = cls._make
+        for row in rows:
+            if len(row) < nfields:
+                raise ValueError(f"{kind} row has {len(row)} fields, expected {nfields}")
+            rec = make(row[:nfields]) if len(row) > nfields else make(row)
+            if kind == "Drops":
+                self.drops[f"{rec.source}.{rec.what}"] = rec.count
+            elif kind == "FdInfo" and decoder is not None:
+                decoder.note_fd(rec)
+            yield rec
+
+
+def open_capture(path: str | os.PathLike[str]) -> CaptureReader:
+    """Open a capture for reading, with a clear error for a missing or foreign file."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such capture file")
+    if p.suffix == ".pftrace":
+        raise UserError(f"{p} is a Perfetto trace, not a capture; open it with: gputrace view {p}")
+    return CaptureReader(p)

@@ -1,0 +1,76 @@
+"""The `gputrace` command line. Each command is a module in this package (see ``_commands``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from gputrace import __version__
+from gputrace.errors import UserError
+
+DESCRIPTION = """\
+gputrace explains GPU idle time: it traces a job's syscalls, block I/O and scheduling with eBPF and its
+GPU work with CUPTI (or the simulated device), finds every GPU stall and names what it waited for.
+
+  gputrace capture -- python train.py          trace a command, write a capture and a Perfetto trace
+  gputrace capture -p 4242 -d 30               trace a running job for 30 s
+  gputrace report gputrace-python.4242.gputrace   stall budget by cause and culprit
+  gputrace view gputrace-python.4242.pftrace      open the trace in the Perfetto UI
+  gputrace doctor                              what works on this host
+"""
+
+
+def _commands() -> list[ModuleType]:
+    """Every module of this package that defines prepare_parser() and run(), by its ORDER."""
+    mods = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_") or info.name == "common":
+            continue
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(mod, "prepare_parser") and hasattr(mod, "run"):
+            mods.append(mod)
+    return sorted(mods, key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gputrace", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"gputrace {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in _commands():
+        name = mod.__name__.rsplit(".", 1)[1].replace("_", "-")
+        p = sub.add_parser(
+            getattr(mod, "NAME", name),
+            help=mod.HELP,
+            description=mod.HELP + ("\n\nexamples:\n" + mod.EXAMPLES if getattr(mod, "EXAMPLES", "") else ""),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.prepare_parser(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as e:
+        print(f"gputrace: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Errors a user can act on. The CLI turns them into one line on stderr and an exit code, never a traceback."""
+
+
+class UserError(Exception):
+    """Bad input or an unusable host: the message says what is wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class CorruptCapture(UserError):
+    """A capture file that cannot be read at all (not a capture, bad header)."""
+
+    exit_code = 3
+
+
+class PermissionDenied(UserError):
+    """The caller lacks a privilege the operation needs; the message names it."""
+
+    exit_code = 4

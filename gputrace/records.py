@@ -1,0 +1,295 @@
+"""Typed records: what sources emit, the capture file stores, and analysis and exporters read.
+
+Every time is CLOCK_MONOTONIC nanoseconds (see gputrace.clock). ``pid`` is a tgid, ``tid`` a kernel tid.
+Records are NamedTuples so the capture file stores them as plain positional rows; a record's kind is its
+class name. Adding a field at the end is backwards compatible (old rows are padded with defaults); never
+reorder or remove fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+# --------------------------------------------------------------------------------------- processes ----
+
+
+class ProcInfo(NamedTuple):
+    """Metadata of a traced process, taken from /proc when it is first seen."""
+
+    ts: int
+    pid: int
+    ppid: int
+    comm: str
+    cmdline: list[str]
+    exe: str
+
+
+class ThreadInfo(NamedTuple):
+    ts: int
+    pid: int
+    tid: int
+    comm: str
+
+
+class ProcFork(NamedTuple):
+    """A new task. ``is_thread``: a thread in the parent's process (child_pid == parent_pid)."""
+
+    ts: int
+    parent_pid: int
+    parent_tid: int
+    child_pid: int
+    child_tid: int
+    is_thread: bool
+    comm: str
+
+
+class ProcExec(NamedTuple):
+    ts: int
+    pid: int
+    tid: int
+    comm: str
+    filename: str
+
+
+class ProcExit(NamedTuple):
+    ts: int
+    pid: int
+    tid: int
+    comm: str
+
+
+class FdInfo(NamedTuple):
+    """A file descriptor that existed when tracing of ``pid`` began (from /proc/PID/fd).
+
+    ``kind``: file, socket, pipe, anon, other. ``obj``: path, peer ``host:port``, or the /proc link text.
+    """
+
+    ts: int
+    pid: int
+    fd: int
+    kind: str
+    obj: str
+
+
+# ---------------------------------------------------------------------------------------- kernel -----
+
+
+class Syscall(NamedTuple):
+    """A syscall at least as long as the capture's threshold.
+
+    ``obj``: the file path / peer address / pipe the fd refers to ("" when unknown or not fd-based).
+    ``nbytes``: bytes transferred (read/write/recv/send family), else 0. ``arg``: the call's main
+    argument besides the fd (requested count, futex address, sleep request in ns, ioctl cmd).
+    """
+
+    pid: int
+    tid: int
+    name: str
+    start_ns: int
+    end_ns: int
+    ret: int
+    fd: int
+    obj: str
+    nbytes: int
+    arg: int
+
+
+class SyscallAgg(NamedTuple):
+    """Calls shorter than the threshold, aggregated in the kernel per thread and syscall."""
+
+    pid: int
+    tid: int
+    name: str
+    count: int
+    total_ns: int
+
+
+class BlockIO(NamedTuple):
+    """One block request, attributed to the task that submitted it."""
+
+    pid: int
+    tid: int
+    comm: str
+    dev: str
+    sector: int
+    nbytes: int
+    rwbs: str
+    issue_ns: int
+    complete_ns: int
+
+
+class OffCpu(NamedTuple):
+    """A traced thread off CPU for at least the threshold.
+
+    ``state``: the task state when it left the CPU ("S" sleeping, "D" uninterruptible, "R" preempted,
+    ...). ``wake_ns`` is when it was woken (0: never seen woken, e.g. preempted), and the waker fields
+    name who did it, traced or not (a FUSE daemon, a peer).
+    """
+
+    pid: int
+    tid: int
+    start_ns: int
+    end_ns: int
+    state: str
+    wake_ns: int
+    waker_pid: int
+    waker_tid: int
+    waker_comm: str
+
+
+# ------------------------------------------------------------------------------------------- GPU -----
+
+
+class GpuDevice(NamedTuple):
+    id: int
+    name: str
+    simulated: bool
+    uuid: str
+    pid: int
+
+
+class GpuKernel(NamedTuple):
+    pid: int
+    device: int
+    context: int
+    stream: int
+    start_ns: int
+    end_ns: int
+    correlation_id: int
+    name: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+class GpuMemcpy(NamedTuple):
+    """``kind``: h2d, d2h, d2d, h2h, p2p (pageable/pinned noted in ``memory``)."""
+
+    pid: int
+    device: int
+    context: int
+    stream: int
+    start_ns: int
+    end_ns: int
+    correlation_id: int
+    nbytes: int
+    kind: str
+    memory: str
+
+
+class GpuMemset(NamedTuple):
+    pid: int
+    device: int
+    context: int
+    stream: int
+    start_ns: int
+    end_ns: int
+    correlation_id: int
+    nbytes: int
+
+
+class CudaApi(NamedTuple):
+    """A CUDA runtime or driver API call on a host thread (``api``: runtime, driver, enqueue-only)."""
+
+    pid: int
+    tid: int
+    name: str
+    start_ns: int
+    end_ns: int
+    correlation_id: int
+    api: str
+    result: int
+
+
+class GpuSync(NamedTuple):
+    """A host wait for the device (``kind``: stream, context, event, stream_wait_event)."""
+
+    pid: int
+    tid: int
+    device: int
+    context: int
+    stream: int
+    start_ns: int
+    end_ns: int
+    correlation_id: int
+    kind: str
+
+
+class NvtxRange(NamedTuple):
+    pid: int
+    tid: int
+    name: str
+    start_ns: int
+    end_ns: int
+    domain: str
+
+
+class Collective(NamedTuple):
+    """Metadata of one collective operation on one rank, linked to its kernel by correlation id."""
+
+    pid: int
+    device: int
+    correlation_id: int
+    name: str
+    seq: int
+    rank: int
+    world: int
+    nbytes: int
+
+
+class NvmlSample(NamedTuple):
+    """``metric``: gpu_util_pct, mem_util_pct, sm_clock_mhz, mem_used_bytes, power_mw, pcie_rx_bps, ..."""
+
+    ts: int
+    device: int
+    metric: str
+    value: float
+
+
+class AgentInfo(NamedTuple):
+    """An in-process GPU agent said hello. ``source``: cupti, sim, uprobe."""
+
+    ts: int
+    pid: int
+    tid: int
+    interpreter: str
+    cuda_version: str
+    driver_version: str
+    source: str
+
+
+# ------------------------------------------------------------------------------------- bookkeeping ---
+
+
+class SourceStatus(NamedTuple):
+    """``status``: started, degraded, missing, ended_early, stopped."""
+
+    ts: int
+    source: str
+    status: str
+    detail: str
+
+
+class Drops(NamedTuple):
+    """Cumulative records lost by ``source`` (``what`` says where: ringbuf, cupti, queue, ...)."""
+
+    ts: int
+    source: str
+    what: str
+    count: int
+
+
+RECORD_TYPES: dict[str, type[Any]] = {
+    cls.__name__: cls
+    for cls in (
+        ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo,
+        Syscall, SyscallAgg, BlockIO, OffCpu,
+        GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
+        AgentInfo, SourceStatus, Drops,
+    )
+}  # fmt: skip
+
+GPU_ACTIVITY = (GpuKernel, GpuMemcpy, GpuMemset)
+
+
+def kind_of(record: tuple[Any, ...]) -> str:
+    return type(record).__name__

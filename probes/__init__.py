@@ -1,0 +1,1 @@
+"""Data sources: eBPF programs (bcc), the CUPTI agent conversion, NVML, libcuda uprobes."""

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Sets up gputrace on a Debian/Ubuntu host, idempotently:
+#   1. distribution packages: bcc (python3-bpfcc), kernel headers for the running kernel
+#      (or the distribution's nearest headers, linked under /lib/modules/$(uname -r)),
+#   2. tracefs/debugfs mounted,
+#   3. a virtual environment in .venv made from the system Python with system site packages
+#      (so `import bcc` works), with gputrace installed into it.
+# Every step says what it did. Run as root.
+set -euo pipefail
+cd "$(dirname "$0")"
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (installs packages, links kernel headers, mounts tracefs)"
+command -v apt-get >/dev/null || die "needs a Debian/Ubuntu host with apt-get"
+export DEBIAN_FRONTEND=noninteractive
+krel=$(uname -r)
+apt_updated=0
+apt_install() {
+    if [ "$apt_updated" = 0 ]; then apt-get update -qq; apt_updated=1; fi
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+missing=()
+for pkg in python3-bpfcc python3-venv python3-dev; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    say "installing ${missing[*]}"
+    apt_install "${missing[@]}"
+else
+    say "python3-bpfcc, python3-venv, python3-dev already installed"
+fi
+
+if [ -e "/lib/modules/$krel/build/include/linux/kconfig.h" ] || [ -e "/lib/modules/$krel/source/include/linux/kconfig.h" ]; then
+    say "kernel headers for $krel present at /lib/modules/$krel/build"
+elif apt-get install -y -qq --no-install-recommends "linux-headers-$krel" >/dev/null 2>&1; then
+    say "installed linux-headers-$krel"
+else
+    [ "$apt_updated" = 1 ] || { apt-get update -qq; apt_updated=1; }
+    arch=$(dpkg --print-architecture)
+    nearest=$(apt-cache search --names-only "^linux-headers-[0-9.]+-[0-9]+-$arch\$" | awk '{print $1}' | sort -V | tail -n 1)
+    [ -n "$nearest" ] || die "no kernel headers for $krel and none in the distribution; install headers by hand"
+    apt_install "$nearest"
+    common=${nearest%-"$arch"}-common
+    mkdir -p "/lib/modules/$krel"
+    ln -sfn "/usr/src/$nearest" "/lib/modules/$krel/build"
+    ln -sfn "/usr/src/$common" "/lib/modules/$krel/source"
+    say "no headers packaged for $krel: installed $nearest and linked /lib/modules/$krel/{build,source}"
+    say "(tracepoint programs do not depend on struct layouts, so nearby headers are safe for them)"
+fi
+
+if ! mountpoint -q /sys/kernel/tracing; then
+    mount -t tracefs tracefs /sys/kernel/tracing && say "mounted tracefs at /sys/kernel/tracing"
+fi
+if ! mountpoint -q /sys/kernel/debug; then
+    mount -t debugfs debugfs /sys/kernel/debug && say "mounted debugfs at /sys/kernel/debug"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    /usr/bin/python3 -m venv --system-site-packages .venv
+    say "created .venv from /usr/bin/python3 with system site packages"
+fi
+stamp=.venv/.gputrace-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[dev]'
+    touch "$stamp"
+    say "installed gputrace and its dependencies into .venv"
+else
+    say "gputrace already installed in .venv"
+fi
+.venv/bin/python -c 'import bcc' 2>/dev/null || die ".venv cannot import bcc (python3-bpfcc)"
+say "ready: .venv/bin/gputrace doctor   # checks this host"

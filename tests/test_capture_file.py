@@ -1,0 +1,93 @@
+"""The capture file: round trip, truncation, corruption, safe creation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gputrace.capture import CaptureReader, CaptureWriter, host_header, open_capture
+from gputrace.errors import CorruptCapture, UserError
+from gputrace.records import Drops, GpuKernel, ProcInfo, SourceStatus
+
+
+def _write(path: Path, n: int = 100) -> Path:
+    w = CaptureWriter(path, host_header(["test"]))
+    w.write([ProcInfo(1, 42, 1, "python", ["python", "x.py"], "/usr/bin/python3")])
+    w.write([GpuKernel(42, 0, 1, 7, i * 10, i * 10 + 5, i, f"k{i}", (1, 1, 1), (32, 1, 1)) for i in range(n)])
+    w.write([Drops(5, "ebpf", "ringbuf", 0), SourceStatus(5, "ebpf", "started", "")])
+    return w.close({"end_ns": 10_000, "drops": {"ebpf.ringbuf": 0}, "complete": True})
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.gputrace")
+    with CaptureReader(path) as r:
+        recs = list(r.records())
+        assert r.complete and r.problem == ""
+        assert r.header["clock"] == "CLOCK_MONOTONIC"
+        assert r.trailer is not None and r.trailer["counts"]["GpuKernel"] == 100
+    kernels = [x for x in recs if isinstance(x, GpuKernel)]
+    assert len(kernels) == 100 and kernels[3].name == "k3" and kernels[3].grid == [1, 1, 1]
+    assert isinstance(recs[0], ProcInfo) and recs[0].cmdline == ["python", "x.py"]
+    assert not list(tmp_path.glob(".*partial")), "temporary file left behind"
+
+
+def test_truncated_file_reads_as_incomplete(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.gputrace", n=2000)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gputrace"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    with CaptureReader(cut) as r:
+        recs = list(r.records())
+        assert not r.complete
+        assert "cut off" in r.problem
+    assert any(isinstance(x, ProcInfo) for x in recs)
+
+
+def test_garbage_after_header_is_reported_corrupt(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.gputrace")
+    data = bytearray(path.read_bytes())
+    data[-400:-340] = b"\xc1" * 60  # 0xc1 is never valid msgpack
+    path.write_bytes(bytes(data))
+    with CaptureReader(path) as r:
+        list(r.records())
+        assert not r.complete and r.problem
+
+
+def test_not_a_capture(tmp_path: Path) -> None:
+    p = tmp_path / "x.gputrace"
+    p.write_bytes(os.urandom(64))
+    with pytest.raises(CorruptCapture):
+        open_capture(p)
+    with pytest.raises(UserError, match="no such capture"):
+        open_capture(tmp_path / "missing.gputrace")
+
+
+def test_existing_output_needs_force(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.gputrace")
+    with pytest.raises(UserError, match="--force"):
+        CaptureWriter(path, host_header([]))
+    w = CaptureWriter(path, host_header([]), force=True)
+    w.close({"complete": True})
+
+
+def test_unwritable_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        CaptureWriter(tmp_path / "nope" / "a.gputrace", host_header([]))
+
+
+def test_full_disk_leaves_no_file(tmp_path: Path) -> None:
+    """A real full filesystem: a tiny tmpfs."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=64k tmpfs {mnt}") != 0:
+        pytest.fail("cannot mount tmpfs (tests run as root)")
+    try:
+        w = CaptureWriter(mnt / "a.gputrace", host_header([]))
+        with pytest.raises(UserError, match="No space left"):
+            for _ in range(100):
+                w.write([GpuKernel(1, 0, 0, 0, i, i + 1, i, "k" * 200, (1, 1, 1), (1, 1, 1)) for i in range(100)])
+        assert list(mnt.iterdir()) == []
+    finally:
+        os.system(f"umount {mnt}")

@@ -1,0 +1,1 @@
+"""Viewers: the Perfetto UI, HTML and terminal reports."""
