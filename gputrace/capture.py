@@ -45,7 +45,22 @@ def host_header(argv: Sequence[str]) -> dict[str, Any]:
         "mono_to_realtime_ns": clock.realtime_offset_ns(),
         "start_ns": clock.monotonic_ns(),
         "argv": list(argv),
+        "mounts": mount_table(),
     }
+
+
+def mount_table(path: str = "/proc/self/mounts") -> list[list[str]]:
+    """[mount point, filesystem type] of every mount, so analysis can tell a FUSE or NFS path from a disk."""
+    out: list[list[str]] = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 3:  # the kernel escapes blanks in mount points as octal (\040)
+            out.append([f[1].encode().decode("unicode_escape"), f[2]])
+    return out
 
 
 def _boot_id() -> str:

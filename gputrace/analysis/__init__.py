@@ -1,0 +1,59 @@
+"""Stall attribution: GPU timeline → idle gaps → what each gap waited on (DESIGN §5).
+
+    from gputrace.analysis import analyze, summary_lines
+    with open_capture(path) as reader:
+        report = analyze(reader)          # the gputrace.report/1 dict of DESIGN §6
+    print("\\n".join(summary_lines(report)))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.analysis.load import load
+from gputrace.analysis.report import CAUSES, SCHEMA, assemble
+from gputrace.capture import CaptureReader
+
+__all__ = ["CAUSES", "SCHEMA", "analyze", "fmt_ms", "summary_lines"]
+
+
+def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, Any]:
+    """Read the capture once and attribute every GPU stall of at least ``min_gap_ns``."""
+    if min_gap_ns <= 0:
+        raise ValueError("min_gap_ns must be > 0")
+    return assemble(load(reader), min_gap_ns)
+
+
+def fmt_ms(ns: int) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The short form printed at the end of a capture."""
+    cap, summ = report["capture"], report["summary"]
+    lines = []
+    if not cap["complete"]:
+        lines.append("INCOMPLETE capture" + (f": {cap['problem']}" if cap.get("problem") else "")
+                     + " — results cover what was recorded")
+    lost = sum(v for v in cap["drops"].values() if v > 0)
+    if lost:
+        lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
+    if not report["devices"]:
+        lines.append("no GPU activity in this capture")
+        return lines
+    for d in report["devices"]:
+        pct = 100.0 * d["busy_ns"] / d["window_ns"] if d["window_ns"] else 0.0
+        sim = " (simulated)" if d["simulated"] else ""
+        owner = f" pid {d['pid']}" if "pid" in d else ""
+        lines.append(f"GPU {d['id']}{owner}{sim}: busy {pct:.1f}% of {fmt_ms(d['window_ns'])}, "
+                     f"{d['stalls']} stalls, {fmt_ms(d['stall_ns'])}")
+    total = summ["stall_ns"]
+    if total:
+        budget = ", ".join(f"{c} {100.0 * ns / total:.0f}%" for c, ns in summ["by_cause"].items())
+        lines.append(f"stall budget: {budget}")
+        for c in report.get("top_culprits", [])[:3]:
+            lines.append(f"  {c['share_pct']:5.1f}%  {c['kind']}: {c['culprit']}")
+        ib = summ["input_bound"]
+        lines.append(f"input-bound: {ib['pct']:.1f}% of GPU time waiting on input ({ib['verdict']}; "
+                     "TF profiler thresholds 5%/20%, for comparison)")
+    return lines

@@ -1,0 +1,63 @@
+"""Perfetto export throughput and memory: a synthetic capture of N records → .pftrace.
+
+    .venv/bin/python bench/perfetto_export.py [N]      (default 500000)
+
+Prints records/s, packets/s and peak RSS growth, so a streaming regression (memory growing with N) shows.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gputrace.exporters.perfetto import PerfettoExporter
+
+from gputrace.capture import CaptureReader, CaptureWriter, host_header
+from gputrace.records import BlockIO, CudaApi, GpuKernel, OffCpu, ProcInfo, Syscall, ThreadInfo
+
+US = 1000
+
+
+def _batch(i0: int, n: int) -> list[tuple[Any, ...]]:
+    """A mix like a real capture: per step a syscall, an off-CPU interval, a block request, a launch and its kernel."""
+    out: list[tuple[Any, ...]] = []
+    for i in range(i0, i0 + n, 5):
+        t = i * 100 * US
+        tid = 101 + i % 4
+        out += [
+            Syscall(100, tid, "pread64", t, t + 50 * US, 4096, 3, "/data/shard.bin", 4096, 4096),
+            OffCpu(100, tid, t + 5 * US, t + 45 * US, "S", t + 40 * US, 300, 301, "fuse-srv"),
+            BlockIO(100, tid, "loader", "loop0", i, 4096, "R", t + 10 * US, t + 30 * US),
+            CudaApi(100, 100, "cudaLaunchKernel", t, t + 5 * US, i + 1, "runtime", 0),
+            GpuKernel(100, 0, 1, 7, t + 10 * US, t + 90 * US, i + 1, "gemm", (1, 1, 1), (128, 1, 1)),
+        ]
+    return out
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 500_000
+    with tempfile.TemporaryDirectory() as tmp:
+        cap = Path(tmp) / "bench.gputrace"
+        w = CaptureWriter(cap, host_header(["bench"]))
+        w.write([ProcInfo(0, 100, 1, "trainer", ["python"], "/usr/bin/python3")]
+                + [ThreadInfo(0, 100, 101 + k, f"loader{k}") for k in range(4)])
+        for i0 in range(0, n, 10_000):
+            w.write(_batch(i0, min(10_000, n - i0)))
+        w.close({"complete": True})
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0 = time.perf_counter()
+        with CaptureReader(cap) as reader:
+            result = PerfettoExporter(Path(tmp) / "bench.pftrace").write(reader)
+        dt = time.perf_counter() - t0
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        size = (Path(tmp) / "bench.pftrace").stat().st_size
+    print(f"records {n:,}  packets {result.items:,}  {dt:.2f} s  {n / dt:,.0f} records/s  "
+          f"{result.items / dt:,.0f} packets/s  trace {size / 1e6:.1f} MB  peak RSS +{(rss1 - rss0) / 1024:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

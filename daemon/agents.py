@@ -1,0 +1,413 @@
+"""The session side of the agent channel: a unix socket that in-process GPU agents connect to.
+
+One selector thread serves every peer without ever blocking on one: reads are non-blocking, the only
+writes are tiny control messages (a peer that cannot take them is cut off), and records go through a
+bounded queue to a forwarder thread that feeds the sink, so a slow sink costs counted drops, not a
+stuck socket. Every peer is identified by SO_PEERCRED and must be a traced process (``authorize``);
+everything it sends is checked (gputrace.agent.validate) and a peer that breaks the protocol is cut off
+with the reason logged and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gputrace import clock
+from gputrace.agent import arming, validate, wire
+from gputrace.errors import UserError
+from gputrace.records import AgentInfo, SourceStatus
+from gputrace.source import Sink
+
+log = logging.getLogger("gputrace.agents")
+
+QUEUE_MAX_RECORDS = 262144
+AUTHORIZE_GRACE_S = 1.0  # a child may connect before the session has seen its fork
+STOP_TIMEOUT_S = 2.0
+RECV_BYTES = 256 << 10
+
+
+class _Peer:
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sock, self.pid, self.uid = sock, pid, uid
+        self.frames = wire.FrameBuffer()
+        self.hello: dict[str, Any] | None = None
+        self.since = time.monotonic()
+        self.authorized = False
+        self.said_bye = False
+        self.sent_stop = False
+        self.records = 0
+        self.drops: dict[str, int] = {}
+        self.end = ""
+
+    @property
+    def active(self) -> bool:
+        """Had GPU work to report: only then does losing it mid-capture matter."""
+        return self.records > 0 or bool(self.hello and self.hello["backends"])
+
+
+class _Forwarder:
+    """Bounded hand-off from the socket thread to the sink; overflow is counted, never waited on."""
+
+    def __init__(self, sink: Sink, limit: int) -> None:
+        self.sink, self.limit, self.dropped = sink, limit, 0
+        self._batches: deque[Sequence[tuple[Any, ...]]] = deque()
+        self._queued = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="gputrace-agents-fwd", daemon=True)
+        self._thread.start()
+
+    def put(self, records: Sequence[tuple[Any, ...]]) -> None:
+        with self._cond:
+            if self._queued + len(records) > self.limit:
+                self.dropped += len(records)
+                return
+            self._batches.append(records)
+            self._queued += len(records)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._batches and not self._closing:
+                    self._cond.wait()
+                if not self._batches:
+                    return
+                batch = self._batches.popleft()
+                self._queued -= len(batch)
+            self.sink.emit(batch)
+
+    def close(self) -> None:
+        """Hand everything queued to the sink, then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+
+class AgentServer:
+    """A gputrace.source.Source (name "agent") fed by the agents of traced processes."""
+
+    name = "agent"
+
+    def __init__(self, sock_path: str | os.PathLike[str], *, authorize: Callable[[int], bool],
+                 attach_dir: str | None = None, queue_records: int = QUEUE_MAX_RECORDS,
+                 authorize_grace_s: float = AUTHORIZE_GRACE_S, stop_timeout_s: float = STOP_TIMEOUT_S,
+                 flush_ms: int = 100) -> None:
+        self.sock_path = Path(sock_path)
+        self.authorize = authorize
+        self.attach_dir = Path(attach_dir or arming.attach_dir())
+        self.queue_records = queue_records
+        self.grace_s, self.stop_timeout_s, self.flush_ms = authorize_grace_s, stop_timeout_s, flush_ms
+        self.stats = {"accepted": 0, "refused": 0, "cut_off": 0, "ended_early": 0, "records": 0}
+        self.rejections: list[str] = []  # "pid N: reason", for the log and the tests
+        self.rejected_records = 0
+        self._peers: dict[socket.socket, _Peer] = {}
+        self._gone: list[_Peer] = []
+        self._offers: list[tuple[Path, socket.socket, int]] = []
+        self._listener_ino = 0
+        self._new_listeners: list[socket.socket] = []
+        self._sel = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._fwd: _Forwarder | None = None
+        self._sink: Sink | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------- Source ---
+    def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What ``capture -- CMD`` adds to the child's environment so its agent connects at startup."""
+        return arming.environment(str(self.sock_path), base)
+
+    def start(self, sink: Sink) -> None:
+        self._sink = sink
+        self._listener, self._listener_ino = _listen(self.sock_path)
+        self._fwd = _Forwarder(sink, self.queue_records)
+        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._serve, name="gputrace-agents", daemon=True)
+        self._thread.start()
+
+    def offer(self, pid: int) -> None:
+        """Let an armed, dormant process ``pid`` find this session at <attach dir>/<pid>.sock.
+
+        A listening socket of its own there rather than a link to ours: a service with a private /tmp
+        could not follow a link into the session's directory.
+        """
+        self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path = self.attach_dir / f"{int(pid)}.sock"
+        listener, ino = _listen(path)
+        with self._lock:
+            self._offers.append((path, listener, ino))
+            self._new_listeners.append(listener)
+        self._wake()
+
+    def stop(self) -> None:
+        """Ask every agent to flush and say bye (bounded wait), then close and hand over what came."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._wake()
+        deadline = time.monotonic() + self.stop_timeout_s
+        while time.monotonic() < deadline and self._live_peers():
+            time.sleep(0.01)
+        self._closed.set()
+        self._wake()
+        self._thread.join()
+        self._thread = None
+        self._withdraw_offers()
+        assert self._fwd is not None and self._sink is not None
+        self._fwd.close()
+        self._sink.emit_meta("agent", {"peers": [self._summary(p) for p in self._gone]})
+
+    def drops(self) -> dict[str, int]:
+        out = {"queue": self._fwd.dropped if self._fwd else 0, "rejected": self.rejected_records}
+        with self._lock:
+            peers = list(self._peers.values()) + self._gone
+        for p in peers:
+            for what, n in p.drops.items():
+                if n:  # zeros from every worker would bury the losses that matter
+                    out[f"pid{p.pid}.{what}"] = n
+        return out
+
+    # ------------------------------------------------------------------------------ event loop ---
+    def _live_peers(self) -> int:
+        with self._lock:
+            return len(self._peers)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _serve(self) -> None:
+        try:
+            while not self._closed.is_set():
+                pending = any(not p.authorized for p in self._peers.values())
+                for key, _ in self._sel.select(0.05 if pending else 0.5):
+                    self._ready(key)
+                self._recheck_pending()
+                self._register_offers()
+                if self._stopping.is_set():
+                    self._send_stops()
+        finally:
+            for peer in list(self._peers.values()):
+                self._drop(peer, f"did not answer stop within {self.stop_timeout_s:g} s", cut=False)
+            self._sel.close()
+            if self._listener is not None:
+                _unlink_if_ours(self.sock_path, self._listener_ino)
+                self._listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _ready(self, key: selectors.SelectorKey) -> None:
+        if key.data == "listen":
+            self._accept(key.fileobj)  # type: ignore[arg-type]
+        elif key.data == "wake":
+            with contextlib.suppress(OSError):
+                self._wake_r.recv(4096)
+        else:
+            self._read(key.data)
+
+    def _register_offers(self) -> None:
+        with self._lock:
+            new, self._new_listeners = self._new_listeners, []
+        for listener in new:
+            self._sel.register(listener, selectors.EVENT_READ, "listen")
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(False)
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        peer = _Peer(conn, pid, uid)
+        with self._lock:
+            self._peers[conn] = peer
+        self._authorize(peer)
+
+    def _authorize(self, peer: _Peer) -> None:
+        try:
+            ok = bool(self.authorize(peer.pid))
+        except Exception:  # noqa: BLE001 - a failing check refuses, it does not crash the session
+            ok = False
+        if ok:
+            peer.authorized = True
+            self.stats["accepted"] += 1
+            self._sel.register(peer.sock, selectors.EVENT_READ, peer)
+        elif time.monotonic() - peer.since >= self.grace_s:
+            self.stats["refused"] += 1
+            self._reject(peer, "not a traced process; refused")
+            self._drop(peer, "refused", cut=False, quiet=True)
+
+    def _recheck_pending(self) -> None:
+        for peer in [p for p in self._peers.values() if not p.authorized]:
+            self._authorize(peer)
+
+    def _read(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            data, peer.end = b"", f"connection error: {e.strerror}"
+        if not data:
+            self._drop(peer, peer.end or "connection closed", cut=False)
+            return
+        try:
+            for body in peer.frames.feed(data):
+                self._message(peer, wire.decode_body(body))
+                if peer.said_bye:
+                    self._drop(peer, "bye", cut=False, quiet=True)
+                    return
+        except wire.FrameError as e:
+            self.stats["cut_off"] += 1
+            self._reject(peer, f"cut off: {e}")
+            self._drop(peer, f"cut off: {e}", cut=True)
+
+    def _message(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if peer.hello is None and kind != "hello":
+            raise wire.FrameError(f"first message is {kind[:20]!r}, not hello")
+        if kind == "hello":
+            if peer.hello is not None:
+                raise wire.FrameError("second hello")
+            self._hello(peer, validate.hello_fields(msg, peer.pid))
+        elif kind == "batch":
+            self._batch(peer, msg)
+        elif kind == "drops":
+            peer.drops = validate.drop_counts(msg)
+        elif kind == "bye":
+            peer.said_bye = True
+        else:
+            raise wire.FrameError(f"unknown message type {kind[:20]!r}")
+
+    def _hello(self, peer: _Peer, hello: dict[str, Any]) -> None:
+        peer.hello = hello
+        now = clock.monotonic_ns()
+        self._forward([AgentInfo(now, peer.pid, hello["tid"], hello["interpreter"], hello["cuda_version"],
+                                 hello["driver_version"], b) for b in hello["backends"]])
+        for name, why in hello["unavailable"].items():
+            log.debug("agent pid %d: %s unavailable: %s", peer.pid, name, why)
+        self._send(peer, {"type": "stop"} if self._stopping.is_set() else
+                   {"type": "start", "flush_ms": self.flush_ms})
+
+    def _batch(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        try:
+            records = validate.batch_records(msg, peer.pid)
+        except wire.FrameError:
+            groups = msg.get("records")
+            self.rejected_records += sum(len(g[1]) for g in groups if _is_group(g)) if isinstance(
+                groups, list) else 0
+            raise
+        peer.records += len(records)
+        self.stats["records"] += len(records)
+        self._forward(records)
+
+    def _forward(self, records: Sequence[tuple[Any, ...]]) -> None:
+        if records and self._fwd is not None:
+            self._fwd.put(records)
+
+    def _send(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        frame = wire.encode(msg)
+        try:
+            sent = peer.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            raise wire.FrameError(f"cannot write to peer: {e.strerror}") from None
+        if sent != len(frame):
+            raise wire.FrameError("peer does not read its socket")
+
+    def _send_stops(self) -> None:
+        for peer in list(self._peers.values()):
+            if peer.hello is not None and not peer.sent_stop:
+                peer.sent_stop = True
+                try:
+                    self._send(peer, {"type": "stop"})
+                except wire.FrameError as e:
+                    self._drop(peer, str(e), cut=True)
+
+    # ------------------------------------------------------------------------------- peer ends ---
+    def _reject(self, peer: _Peer, reason: str) -> None:
+        text = f"pid {peer.pid}: {reason}"
+        self.rejections.append(text)
+        log.warning("gputrace: agent %s", text)
+
+    def _drop(self, peer: _Peer, reason: str, *, cut: bool, quiet: bool = False) -> None:
+        with self._lock:
+            if self._peers.pop(peer.sock, None) is None:
+                return
+            self._gone.append(peer)
+        peer.end = reason
+        if peer.authorized:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(peer.sock)
+        with contextlib.suppress(OSError):
+            peer.sock.close()
+        if cut:
+            self._status("degraded", f"pid {peer.pid}: {reason}")
+        elif not quiet and not peer.said_bye and peer.active:
+            self.stats["ended_early"] += 1
+            self._status("ended_early", f"pid {peer.pid}: {reason} without saying bye; its last records may be lost")
+
+    def _status(self, status: str, detail: str) -> None:
+        log.warning("gputrace: agent %s", detail)
+        self._forward([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
+
+    def _withdraw_offers(self) -> None:
+        for path, listener, ino in self._offers:
+            _unlink_if_ours(path, ino)
+            listener.close()
+        self._offers.clear()
+
+    @staticmethod
+    def _summary(p: _Peer) -> dict[str, Any]:
+        h = p.hello or {}
+        return {"pid": p.pid, "uid": p.uid, "interpreter": h.get("interpreter", ""),
+                "backends": h.get("backends", []), "unavailable": h.get("unavailable", {}),
+                "records": p.records, "end": p.end}
+
+
+def _listen(path: Path) -> tuple[socket.socket, int]:
+    """A listening socket at ``path`` and the inode it got (so we only ever remove our own)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        if path.is_socket() or path.is_symlink():
+            path.unlink()  # left by a session that died; a live one would own a fresh inode
+        s.bind(str(path))
+        # Anyone may connect; only traced pids (checked by SO_PEERCRED) are listened to.
+        os.chmod(path, 0o666)
+        s.listen(64)
+        ino = os.stat(path).st_ino
+    except OSError as e:
+        s.close()
+        raise UserError(f"agent socket {path}: {e.strerror}") from None
+    s.setblocking(False)
+    return s, ino
+
+
+def _unlink_if_ours(path: Path, ino: int) -> None:
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == ino:
+            path.unlink()
+
+
+def _is_group(g: Any) -> bool:
+    return isinstance(g, list) and len(g) == 2 and isinstance(g[1], list)

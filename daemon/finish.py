@@ -1,0 +1,43 @@
+"""After a capture: analyse it, write the Perfetto trace, and tell the user what to run next."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gputrace.capture import CaptureReader
+
+if TYPE_CHECKING:
+    from .session import CaptureOptions, CaptureResult
+
+
+def analyse(path: Any, min_gap_ms: float) -> dict[str, Any]:
+    from gputrace.analysis import analyze
+
+    with CaptureReader(path) as reader:
+        return analyze(reader, min_gap_ns=int(min_gap_ms * 1e6))
+
+
+def analyse_and_export(result: CaptureResult, opts: CaptureOptions, log: Callable[[str], None]) -> None:
+    from gputrace.analysis import summary_lines
+    from gputrace.exporters.perfetto import PerfettoExporter
+
+    from .session import perfetto_path_for
+
+    result.report = analyse(result.capture_path, opts.min_gap_ms)
+    for line in summary_lines(result.report):
+        log(line)
+    if not result.complete:
+        lost = ", ".join(f"{k} {v:,}" for k, v in result.drops.items() if v)
+        log(f"gputrace: WARNING: INCOMPLETE capture: records were lost ({lost})")
+    log(f"Wrote {result.capture_path}")
+    if opts.perfetto:
+        out = perfetto_path_for(result.capture_path)
+        with CaptureReader(result.capture_path) as reader:
+            PerfettoExporter(out, report=result.report).write(reader)
+        result.perfetto_path = out
+        log(f"Wrote {out}")
+    log("Next:")
+    log(f"  gputrace report {result.capture_path}")
+    if result.perfetto_path:
+        log(f"  gputrace view {result.perfetto_path}")

@@ -1,0 +1,351 @@
+"""A capture session: starts the sources, writes the capture file, ends cleanly, then exports.
+
+Collection never analyses: sources hand records to a QueueSink whose writer thread appends them to the
+capture file. Once the file is closed, the analysis and the Perfetto export read it back like any other
+capture.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gputrace import clock
+from gputrace.capture import CaptureWriter, check_output_path, host_header
+from gputrace.caps import missing_tracing_caps
+from gputrace.errors import PermissionDenied, UserError
+from gputrace.records import SourceStatus
+
+from .launch import HeldChild
+from .writer import QueueSink
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class CaptureOptions:
+    output: Path | None = None
+    pids: list[int] = field(default_factory=list)
+    command: list[str] | None = None
+    duration_s: float | None = None
+    force: bool = False
+    min_gap_ms: float = 1.0
+    threshold_us: float = 100.0
+    perfetto: bool = True
+    progress: bool = True
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+
+
+@dataclass
+class CaptureResult:
+    capture_path: Path
+    perfetto_path: Path | None
+    exit_code: int | None
+    complete: bool
+    drops: dict[str, int]
+    report: dict[str, Any] | None
+    stop_reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def run_capture(opts: CaptureOptions, stop: threading.Event | None = None, log: Log = _stderr) -> CaptureResult:
+    """Capture the target processes until ``stop`` is set, the duration ends, or the targets exit."""
+    if bool(opts.pids) == bool(opts.command):
+        raise UserError("give either -p/--pid PID... or -- CMD ARGS... (one of them)")
+    _require_privileges()
+    comms = {pid: _comm_of(pid) for pid in opts.pids}
+    return _Session(opts, stop or threading.Event(), log, comms).run()
+
+
+def _require_privileges() -> None:
+    missing = missing_tracing_caps()
+    if missing:
+        raise PermissionDenied(f"tracing needs {' and '.join(missing)} (run as root, e.g. with sudo)")
+
+
+def _comm_of(pid: int) -> str:
+    if pid <= 0:
+        raise UserError(f"invalid pid {pid}")
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        raise UserError(f"no process with pid {pid}") from None
+    except PermissionError:
+        raise PermissionDenied(f"cannot read /proc/{pid} (needs CAP_SYS_PTRACE or root)") from None
+    comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+    if state in "ZX":
+        raise UserError(f"process {pid} ({comm}) has exited")
+    return comm
+
+
+def default_output(comm: str, pid: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in comm) or "proc"
+    return Path(f"gputrace-{safe}.{pid}.gputrace")
+
+
+def perfetto_path_for(capture: Path) -> Path:
+    return capture.with_suffix(".pftrace")
+
+
+class _Session:
+    def __init__(self, opts: CaptureOptions, stop: threading.Event, log: Log, comms: dict[int, str]) -> None:
+        self.opts, self.stop, self.log, self.comms = opts, stop, log, comms
+        self.child: HeldChild | None = None
+        self.writer: CaptureWriter | None = None
+        self.sink: QueueSink | None = None
+        self.sources: list[Any] = []
+        self.stopped: list[Any] = []
+        self.ebpf: Any = None
+        self.agents: Any = None
+        self.sock_dir: Path | None = None
+        self.statuses: list[SourceStatus] = []
+
+    # ---------------------------------------------------------------------------------- lifecycle ---
+    def run(self) -> CaptureResult:
+        try:
+            self._start()
+            reason = self._wait()
+            path = self._finish(reason)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._cleanup_socket_dir()
+        return self._after(path, reason)
+
+    def _start(self) -> None:
+        if self.opts.command:
+            self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
+            os.chmod(self.sock_dir, 0o711)
+            self.child = HeldChild(self.opts.command, {**os.environ, **self._agent_env()})
+            self.comms = {self.child.pid: Path(self.opts.command[0]).name[:15]}
+        pids = list(self.comms)
+        out = self.opts.output or default_output(self.comms[pids[0]], pids[0])
+        self.output = Path(out)
+        if self.output.suffix != ".gputrace":
+            raise UserError(f"{self.output}: the capture file's name must end in .gputrace")
+        check_output_path(self.output, force=self.opts.force)
+        if self.opts.perfetto:
+            check_output_path(perfetto_path_for(self.output), force=self.opts.force)
+        header = host_header(self.opts.argv) | {
+            "targets": pids,
+            "command": self.opts.command or [],
+            "threshold_ns": int(self.opts.threshold_us * 1000),
+        }
+        self.writer = CaptureWriter(self.output, header, force=self.opts.force)
+        self.sink = QueueSink(self.writer)
+        self._start_sources(pids)
+        if self.child:
+            self.child.release()
+        self.started_ns = clock.monotonic_ns()
+        what = f"pid {self.child.pid}: {' '.join(self.opts.command or [])}" if self.child else ", ".join(
+            f"{p} ({c})" for p, c in self.comms.items()
+        )
+        self.log(f"gputrace: tracing {what} and descendants; Ctrl-C to stop")
+
+    def _agent_env(self) -> dict[str, str]:
+        """The agent server must exist before the child is forked, so its environment can name it."""
+        from gputrace.daemon.agents import AgentServer
+
+        assert self.sock_dir is not None
+        self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
+        return dict(self.agents.child_env())
+
+    def _is_traced(self, pid: int) -> bool:
+        return self.ebpf is not None and bool(self.ebpf.is_traced(pid))
+
+    def _start_sources(self, pids: list[int]) -> None:
+        from gputrace.probes.ebpf import EbpfSource
+
+        assert self.sink is not None
+        self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc)
+        self.ebpf.start(self.sink)  # raises UserError when eBPF cannot run at all: nothing to capture
+        self.sources.append(self.ebpf)
+        if self.agents is None:
+            from gputrace.daemon.agents import AgentServer
+
+            self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
+            os.chmod(self.sock_dir, 0o711)
+            self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
+        self._try_start(self.agents)
+        for pid in pids if not self.opts.command else []:
+            self._offer(pid)
+        self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
+        if not self.opts.command:
+            self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids))
+
+    def _optional_source(self, module: str, name: str, *args: Any) -> Any:
+        try:
+            mod = __import__(module, fromlist=[name])
+            return getattr(mod, name)(*args)
+        except (ImportError, AttributeError) as e:
+            self._status(name.lower(), "missing", f"not available: {e}")
+            return None
+
+    def _try_start(self, source: Any) -> None:
+        """A secondary source that cannot start degrades the capture; it does not end it."""
+        if source is None:
+            return
+        assert self.sink is not None
+        try:
+            source.start(self.sink)
+            self.sources.append(source)
+        except UserError as e:
+            self._status(source.name, "missing", str(e))
+            self.log(f"gputrace: {source.name}: {e} (continuing without it)")
+
+    def _status(self, source: str, status: str, detail: str) -> None:
+        rec = SourceStatus(clock.monotonic_ns(), source, status, detail)
+        self.statuses.append(rec)
+        if self.sink is not None:
+            self.sink.emit([rec])
+
+    def _on_proc(self, record: Any) -> None:
+        """Called from the eBPF source's thread for process events: offer new processes to armed agents."""
+        if type(record).__name__ == "ProcFork" and not record.is_thread and not self.opts.command:
+            self._offer(record.child_pid)
+
+    def _offer(self, pid: int) -> None:
+        if self.agents is not None and hasattr(self.agents, "offer"):
+            try:
+                self.agents.offer(pid)
+            except OSError as e:
+                self.log(f"gputrace: cannot offer the agent socket to pid {pid}: {e}")
+
+    # ------------------------------------------------------------------------------------ waiting ---
+    def _wait(self) -> str:
+        deadline = None if self.opts.duration_s is None else time.monotonic() + self.opts.duration_s
+        restore = _catch_signals(self.stop)
+        progress = _Progress(self.log if self.opts.progress and sys.stderr.isatty() else None)
+        try:
+            while True:
+                reason = self._should_stop(deadline)
+                if reason:
+                    return reason
+                progress.tick(self)
+                self.stop.wait(0.05)
+        finally:
+            progress.done()
+            restore()
+
+    def _should_stop(self, deadline: float | None) -> str:
+        if self.stop.is_set():
+            return "stopped"
+        if deadline is not None and time.monotonic() >= deadline:
+            return "duration"
+        if self.child is not None and self.child.poll() is not None:
+            return "command exited"
+        if self.child is None and not self.ebpf.live_targets():
+            return "targets exited"
+        if self.sink is not None and self.sink.error is not None:
+            return "write error"
+        return ""
+
+    # ---------------------------------------------------------------------------------- finishing ---
+    def _finish(self, reason: str) -> Path:
+        assert self.sink is not None and self.writer is not None
+        self._stop_sources()
+        self.sink.close()
+        drops = self._drops()
+        trailer = {
+            "end_ns": clock.monotonic_ns(),
+            "stop_reason": reason,
+            "drops": drops,
+            "complete": not any(drops.values()),
+            "sources": {s.source: [s.status, s.detail] for s in self.statuses},
+        }
+        path = self.writer.close(trailer)
+        self.drops = drops
+        return path
+
+    def _drops(self) -> dict[str, int]:
+        assert self.sink is not None
+        drops = {f"session.{k}": v for k, v in self.sink.drops().items()}
+        for source in self.sources + self.stopped:
+            drops.update({f"{source.name}.{k}": int(v) for k, v in source.drops().items()})
+        return drops
+
+    def _stop_sources(self) -> None:
+        """Stop in reverse start order; each source is stopped once, its drops kept for the trailer."""
+        while self.sources:
+            source = self.sources.pop()
+            self.stopped.append(source)
+            source.stop()
+
+    def _abort(self) -> None:
+        try:
+            self._stop_sources()
+        except Exception as e:  # noqa: BLE001 - already failing; report and go on
+            self.log(f"gputrace: stopping sources: {e}")
+        if self.sink is not None:
+            try:
+                self.sink.close()
+            except BaseException:  # noqa: BLE001 - the original error matters more
+                pass
+        if self.writer is not None:
+            self.writer.abort()
+        if self.child is not None and not self.child.released:
+            self.child.kill()
+
+    def _cleanup_socket_dir(self) -> None:
+        if self.sock_dir is not None:
+            for p in self.sock_dir.iterdir():
+                p.unlink(missing_ok=True)
+            self.sock_dir.rmdir()
+
+    def _after(self, path: Path, reason: str) -> CaptureResult:
+        from .finish import analyse_and_export
+
+        result = CaptureResult(path, None, None, not any(self.drops.values()), self.drops, None, reason)
+        analyse_and_export(result, self.opts, self.log)
+        if self.child is not None:
+            if self.child.poll() is None:
+                self.log(f"gputrace: waiting for pid {self.child.pid} ({self.opts.command[0]}) to exit")  # type: ignore[index]
+            result.exit_code = self.child.exit_code
+        return result
+
+
+def _catch_signals(stop: threading.Event) -> Callable[[], None]:
+    """Ctrl-C and SIGTERM end the capture cleanly (only possible from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: stop.set())
+    return lambda: [signal.signal(s, h) for s, h in previous.items()] and None
+
+
+class _Progress:
+    """One status line, refreshed about once a second, on a terminal only."""
+
+    def __init__(self, log: Log | None) -> None:
+        self.log, self.next = log, time.monotonic() + 1.0
+        self.shown = False
+
+    def tick(self, session: _Session) -> None:
+        if self.log is None or time.monotonic() < self.next:
+            return
+        self.next += 1.0
+        w = session.writer
+        events = sum(w.counts.values()) if w else 0
+        drops = sum(session._drops().values())
+        secs = (clock.monotonic_ns() - session.started_ns) / 1e9
+        sys.stderr.write(f"\r  {secs:7.1f} s  {events:>12,} records  {drops:,} dropped ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")

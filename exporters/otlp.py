@@ -1,0 +1,294 @@
+"""OTLP export: every GPU stall of a capture as an OpenTelemetry span, sent to a collector (Jaeger, Tempo, ...).
+
+One trace per capture: a root span ``gputrace capture`` over the capture window, a child span
+``gpu.stall <cause>`` per stall, and under each stall a child span per piece of evidence (the syscall,
+block request, off-CPU wait or wakeup that explains it). Times go out as epoch ns, converted with the
+capture header's monotonic->realtime offset through gputrace.clock.
+
+Spans are recorded with the OpenTelemetry SDK and handed to the OTLP exporter here, batch by batch, instead
+of through a BatchSpanProcessor (which drops spans when its queue is full and only logs it): every span a
+batch failed to deliver is counted in ``ExportResult.dropped``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from gputrace import __version__, clock
+from gputrace.capture import CaptureReader
+from gputrace.errors import UserError
+
+from . import ExportResult
+
+PROTOCOLS = ("grpc", "http")
+DEFAULT_PORTS = {"grpc": 4317, "http": 4318}
+_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp", "opentelemetry.sdk")
+
+
+class OtlpUnreachable(UserError):
+    """Nothing could be delivered. ``result`` holds the counts (every span dropped)."""
+
+    def __init__(self, message: str, result: ExportResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class OtlpExporter:
+    """Ships a capture's stalls as OTLP spans over gRPC (default, port 4317) or HTTP/protobuf (4318)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        protocol: str = "grpc",
+        *,
+        report: dict[str, Any] | None = None,
+        min_gap_ns: int = 1_000_000,
+        batch_size: int = 512,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise UserError(f"unknown OTLP protocol {protocol!r}; use grpc or http")
+        if batch_size < 1:
+            raise UserError("OTLP batch size must be at least 1")
+        self.protocol = protocol
+        self.endpoint, self.host, self.port, self.secure = parse_endpoint(endpoint, protocol)
+        self.report = report
+        self.min_gap_ns = min_gap_ns
+        self.batch_size = batch_size
+        self.timeout_s = timeout_s
+
+    def write(self, reader: CaptureReader) -> ExportResult:
+        report = self.report if self.report is not None else _analyze(reader, self.min_gap_ns)
+        header = reader.header
+        result = ExportResult(target=f"{self.protocol} {self.endpoint}")
+        reason = self._unreachable_reason()
+        if reason:
+            result.dropped = count_spans(report)
+            result.notes.append(reason)
+            raise OtlpUnreachable(
+                f"OTLP endpoint {self.endpoint} ({self.protocol}) unreachable: {reason}; "
+                f"{result.dropped} spans not delivered", result)
+        shipper = _BatchShipper(self._make_exporter(), self.batch_size, result)
+        with _quiet_exporter_logs() as errors:
+            record_spans(report, header, shipper)
+            shipper.flush()
+            shipper.exporter.shutdown()
+        if result.dropped:
+            detail = errors[-1] if errors else "the collector rejected or did not answer the request"
+            result.notes.append(f"{result.dropped} spans not delivered: {detail}")
+            if not result.items:
+                raise OtlpUnreachable(
+                    f"OTLP export to {self.endpoint} ({self.protocol}) failed: {detail}; "
+                    f"{result.dropped} spans not delivered", result)
+        return result
+
+    def _unreachable_reason(self) -> str:
+        """Why a TCP connection to the endpoint fails, or "" (checked first: a refused port answers fast)."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=min(self.timeout_s, 5.0)):
+                return ""
+        except OSError as e:
+            return e.strerror or str(e)
+
+    def _make_exporter(self) -> SpanExporter:
+        if self.protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+            return Grpc(endpoint=self.endpoint, insecure=not self.secure, timeout=self.timeout_s)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+        return Http(endpoint=self.endpoint, timeout=self.timeout_s)
+
+
+def parse_endpoint(endpoint: str, protocol: str) -> tuple[str, str, int, bool]:
+    """(endpoint as the OTLP exporter wants it, host, port, TLS?) from ``host:port`` or a URL."""
+    text = endpoint.strip()
+    if not text:
+        raise UserError("empty OTLP endpoint; give e.g. 127.0.0.1:4317 or http://collector:4318")
+    parts = urlsplit(text if "://" in text else f"http://{text}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"bad OTLP endpoint {endpoint!r}; give host:port or an http(s):// URL")
+    try:
+        port = parts.port or DEFAULT_PORTS[protocol]
+    except ValueError:
+        raise UserError(f"bad port in OTLP endpoint {endpoint!r}") from None
+    secure = parts.scheme == "https"
+    host = parts.hostname
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if protocol == "grpc":
+        return netloc, host, port, secure
+    path = parts.path.rstrip("/") or ""
+    if not path.endswith("/v1/traces"):
+        path += "/v1/traces"
+    return f"{parts.scheme}://{netloc}{path}", host, port, secure
+
+
+def _analyze(reader: CaptureReader, min_gap_ns: int) -> dict[str, Any]:
+    try:
+        from gputrace.analysis import analyze
+    except ImportError:
+        raise UserError("stall analysis is not available in this installation; cannot build OTLP spans") from None
+    report: dict[str, Any] = analyze(reader, min_gap_ns=min_gap_ns)
+    return report
+
+
+def count_spans(report: dict[str, Any]) -> int:
+    stalls = report.get("stalls", [])
+    return 1 + len(stalls) + sum(len(s.get("evidence", [])) for s in stalls)
+
+
+class _BatchShipper(SpanProcessor):
+    """Receives ended spans from the SDK and sends them in batches, counting what each batch fails to deliver."""
+
+    def __init__(self, exporter: SpanExporter, batch_size: int, result: ExportResult) -> None:
+        self.exporter = exporter
+        self.batch_size = batch_size
+        self.result = result
+        self._batch: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._batch.append(span)
+        if len(self._batch) >= self.batch_size:
+            self.flush()
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        try:
+            ok = self.exporter.export(batch) is SpanExportResult.SUCCESS
+        except Exception as e:  # noqa: BLE001 - a transport error is a failed batch, counted below
+            logging.getLogger(_EXPORTER_LOGGERS[0]).error("%s", e)
+            ok = False
+        if ok:
+            self.result.items += len(batch)
+        else:
+            self.result.dropped += len(batch)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self.flush()
+        return True
+
+
+def resource_for(report: dict[str, Any], header: dict[str, Any]) -> Resource:
+    cap = report.get("capture", {})
+    pids = [int(p) for p in cap.get("pids", [])]
+    attrs: dict[str, Any] = {
+        "service.name": "gputrace",
+        "service.version": str(header.get("tool_version", __version__)),
+        "host.name": str(cap.get("host") or header.get("host", "")),
+        "os.type": "linux",
+        "gputrace.capture.kernel": str(header.get("kernel", "")),
+        "gputrace.capture.boot_id": str(header.get("boot_id", "")),
+        "gputrace.capture.pids": pids,
+        "gputrace.capture.complete": bool(cap.get("complete", True)),
+        "gputrace.capture.drops": sum(int(v) for v in cap.get("drops", {}).values()),
+    }
+    if len(pids) == 1:
+        attrs["process.pid"] = pids[0]
+    return Resource.create(attrs)
+
+
+def record_spans(report: dict[str, Any], header: dict[str, Any], processor: SpanProcessor) -> None:
+    """Record the capture's spans; each ends into ``processor``."""
+    provider = TracerProvider(resource=resource_for(report, header), shutdown_on_exit=False)
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("gputrace", __version__)
+    offset = int(header["mono_to_realtime_ns"])
+    cap = report.get("capture", {})
+    start = int(cap.get("start_ns") or header.get("start_ns", 0))
+    end = int(cap.get("end_ns") or start)
+    simulated = {int(d["id"]): bool(d.get("simulated")) for d in report.get("devices", [])}
+    host = str(cap.get("host") or header.get("host", ""))
+    root = tracer.start_span("gputrace capture", start_time=clock.to_realtime_ns(start, offset),
+                             attributes=_capture_attrs(report, host))
+    ctx = trace.set_span_in_context(root)
+    for stall in report.get("stalls", []):
+        _stall_span(tracer, ctx, stall, offset, host, simulated)
+    root.end(end_time=clock.to_realtime_ns(max(end, start), offset))
+    provider.shutdown()
+
+
+def _capture_attrs(report: dict[str, Any], host: str) -> dict[str, Any]:
+    summary = report.get("summary", {})
+    attrs: dict[str, Any] = {
+        "gputrace.capture.host": host,
+        "gputrace.window_ns": int(summary.get("window_ns", 0)),
+        "gputrace.busy_ns": int(summary.get("busy_ns", 0)),
+        "gputrace.stall_ns": int(summary.get("stall_ns", 0)),
+        "gputrace.stalls": len(report.get("stalls", [])),
+    }
+    for cause, ns in summary.get("by_cause", {}).items():
+        attrs[f"gputrace.stall_ns.{cause}"] = int(ns)
+    return attrs
+
+
+def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: int, host: str,
+                simulated: dict[int, bool]) -> None:
+    device = int(stall.get("device", 0))
+    cause = str(stall.get("cause", "unknown"))
+    attrs: dict[str, Any] = {
+        "gpu.device": device,
+        "gputrace.cause": cause,
+        "gputrace.duration_ns": int(stall.get("duration_ns", 0)),
+        "gputrace.via": [str(v) for v in stall.get("via", [])],
+        "gputrace.capture.host": host,
+        "gputrace.simulated": simulated.get(device, False),
+    }
+    for key, value in stall.get("culprit", {}).items():
+        if isinstance(value, (str, bool, int, float)):
+            attrs[f"gputrace.culprit.{key}"] = value
+    span = tracer.start_span(f"gpu.stall {cause}", context=ctx, attributes=attrs,
+                             start_time=clock.to_realtime_ns(int(stall["start_ns"]), offset))
+    child_ctx = trace.set_span_in_context(span)
+    for ev in stall.get("evidence", []):
+        _evidence_span(tracer, child_ctx, ev, offset)
+    span.end(end_time=clock.to_realtime_ns(int(stall["end_ns"]), offset))
+
+
+def _evidence_span(tracer: trace.Tracer, ctx: Any, ev: dict[str, Any], offset: int) -> None:
+    kind = str(ev.get("kind", "evidence"))
+    what = str(ev.get("what", ""))
+    attrs = {"gputrace.evidence.kind": kind, "gputrace.evidence.what": what,
+             "process.pid": int(ev.get("pid", 0)), "thread.id": int(ev.get("tid", 0))}
+    start = int(ev.get("start_ns", 0))
+    span = tracer.start_span(f"{kind} {what}".strip(), context=ctx, attributes=attrs,
+                             start_time=clock.to_realtime_ns(start, offset))
+    span.end(end_time=clock.to_realtime_ns(max(int(ev.get("end_ns", start)), start), offset))
+
+
+class _ErrorList(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage().splitlines()[0][:300])
+
+
+@contextmanager
+def _quiet_exporter_logs() -> Iterator[Sequence[str]]:
+    """Collect the OTLP exporter's warnings (for one clear error) instead of letting them spill as log noise."""
+    handler = _ErrorList()
+    saved = []
+    for name in _EXPORTER_LOGGERS:
+        log = logging.getLogger(name)
+        saved.append((log, log.propagate))
+        log.addHandler(handler)
+        log.propagate = False
+    try:
+        yield handler.messages
+    finally:
+        for log, propagate in saved:
+            log.removeHandler(handler)
+            log.propagate = propagate

@@ -1,0 +1,387 @@
+"""Perfetto exporter: a capture → a .pftrace of TrackEvents on CLOCK_MONOTONIC, written as it streams.
+
+Track layout (see docs/perfetto.md):
+
+    process <comm>                      ProcessDescriptor
+      thread <comm>                     ThreadDescriptor; syscall slices
+        off-CPU                         off-CPU / runqueue slices; "woken by" child at the wakeup
+        CUDA API, NVTX                  host-side GPU calls and ranges
+    GPU <id>: <name> [(simulated)]
+      stream <n>                        kernels, copies, memsets
+      sync                              host waits on the device
+      stalls                            idle gaps named by cause (with a report)
+      <nvml metric>                     counters
+    block <dev>
+      lane 0, lane 1, ...               block requests, never overlapping within a lane
+    gputrace                            source states; drop counters
+
+Flows: launch → kernel/copy (correlation id), waker → wakee, stall evidence → stall.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gputrace.capture import CaptureReader
+from gputrace.records import (
+    AgentInfo,
+    BlockIO,
+    Collective,
+    CudaApi,
+    Drops,
+    GpuDevice,
+    GpuKernel,
+    GpuMemcpy,
+    GpuMemset,
+    GpuSync,
+    NvmlSample,
+    NvtxRange,
+    OffCpu,
+    ProcExec,
+    ProcExit,
+    ProcFork,
+    ProcInfo,
+    SourceStatus,
+    Syscall,
+    ThreadInfo,
+)
+
+from . import ExportResult
+from . import perfetto_proto as pp
+from .perfetto_args import activity_slice, size_text, stall_args
+from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
+from .perfetto_tracks import LaneSet, PacketSink, Tracks
+
+_CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
+# Known kinds with nothing to place on a timeline: fd paths are already on the syscalls, aggregates are in
+# the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
+_NOT_DRAWN = {"FdInfo", "SyscallAgg"}
+_UNITS = (("_pct", "%"), ("_mhz", "MHz"), ("_bytes", "B"), ("_mw", "mW"), ("_bps", "B/s"), ("_c", "C"))
+_COLLECTIVE_CAP = 10_000
+_NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
+
+
+class PerfettoExporter:
+    """Writes one Perfetto trace from a capture in a single streaming pass (bounded memory)."""
+
+    def __init__(self, out_path: str | os.PathLike[str], *, report: dict[str, Any] | None = None,
+                 pending_cap: int = 50_000) -> None:
+        self.out_path = Path(out_path)
+        self.report = report
+        self.pending_cap = pending_cap
+
+    def write(self, reader: CaptureReader) -> ExportResult:
+        tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
+        try:
+            with open(tmp, "wb", buffering=1 << 20) as f:
+                run = _Run(PacketSink(f), reader.header, self.report, self.pending_cap)
+                run.start()
+                for rec in reader.records():
+                    run.record(rec)
+                run.finish()
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.out_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return ExportResult(target=str(self.out_path), items=run.sink.count, notes=run.notes(reader))
+
+
+class _Run:
+    """The state of one export: tracks, lanes and pending flow ends — nothing per event."""
+
+    def __init__(self, sink: PacketSink, header: dict[str, Any], report: dict[str, Any] | None,
+                 pending_cap: int) -> None:
+        self.sink, self.put, self.header = sink, sink.put, header
+        self.tracks = Tracks(sink)
+        self.flows = FlowIds()
+        self.stall_links = StallLinks(report, self.flows)
+        self.launches = LaunchMatcher(self.flows, pending_cap)
+        self.report = report
+        self.lanes: dict[tuple[object, ...], LaneSet] = {}
+        self.devices: dict[int, tuple[str, bool]] = {}
+        self.collectives: dict[tuple[int, int], Collective] = {}
+        self.skipped: dict[str, int] = {}
+        self.not_drawn: dict[str, int] = {}
+        self.fixed = 0
+        self.handlers: dict[type, Any] = {
+            ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
+            ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
+            GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
+            GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
+            Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
+            SourceStatus: self.source_status, Drops: self.drops,
+        }
+
+    # -- frame ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        mono = int(self.header.get("start_ns", 0) or 0)
+        real = mono + int(self.header.get("mono_to_realtime_ns", 0) or 0)
+        boot = mono + int(self.header.get("mono_to_boottime_ns", 0) or 0)
+        self.put(pp.clock_snapshot(mono, real, boot))
+        self.put(pp.sequence_start())
+
+    def record(self, rec: tuple[Any, ...]) -> None:
+        handler = self.handlers.get(type(rec))
+        if handler is not None:
+            handler(rec)
+            return
+        kind = type(rec).__name__
+        bucket = self.not_drawn if kind in _NOT_DRAWN else self.skipped
+        bucket[kind] = bucket.get(kind, 0) + 1
+
+    def finish(self) -> None:
+        for rec, flow in self.launches.drain():
+            self._write_gpu(rec, flow)
+        self._write_stalls()
+
+    def notes(self, reader: CaptureReader) -> list[str]:
+        notes = []
+        if not reader.complete:
+            notes.append(f"capture incomplete: {reader.problem or 'records were lost'}; exported what was readable")
+        notes += [f"skipped {n} {kind} record(s): not known to the Perfetto exporter"
+                  for kind, n in sorted(self.skipped.items())]
+        if self.fixed:
+            notes.append(f"{self.fixed} record(s) ended before they began; drawn with zero duration")
+        if self.launches.unmatched:
+            notes.append(f"{self.launches.unmatched} launch/GPU record(s) without their other end: no flow")
+        if self.stall_links.malformed:
+            notes.append(f"{self.stall_links.malformed} malformed stall(s) in the report skipped")
+        if self.stall_links.unmatched:
+            notes.append(f"{self.stall_links.unmatched} stall evidence entr(ies) matched no slice: no flow")
+        return notes
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def slice(self, uuid: int, s: int, e: int, name: str, cat: bytes, args: dict[str, Any],
+              flows: list[int] | tuple[int, ...] = ()) -> None:
+        self.put(pp.track_event(pp.SLICE_BEGIN, s, uuid, name, category=cat, annots=pp.debug_args(args),
+                                flows=flows))
+        self.put(pp.track_event(pp.SLICE_END, e, uuid))
+
+    def span(self, s: int, e: int) -> tuple[int, int]:
+        s, e = pp.clamp_ts(s), pp.clamp_ts(e)
+        if e < s:
+            self.fixed += 1
+            e = s
+        return s, e
+
+    def laneset(self, key: tuple[object, ...], make: Any, nest: bool = False) -> LaneSet:
+        ls = self.lanes.get(key)
+        if ls is None:
+            ls = self.lanes[key] = LaneSet(make, nest)
+        return ls
+
+    def thread_lanes(self, pid: int, tid: int, what: str) -> LaneSet:
+        """Slices of one kind on a thread: lane 0 is the thread track itself (syscalls) or a named child."""
+        def make(n: int) -> int:
+            t = self.tracks.thread(pid, tid)
+            if what == "" and n == 0:
+                return t
+            label = what or "syscalls"
+            return self.tracks.track(("tc", pid, tid, what, n), label if n == 0 else f"{label} #{n + 1}", t)
+        return self.laneset(("tl", pid, tid, what), make, nest=what in _NESTING)
+
+    # -- processes ------------------------------------------------------------------------------------
+
+    def proc_info(self, r: ProcInfo) -> None:
+        self.tracks.note_process(r.pid, r.comm, list(r.cmdline or []))
+
+    def thread_info(self, r: ThreadInfo) -> None:
+        self.tracks.note_thread(r.pid, r.tid, r.comm)
+
+    def fork(self, r: ProcFork) -> None:
+        if r.is_thread:
+            self.tracks.note_thread(r.child_pid, r.child_tid, r.comm)
+            what = f"clone → tid {r.child_tid}"
+        else:
+            self.tracks.note_process(r.child_pid, r.comm)
+            what = f"fork → pid {r.child_pid}"
+        self.instant(self.tracks.thread(r.parent_pid, r.parent_tid), r.ts, what, _CAT["process"],
+                     {"child_pid": r.child_pid, "child_tid": r.child_tid})
+
+    def exec(self, r: ProcExec) -> None:
+        self.tracks.note_process(r.pid, r.comm)
+        self.tracks.note_thread(r.pid, r.tid, r.comm)  # exec renames the thread too (a launcher's fork)
+        self.instant(self.tracks.thread(r.pid, r.tid), r.ts, f"exec {r.filename}", _CAT["process"], {})
+
+    def exit(self, r: ProcExit) -> None:
+        self.instant(self.tracks.thread(r.pid, r.tid), r.ts, "exit", _CAT["process"], {})
+
+    def instant(self, uuid: int, ts: int, name: str, cat: bytes, args: dict[str, Any],
+                flows: list[int] | tuple[int, ...] = ()) -> None:
+        self.put(pp.track_event(pp.INSTANT, ts, uuid, name, category=cat, annots=pp.debug_args(args),
+                                flows=flows))
+
+    # -- kernel ---------------------------------------------------------------------------------------
+
+    def syscall(self, r: Syscall) -> None:
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "").place(s, e)
+        args: dict[str, Any] = {"obj": r.obj} if r.obj else {}
+        args.update(nbytes=r.nbytes, ret=r.ret, fd=r.fd, arg=r.arg)
+        flows = self.stall_links.take(evidence_key("syscall", r.pid, r.tid, r.start_ns))
+        self.slice(lane.uuid, s, e, r.name, _CAT["syscall"], args, flows)
+
+    def offcpu(self, r: OffCpu) -> None:
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "off-CPU").place(s, e)
+        name = "runqueue" if r.state == "R" else f"off-CPU ({r.state})"
+        args: dict[str, Any] = {"state": r.state}
+        if r.wake_ns and s <= r.wake_ns <= e:
+            args.update(waker_pid=r.waker_pid, waker_tid=r.waker_tid, waker_comm=r.waker_comm,
+                        wake_ns=r.wake_ns)
+        # tid 0 is every CPU's idle task: a wakeup from interrupt context has no thread to draw an arrow from.
+        woken = bool(r.wake_ns and s <= r.wake_ns <= e and r.waker_tid)
+        if woken:
+            flow = self.flows.new()
+            # The waker's side is written first: at equal timestamps, file order gives the arrow direction.
+            self.instant(self.waker_track(r), r.wake_ns, f"wake tid {r.tid}", _CAT["sched"],
+                         {"wakee_pid": r.pid, "wakee_tid": r.tid}, (flow,))
+        flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
+        self.put(pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, name, category=_CAT["sched"],
+                                annots=pp.debug_args(args), flows=flows))
+        if woken:
+            lane.add(r.wake_ns, e)
+            self.slice(lane.uuid, r.wake_ns, e, f"woken by {r.waker_comm or r.waker_tid}", _CAT["sched"],
+                       {"waker_pid": r.waker_pid, "waker_tid": r.waker_tid}, (flow,))
+        self.put(pp.track_event(pp.SLICE_END, e, lane.uuid))
+
+    def waker_track(self, r: OffCpu) -> int:
+        uuid = self.tracks.untraced_thread(r.waker_pid, r.waker_tid, r.waker_comm)
+        self.tracks.refresh_comm(r.waker_pid, r.waker_tid, r.waker_comm)
+        return uuid
+
+    def block(self, r: BlockIO) -> None:
+        s, e = self.span(r.issue_ns, r.complete_ns)
+        dev = r.dev or "?"
+        self.tracks.refresh_comm(r.pid, r.tid, r.comm)
+
+        def make(n: int) -> int:
+            parent = self.tracks.track(("blk", dev), f"block {dev}")
+            return self.tracks.track(("blk", dev, n), f"lane {n}", parent)
+
+        lane = self.laneset(("blk", dev), make).place(s, e)
+        args = {"pid": r.pid, "tid": r.tid, "comm": r.comm, "sector": r.sector, "bytes": r.nbytes,
+                "rwbs": r.rwbs, "latency_ns": e - s}
+        flows = self.stall_links.take(evidence_key("block", r.pid, r.tid, r.issue_ns))
+        self.slice(lane.uuid, s, e, f"{r.rwbs} {size_text(r.nbytes)}", _CAT["block"], args, flows)
+
+    # -- GPU ------------------------------------------------------------------------------------------
+
+    def device_track(self, dev: int) -> int:
+        return self.tracks.track(("gpu", dev), self.device_name(dev))
+
+    def device_name(self, dev: int) -> str:
+        name, simulated = self.devices.get(dev, ("", False))
+        label = f"GPU {dev}: {name}" if name else f"GPU {dev}"
+        return label + " (simulated)" if simulated else label
+
+    def gpu_device(self, r: GpuDevice) -> None:
+        old = self.devices.get(r.id)
+        simulated = bool(r.simulated) or bool(old and old[1])
+        self.devices[r.id] = (r.name or (old[0] if old else ""), simulated)
+        if self.devices[r.id] != old:
+            self.tracks.rename(("gpu", r.id), self.device_name(r.id))
+
+    def cuda_api(self, r: CudaApi) -> None:
+        for rec, flow in self.launches.api(r):
+            self._write_gpu(rec, flow)
+
+    def activity(self, r: Any) -> None:
+        for rec, flow in self.launches.activity(r):
+            self._write_gpu(rec, flow)
+
+    def _write_gpu(self, r: Any, flow: int) -> None:
+        flows: tuple[int, ...] = (flow,) if flow else ()
+        if isinstance(r, CudaApi):
+            s, e = self.span(r.start_ns, r.end_ns)
+            lane = self.thread_lanes(r.pid, r.tid, "CUDA API").place(s, e)
+            flows += tuple(self.stall_links.take(evidence_key("gpu", r.pid, 0, r.start_ns)))
+            self.slice(lane.uuid, s, e, r.name, _CAT["cuda"],
+                       {"correlation_id": r.correlation_id, "api": r.api, "result": r.result}, flows)
+            return
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.stream_lanes(r.device, r.pid, r.stream).place(s, e)
+        name, args = activity_slice(r, self.collectives.pop((r.pid, r.correlation_id), None))
+        flows = flows + tuple(self.stall_links.take(evidence_key("gpu", r.pid, 0, r.start_ns)))
+        self.slice(lane.uuid, s, e, name, _CAT["gpu"], args, flows)
+
+    def stream_lanes(self, dev: int, pid: int, stream: int) -> LaneSet:
+        def make(n: int) -> int:
+            parent = self.device_track(dev)
+            label = f"stream {stream}" + (f" #{n + 1}" if n else "")
+            return self.tracks.track(("stream", dev, pid, stream, n), label, parent, f"pid {pid}")
+        return self.laneset(("stream", dev, pid, stream), make)
+
+    def gpu_sync(self, r: GpuSync) -> None:
+        s, e = self.span(r.start_ns, r.end_ns)
+
+        def make(n: int) -> int:
+            return self.tracks.track(("sync", r.device, n), "sync" + (f" #{n + 1}" if n else ""),
+                                     self.device_track(r.device), "host waits for the device")
+
+        lane = self.laneset(("sync", r.device), make).place(s, e)
+        args = {"pid": r.pid, "tid": r.tid, "kind": r.kind, "stream": r.stream, "correlation_id": r.correlation_id}
+        self.slice(lane.uuid, s, e, f"sync {r.kind}", _CAT["gpu"], args)
+
+    def nvtx(self, r: NvtxRange) -> None:
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "NVTX").place(s, e)
+        self.slice(lane.uuid, s, e, r.name, _CAT["nvtx"], {"domain": r.domain} if r.domain else {})
+
+    def collective(self, r: Collective) -> None:
+        if len(self.collectives) >= _COLLECTIVE_CAP:
+            self.collectives.pop(next(iter(self.collectives)))
+        self.collectives[(r.pid, r.correlation_id)] = r
+
+    def nvml(self, r: NvmlSample) -> None:
+        unit = next((u for suffix, u in _UNITS if r.metric.endswith(suffix)), "")
+        uuid = self.tracks.counter(("nvml", r.device, r.metric), r.metric, self.device_track(r.device), unit)
+        self.put(pp.counter_event(r.ts, uuid, r.value))
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+
+    def agent(self, r: AgentInfo) -> None:
+        args = {"interpreter": r.interpreter, "cuda": r.cuda_version, "driver": r.driver_version}
+        self.instant(self.tracks.thread(r.pid, r.tid), r.ts, f"GPU agent ({r.source})", _CAT["cuda"], args)
+
+    def meta_track(self) -> int:
+        return self.tracks.track(("meta",), "gputrace", description="capture sources and their losses")
+
+    def source_status(self, r: SourceStatus) -> None:
+        self.instant(self.meta_track(), r.ts, f"{r.source}: {r.status}", _CAT["process"], {"detail": r.detail})
+
+    def drops(self, r: Drops) -> None:
+        uuid = self.tracks.counter(("drops", r.source, r.what), f"drops {r.source}.{r.what}", self.meta_track(), "")
+        self.put(pp.counter_event(r.ts, uuid, r.count))
+
+    # -- stalls (from the report) ---------------------------------------------------------------------
+
+    def _write_stalls(self) -> None:
+        for dev in (self.report or {}).get("devices", []) or []:
+            if isinstance(dev, dict) and isinstance(dev.get("id"), int) and dev["id"] not in self.devices:
+                self.devices[dev["id"]] = (str(dev.get("name", "")), bool(dev.get("simulated")))
+        for i, stall in enumerate(self.stall_links.stalls):
+            self._write_stall(stall, self.stall_links.flows_of(i))
+
+    def _write_stall(self, st: dict[str, Any], flows: list[int]) -> None:
+        dev = st.get("device", 0) if isinstance(st.get("device", 0), int) else 0
+        s, e = self.span(int(st["start_ns"]), int(st["end_ns"]))
+
+        def make(n: int) -> int:
+            return self.tracks.track(("stalls", dev, n), "stalls" + (f" #{n + 1}" if n else ""),
+                                     self.device_track(dev), "GPU idle gaps and what they waited on")
+
+        lane = self.laneset(("stalls", dev), make).place(s, e)
+        cause = str(st.get("cause", "unknown"))
+        args = stall_args(st, e - s)
+        self.put(pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, cause, category=_CAT["stall"],
+                                annots=pp.debug_args(args)))
+        # Arrows point at the moment the GPU resumed: evidence may begin after the stall did.
+        self.instant(lane.uuid, e, "resume", _CAT["stall"], {"cause": cause}, flows)
+        self.put(pp.track_event(pp.SLICE_END, e, lane.uuid))

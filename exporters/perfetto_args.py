@@ -1,0 +1,57 @@
+"""What the Perfetto exporter calls its slices and which debug annotations they carry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.records import Collective, GpuKernel, GpuMemcpy
+
+_DIRECTION = {"h2d": "HtoD", "d2h": "DtoH", "d2d": "DtoD", "h2h": "HtoH", "p2p": "PtoP"}
+
+
+def activity_slice(r: Any, coll: Collective | None) -> tuple[str, dict[str, Any]]:
+    """Name and annotations of a kernel, copy or memset (a kernel of a collective says which)."""
+    args: dict[str, Any] = {"correlation_id": r.correlation_id, "pid": r.pid, "context": r.context}
+    if isinstance(r, GpuKernel):
+        args.update(grid=_dims(r.grid), block=_dims(r.block))
+        name = r.name
+        if coll is not None:
+            args.update(collective=coll.name, seq=coll.seq, rank=coll.rank, world=coll.world, bytes=coll.nbytes)
+        return name, args
+    if isinstance(r, GpuMemcpy):
+        args.update(bytes=r.nbytes, direction=r.kind, memory=r.memory)
+        return f"Memcpy {_DIRECTION.get(r.kind, r.kind)}", args
+    args.update(bytes=r.nbytes)
+    return "Memset", args
+
+
+def _dims(v: Any) -> str:
+    try:
+        return "x".join(str(int(x)) for x in v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def stall_args(st: dict[str, Any], dur: int) -> dict[str, Any]:
+    """A report stall's culprit, object, bytes and hops, flattened to annotations."""
+    args: dict[str, Any] = {"duration_ns": dur}
+    raw = st.get("culprit")
+    culprit: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    for k, name in (("comm", "culprit_comm"), ("pid", "culprit_pid"), ("tid", "culprit_tid"), ("op", "op"),
+                    ("object", "object"), ("bytes", "bytes"), ("duration_ns", "culprit_duration_ns")):
+        v = culprit.get(k)
+        if v not in (None, "", 0):
+            args[name] = v if isinstance(v, int | str | float) else str(v)
+    via = st.get("via") or []
+    if via:
+        args["via"] = " → ".join(str(v) for v in via)
+    args["evidence"] = len(st.get("evidence") or [])
+    return args
+
+
+def size_text(n: int) -> str:
+    """4096 -> "4 KiB": block request names stay short."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"

@@ -1,0 +1,166 @@
+"""Flows for the Perfetto exporter: launch → GPU work, and stall evidence → stall.
+
+A flow id is written only when both of its ends are known, so no arrow dangles. Launches and their GPU
+work can arrive in either order; the first end waits in a bounded buffer for the other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from gputrace.records import CudaApi
+
+# API calls that enqueue device work with the correlation id of that work.
+_LAUNCHES = re.compile(r"launch|memcpy|memset", re.IGNORECASE)
+
+Key = tuple[int, int]
+_DONE_CAP = 8192  # matched launches remembered, for the further kernels of a graph launch
+
+
+class FlowIds:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def new(self) -> int:
+        self._next += 1
+        return self._next
+
+    @property
+    def count(self) -> int:
+        return self._next
+
+
+def is_launch(api: CudaApi) -> bool:
+    return api.correlation_id != 0 and bool(_LAUNCHES.search(api.name))
+
+
+class LaunchMatcher:
+    """Pairs CudaApi launches with the kernels/copies/memsets that carry the same (pid, correlation id).
+
+    ``api()`` and ``activity()`` yield ``(record, flow_id)`` pairs ready to write (flow_id 0: no flow).
+    At most ``cap`` records wait on each side; beyond that the oldest is written without a flow and
+    counted in ``unmatched``.
+    """
+
+    def __init__(self, flows: FlowIds, cap: int = 50_000) -> None:
+        self._flows = flows
+        self._cap = cap
+        self._api: OrderedDict[Key, CudaApi] = OrderedDict()
+        self._act: OrderedDict[Key, tuple[Any, ...]] = OrderedDict()
+        self._done: OrderedDict[Key, None] = OrderedDict()  # matched launches (graphs launch many kernels)
+        self.matched = 0
+        self.unmatched = 0
+
+    def api(self, rec: CudaApi) -> Iterator[tuple[tuple[Any, ...], int]]:
+        key = (rec.pid, rec.correlation_id)
+        act = self._act.pop(key, None)
+        if act is not None:
+            yield from self._pair(key, rec, act)
+        elif is_launch(rec) and key not in self._done:
+            self._api[key] = rec
+            yield from self._evict(self._api)
+        else:
+            yield rec, 0
+
+    def activity(self, rec: Any) -> Iterator[tuple[tuple[Any, ...], int]]:
+        key = (rec.pid, rec.correlation_id)
+        api = self._api.pop(key, None)
+        if api is not None:
+            yield from self._pair(key, api, rec)
+        elif rec.correlation_id == 0 or key in self._done or key in self._act:
+            yield rec, 0
+        else:
+            self._act[key] = rec
+            yield from self._evict(self._act)
+
+    def drain(self) -> Iterator[tuple[tuple[Any, ...], int]]:
+        """Everything still waiting, without flows (its other end never came)."""
+        for pending in (self._api, self._act):
+            self.unmatched += len(pending)
+            for rec in pending.values():
+                yield rec, 0
+            pending.clear()
+
+    def _pair(self, key: Key, api: CudaApi, act: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], int]]:
+        flow = self._flows.new()
+        self.matched += 1
+        self._done[key] = None
+        if len(self._done) > _DONE_CAP:
+            self._done.popitem(last=False)
+        yield api, flow
+        yield act, flow
+
+    def _evict(self, pending: OrderedDict[Key, Any]) -> Iterator[tuple[tuple[Any, ...], int]]:
+        while len(pending) > self._cap:
+            self.unmatched += 1
+            yield pending.popitem(last=False)[1], 0
+
+
+EVIDENCE_KINDS = {"syscall": "syscall", "block": "block", "offcpu": "offcpu", "wakeup": "offcpu", "gpu": "gpu"}
+
+
+def evidence_key(kind: str, pid: int, tid: int, start_ns: int) -> tuple[str, int, int, int]:
+    """The key under which a slice the exporter writes can be found from a report's evidence entry."""
+    return (kind, pid, 0 if kind == "gpu" else tid, start_ns)
+
+
+class StallLinks:
+    """Flow ids from report evidence to stalls, assigned before the pass so evidence slices can carry them.
+
+    A stall gets a flow from an evidence slice only if that slice was actually written (``take``).
+    """
+
+    def __init__(self, report: dict[str, Any] | None, flows: FlowIds) -> None:
+        self.stalls: list[dict[str, Any]] = []
+        self._by_key: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+        self._stall_flows: list[list[int]] = []
+        self.malformed = 0
+        for stall in (report or {}).get("stalls", []) or []:
+            self._add_stall(stall, flows)
+
+    def _add_stall(self, stall: Any, flows: FlowIds) -> None:
+        try:
+            start, end = int(stall["start_ns"]), int(stall["end_ns"])
+        except (TypeError, KeyError, ValueError):
+            self.malformed += 1
+            return
+        index = len(self.stalls)
+        self.stalls.append(stall)
+        self._stall_flows.append([])
+        seen: set[tuple[str, int, int, int]] = set()
+        for ev in stall.get("evidence", []) or []:
+            key = _evidence_entry_key(ev)
+            # An arrow runs forward in time: evidence that began after the stall ended cannot point at it.
+            if key is None or key in seen or not (key[3] <= end and start <= end):
+                continue
+            seen.add(key)
+            self._by_key.setdefault(key, []).append((flows.new(), index))
+
+    def take(self, key: tuple[str, int, int, int]) -> list[int]:
+        """Flow ids for a slice being written under ``key``; each evidence entry is used once."""
+        links = self._by_key.pop(key, None)
+        if not links:
+            return []
+        for flow, index in links:
+            self._stall_flows[index].append(flow)
+        return [flow for flow, _ in links]
+
+    def flows_of(self, index: int) -> list[int]:
+        return self._stall_flows[index]
+
+    @property
+    def unmatched(self) -> int:
+        return sum(len(v) for v in self._by_key.values())
+
+
+def _evidence_entry_key(ev: Any) -> tuple[str, int, int, int] | None:
+    try:
+        kind = EVIDENCE_KINDS.get(str(ev["kind"]))
+        if kind is None:
+            return None
+        return evidence_key(kind, int(ev["pid"]), int(ev.get("tid", 0)), int(ev["start_ns"]))
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None

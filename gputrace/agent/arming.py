@@ -1,0 +1,212 @@
+"""How a process gets an agent: at startup from the environment, dormant until offered, or injected.
+
+``arm()`` is what boot/sitecustomize.py calls. With GPUTRACE_AGENT_SOCK set (``gputrace capture -- CMD``)
+the agent connects at once, from its own thread. With GPUTRACE_AGENT=1 (a service armed by ``gputrace
+env``) a daemon thread stat()s ``<attach dir>/<pid>.sock`` once a second and connects when a session
+offers it. Forked children get their own connection (the parent's socket speaks for the parent's pid).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from gputrace.agent import wire
+from gputrace.agent.backend import GpuBackend
+from gputrace.agent.runtime import Agent
+
+log = logging.getLogger("gputrace.agent")
+
+WATCH_PERIOD_S = 1.0
+
+_agent: Agent | None = None
+_mode = ""  # "socket", "armed" or "attached"
+_hooks_installed = False
+
+
+def current() -> Agent | None:
+    """This process's agent, or None when it was never armed (then nothing is ever sent)."""
+    return _agent
+
+
+def register_backend(backend: GpuBackend) -> bool:
+    """Give a backend to this process's agent; False when there is none (the backend stays silent)."""
+    if _agent is None:
+        return False
+    _agent.add_backend(backend)
+    return True
+
+
+def arm(environ: Mapping[str, str] | None = None) -> Agent | None:
+    """Arm this process from its environment; does nothing when neither variable is set."""
+    env = os.environ if environ is None else environ
+    sock = env.get(wire.ENV_SOCKET, "")
+    if sock:
+        return _install("socket", sock)
+    if env.get(wire.ENV_ARMED, "") not in ("", "0"):
+        return _install("armed", "")
+    return None
+
+
+def attach(sock_path: str) -> Agent:
+    """Connect to a session now (what an injected process runs)."""
+    agent = _agent
+    if agent is not None and agent.connected:
+        return agent
+    return _install("attached", sock_path)  # type: ignore[return-value]
+
+
+def attach_dir(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get(wire.ENV_ATTACH_DIR) or wire.DEFAULT_ATTACH_DIR
+
+
+def _install(mode: str, sock: str) -> Agent | None:
+    global _agent, _mode
+    if _agent is not None:
+        return _agent
+    _agent, _mode = Agent(sock, eager=mode == "socket"), mode
+    _agent.discover = discover_cupti
+    _install_hooks()
+    _begin()
+    return _agent
+
+
+def _begin() -> None:
+    assert _agent is not None
+    if _mode == "armed":
+        threading.Thread(target=_watch, args=(_agent,), name="gputrace-agent-watch", daemon=True).start()
+    else:
+        _agent.connect()
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        _hooks_installed = True
+        atexit.register(_at_exit)
+        os.register_at_fork(after_in_child=_after_fork_child)
+
+
+def _at_exit() -> None:
+    if _agent is not None:
+        _agent.close()
+
+
+# --------------------------------------------------------------------------------- dormant mode ---
+def _watch(agent: Agent) -> None:
+    """Near-zero cost until offered: one stat() a second. Reconnects only to a new offer (new inode)."""
+    path = os.path.join(attach_dir(), f"{os.getpid()}.sock")
+    last: tuple[int, int] | None = None
+    while not agent._closing.wait(WATCH_PERIOD_S):
+        ident = _trusted_offer(path)
+        if ident is None or ident == last:
+            continue
+        last = ident
+        agent.sock_path = path
+        agent.serve(retry_s=0.0)
+
+
+def _trusted_offer(path: str) -> tuple[int, int] | None:
+    """(dev, ino) of an offer made by root or by our own user; anything else is ignored."""
+    try:
+        link = os.lstat(path)
+        target = os.stat(path)
+    except OSError:
+        return None
+    owners = (0, os.getuid())
+    if link.st_uid not in owners or os.stat(os.path.dirname(path)).st_uid not in owners:
+        return None
+    return (target.st_dev, target.st_ino)
+
+
+# ----------------------------------------------------------------------------------------- fork ---
+def _after_fork_child() -> None:
+    """A forked child (a DataLoader worker) speaks for itself: a fresh connection or watcher."""
+    if _agent is None:
+        return
+    was_connected = _agent.connected
+    _agent.reset_after_fork()
+    if _mode == "armed":
+        _begin()
+    elif was_connected:
+        _agent.connect()
+        _say_bye_in_multiprocessing_children()
+
+
+def _say_bye_in_multiprocessing_children() -> None:
+    """multiprocessing ends forked children with os._exit, skipping atexit; its own finalizers still run."""
+    util: Any = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return
+    with contextlib.suppress(Exception):
+        # Registered to run after multiprocessing clears the parent's finalizers in the child.
+        util.register_after_fork(_agent, lambda _a: util.Finalize(None, _at_exit, exitpriority=-100))
+
+
+# -------------------------------------------------------------------------------------- backends ---
+def discover_cupti(agent: Agent) -> None:
+    """Start CUPTI when it can work here; otherwise note why once (hello and debug log) and stay out."""
+    try:
+        from gputrace.probes.cupti import CuptiBackend
+
+        ok: Any = CuptiBackend.available()
+    except Exception as e:  # noqa: BLE001 - ImportError, missing libraries, anything: not our target's problem
+        agent.unavailable["cupti"] = f"{type(e).__name__}: {e}"
+        log.debug("gputrace agent: CUPTI unavailable: %s", agent.unavailable["cupti"])
+        return
+    reason = ""
+    if isinstance(ok, tuple):
+        ok, reason = bool(ok[0]), str(ok[1]) if len(ok) > 1 else ""
+    if not ok:
+        agent.unavailable["cupti"] = reason or str(getattr(CuptiBackend, "unavailable_reason", "")) or "unavailable"
+        log.debug("gputrace agent: CUPTI unavailable: %s", agent.unavailable["cupti"])
+        return
+    try:
+        agent.add_backend(CuptiBackend())
+    except Exception as e:  # noqa: BLE001
+        agent.unavailable["cupti"] = f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------------------- what arms a process ---
+def boot_dir() -> str:
+    """The directory holding our sitecustomize.py, which PYTHONPATH must name first."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
+
+
+def environment(sock_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that arm a process: connect to ``sock_path`` at startup, or (None) stay dormant.
+
+    PYTHONPATH keeps whatever ``base`` had, after the boot directory; GPUTRACE_HOME lets an interpreter
+    without gputrace installed still load the agent.
+    """
+    env = os.environ if base is None else base
+    boot = boot_dir()
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
+    out = {
+        "PYTHONPATH": os.pathsep.join([boot, *old]),
+        wire.ENV_HOME: os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    }
+    if sock_path:
+        out[wire.ENV_SOCKET] = sock_path
+    else:
+        out[wire.ENV_ARMED] = "1"
+    nvtx = _nvtx_injection_path()
+    if nvtx:
+        out["NVTX_INJECTION64_PATH"] = nvtx
+    return out
+
+
+def _nvtx_injection_path() -> str:
+    try:
+        from gputrace.probes.cupti import nvtx_injection_path
+
+        return str(nvtx_injection_path() or "")
+    except Exception:  # noqa: BLE001 - no CUPTI here: NVTX ranges simply are not collected
+        return ""

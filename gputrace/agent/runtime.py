@@ -1,0 +1,349 @@
+"""The agent inside a traced process: one connection to a session, a bounded record queue, one I/O thread.
+
+Backends (CUPTI, the simulated device) hand records to ``Agent.submit`` from any thread; it never blocks
+and counts what does not fit. The I/O thread sends hello, starts the backends when the session says
+``start``, ships batches every ``flush_s`` and says bye on ``stop`` or at exit. Nothing here may change
+what the target does: no output, no exceptions into its threads, no waits longer than the exit budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gputrace.agent import wire
+from gputrace.agent.backend import GpuBackend
+
+log = logging.getLogger("gputrace.agent")
+
+QUEUE_MAX_RECORDS = 65536
+FLUSH_S = 0.1
+ROWS_PER_FRAME = 512
+SEND_TIMEOUT_S = 5.0
+EXIT_BUDGET_S = 2.0
+
+
+class RecordQueue:
+    """Bounded, lock-protected list of records; overflow is counted, never waited on."""
+
+    def __init__(self, limit: int = QUEUE_MAX_RECORDS) -> None:
+        self.limit = limit
+        self.dropped = 0
+        self._items: list[tuple[Any, ...]] = []
+        self._lock = threading.Lock()
+
+    def put(self, records: Sequence[tuple[Any, ...]]) -> None:
+        with self._lock:
+            room = self.limit - len(self._items)
+            if room >= len(records):
+                self._items.extend(records)
+            else:
+                self._items.extend(records[: max(room, 0)])
+                self.dropped += len(records) - max(room, 0)
+
+    def take(self) -> list[tuple[Any, ...]]:
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+    def reset_after_fork(self) -> None:
+        """The parent's pending records are the parent's to send."""
+        self._lock = threading.Lock()
+        self._items = []
+
+
+def group_rows(records: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
+    """[[kind, rows], ...] in the order kinds first appear."""
+    by_kind: dict[str, list[tuple[Any, ...]]] = {}
+    for r in records:
+        by_kind.setdefault(type(r).__name__, []).append(r)
+    return [[k, rows] for k, rows in by_kind.items()]
+
+
+class Agent:
+    """One process's agent, talking to the session listening at ``sock_path``."""
+
+    def __init__(self, sock_path: str, *, eager: bool = False, flush_s: float = FLUSH_S) -> None:
+        self.sock_path = sock_path
+        # Eager: the session launched us and wants everything from the first launch on, so backends
+        # record into the queue before the session's start arrives. Otherwise they wait for start.
+        self.eager = eager
+        self.flush_s = flush_s
+        self.discover: Callable[[Agent], None] | None = None  # finds backends off the target's threads
+        self.queue = RecordQueue()
+        self.backends: list[GpuBackend] = []
+        self.unavailable: dict[str, str] = {}
+        self.started = eager
+        self._running: set[int] = set()
+        self._hello_sent = False
+        self.lost = 0  # records that could not be sent (session gone mid-batch, oversized rows)
+        self._sock: socket.socket | None = None
+        self._closing = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    # ------------------------------------------------------------------------------ backends ---
+    def submit(self, records: Sequence[tuple[Any, ...]]) -> None:
+        """The emit callback given to backends: any thread, never blocks."""
+        if records:
+            self.queue.put(records)
+
+    def add_backend(self, backend: GpuBackend) -> None:
+        """Add a backend; started at once when a session already said start."""
+        with self._lock:
+            if any(b is backend for b in self.backends):
+                return
+            self.backends.append(backend)
+            if self.started:
+                # A backend that arrives after hello is announced in-band; before, hello names it.
+                self._start_backend(backend, announce=self._hello_sent)
+
+    def _start_backend(self, backend: GpuBackend, *, announce: bool) -> None:
+        if id(backend) in self._running:
+            return
+        self._running.add(id(backend))
+        try:
+            backend.start(self.submit)
+        except Exception as e:  # noqa: BLE001 - a broken backend must not break the target
+            self.unavailable[backend.name] = f"start failed: {e}"
+            log.debug("gputrace agent: backend %s failed to start: %s", backend.name, e)
+            return
+        if announce:
+            self.submit([agent_info(backend.name, backend_info(backend))])
+
+    def _start_backends(self) -> None:
+        with self._lock:
+            self.started = True
+            for b in self.backends:
+                self._start_backend(b, announce=False)
+
+    def _stop_backends(self) -> None:
+        with self._lock:
+            self.started = False
+            backends = [b for b in self.backends if id(b) in self._running]
+            self._running.clear()
+        for b in backends:
+            try:
+                b.stop()  # forced flush into the queue
+            except Exception as e:  # noqa: BLE001
+                log.debug("gputrace agent: stopping %s: %s", b.name, e)
+
+    def drop_counts(self) -> dict[str, int]:
+        counts = {"queue": self.queue.dropped, "send": self.lost}
+        for b in self.backends:
+            with contextlib.suppress(Exception):
+                counts.update({str(k): int(v) for k, v in b.drops().items()})
+        return counts
+
+    # ---------------------------------------------------------------------------- connection ---
+    def connect(self, retry_s: float = 5.0) -> None:
+        """Start the I/O thread; it connects (retrying while the session's socket appears)."""
+        self._thread = threading.Thread(target=self.serve, args=(retry_s,), name="gputrace-agent", daemon=True)
+        self._thread.start()
+
+    def close(self, budget_s: float = EXIT_BUDGET_S) -> None:
+        """Flush, say bye and disconnect, waiting at most ``budget_s`` (called at exit)."""
+        self._closing.set()
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(budget_s)
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def serve(self, retry_s: float = 5.0) -> None:
+        """One session, start to bye, on the calling thread."""
+        self._thread = threading.current_thread()
+        self._done.clear()
+        try:
+            if self.discover is not None:
+                discover, self.discover = self.discover, None
+                discover(self)
+            sock = self._dial(retry_s)
+            if sock is None:
+                return
+            self._sock = sock
+            with self._lock:
+                greeting, self._hello_sent = hello(self), True
+            self._send(greeting)
+            self._loop(sock)
+        except Exception as e:  # noqa: BLE001 - the session went away or broke the protocol
+            log.debug("gputrace agent: session connection ended: %s", e)
+        finally:
+            self._hang_up()
+
+    def _dial(self, retry_s: float) -> socket.socket | None:
+        # Keeps trying even while closing: an exit right after startup still delivers what it recorded.
+        deadline = time.monotonic() + retry_s
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                s.connect(self.sock_path)
+                s.settimeout(SEND_TIMEOUT_S)
+                return s
+            except OSError as e:
+                s.close()
+                if time.monotonic() >= deadline:
+                    log.debug("gputrace agent: cannot reach session at %s: %s", self.sock_path, e)
+                    return None
+                time.sleep(0.05)
+
+    def _loop(self, sock: socket.socket) -> None:
+        frames = wire.FrameBuffer()
+        next_flush = time.monotonic() + self.flush_s
+        while not self._closing.is_set():
+            timeout = max(0.0, next_flush - time.monotonic())
+            watched: list[Any] = [sock, self._wake_r]
+            readable, _, _ = select.select(watched, [], [], timeout)
+            if self._wake_r in readable:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+            if sock in readable:
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("session closed the connection")
+                for body in frames.feed(data):
+                    if self._handle(wire.decode_body(body)):
+                        return
+            if time.monotonic() >= next_flush:
+                self._flush()
+                next_flush = time.monotonic() + self.flush_s
+        self._finish()
+
+    def _handle(self, msg: dict[str, Any]) -> bool:
+        """React to a session message; True when this session is over."""
+        if msg["type"] == "start":
+            flush_ms = msg.get("flush_ms")
+            if isinstance(flush_ms, int) and 10 <= flush_ms <= 10_000:
+                self.flush_s = flush_ms / 1000
+            self._start_backends()
+        elif msg["type"] == "stop":
+            self._finish()
+            return True
+        return False
+
+    def _finish(self) -> None:
+        self._stop_backends()
+        self._flush()
+        self._send({"type": "drops", "counts": self.drop_counts()})
+        self._send({"type": "bye"})
+
+    def _flush(self) -> None:
+        records = self.queue.take()
+        for i in range(0, len(records), ROWS_PER_FRAME):
+            self._send_rows(records[i : i + ROWS_PER_FRAME])
+
+    def _send_rows(self, records: Sequence[tuple[Any, ...]]) -> None:
+        try:
+            frame = wire.encode({"type": "batch", "records": group_rows(records)})
+        except wire.FrameError:
+            if len(records) == 1:
+                self.lost += 1
+                return
+            half = len(records) // 2
+            self._send_rows(records[:half])
+            self._send_rows(records[half:])
+            return
+        self._send_frame(frame, len(records))
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._send_frame(wire.encode(msg), 0)
+
+    def _send_frame(self, frame: bytes, nrecords: int) -> None:
+        if self._sock is None:
+            self.lost += nrecords
+            return
+        try:
+            self._sock.sendall(frame)
+        except OSError:
+            self.lost += nrecords
+            raise
+
+    def _hang_up(self) -> None:
+        if self.started:
+            self._stop_backends()
+        self.lost += len(self.queue.take())
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        self._hello_sent = False
+        self._done.set()
+
+    # ------------------------------------------------------------------------------------ fork ---
+    def reset_after_fork(self) -> None:
+        """In a forked child: the connection and threads are the parent's; keep only the backends."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()  # only this process's reference: the parent's connection lives on
+            self._sock = None
+        self._lock = threading.Lock()
+        self.queue.reset_after_fork()
+        self.lost = 0
+        self._thread = None
+        self._closing = threading.Event()
+        self._done = threading.Event()
+        self.started = self.eager
+        self._hello_sent = False
+        self._running = set()
+        if self.eager:
+            # Only backends that declare it may run again in a forked child (CUDA itself may not).
+            for b in self.backends:
+                if getattr(b, "fork_safe", False):
+                    self._start_backend(b, announce=False)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+
+# ------------------------------------------------------------------------------------- messages ---
+def backend_info(backend: GpuBackend) -> dict[str, str]:
+    try:
+        return {str(k): str(v) for k, v in backend.info().items()}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def interpreter() -> str:
+    return f"{sys.implementation.name} {sys.version.split()[0]} {sys.executable}"
+
+
+def hello(agent: Agent) -> dict[str, Any]:
+    infos = [backend_info(b) for b in agent.backends]
+    first = lambda key: next((i[key] for i in infos if i.get(key)), "")  # noqa: E731
+    return {
+        "type": "hello",
+        "protocol": wire.PROTOCOL,
+        "pid": os.getpid(),
+        "tid": threading.main_thread().native_id or threading.get_native_id(),
+        "interpreter": interpreter(),
+        "cuda_version": first("cuda_version"),
+        "driver_version": first("driver_version"),
+        "backends": [b.name for b in agent.backends],
+        "unavailable": dict(agent.unavailable),
+    }
+
+
+def agent_info(source: str, info: dict[str, str]) -> tuple[Any, ...]:
+    from gputrace.records import AgentInfo
+
+    return AgentInfo(
+        time.clock_gettime_ns(time.CLOCK_MONOTONIC), os.getpid(), threading.get_native_id(), interpreter(),
+        info.get("cuda_version", ""), info.get("driver_version", ""), source,
+    )

@@ -1,0 +1,95 @@
+"""The agent channel's wire format, shared by the session (daemon/agents.py) and the agent runtime.
+
+A unix stream socket carrying frames: a 4-byte big-endian length, then one msgpack map with a "type" key.
+
+    agent -> session   hello  {pid, tid, interpreter, cuda_version, driver_version, backends, unavailable}
+                       batch  {records: [[kind, [row, ...]], ...]}   rows positional, as gputrace.records
+                       drops  {counts: {where: cumulative n}}
+                       bye    {}
+    session -> agent   start  {flush_ms}
+                       stop   {}
+
+This module imports only the standard library; msgpack is imported on first use so that arming a
+process costs nothing until a session actually exists, and an interpreter without msgpack gets
+gputrace.agent.minipack instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable
+from typing import Any
+
+MAX_FRAME_BYTES = 4 << 20
+HEADER = struct.Struct(">I")
+PROTOCOL = 1
+
+# Environment that arms a process (read by boot/sitecustomize.py and gputrace.agent.runtime).
+ENV_SOCKET = "GPUTRACE_AGENT_SOCK"  # connect to this session socket at startup (capture -- CMD)
+ENV_ARMED = "GPUTRACE_AGENT"  # "1": stay dormant, attach when a session offers a socket
+ENV_ATTACH_DIR = "GPUTRACE_ATTACH_DIR"  # where offers appear (default below); tests point it elsewhere
+ENV_HOME = "GPUTRACE_HOME"  # directory holding the gputrace package, for interpreters that lack it
+DEFAULT_ATTACH_DIR = "/run/gputrace/attach"
+
+
+class FrameError(Exception):
+    """A peer broke the protocol; the message is the reason it gets cut off."""
+
+
+@functools.cache
+def _codec() -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+    """msgpack when the interpreter has it; else our own (a target's environment is not ours to extend)."""
+    try:
+        import msgpack
+    except ImportError:
+        from gputrace.agent import minipack
+
+        return minipack.packb, minipack.unpackb
+    return (
+        lambda obj: msgpack.packb(obj, use_bin_type=True),
+        lambda body: msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True),
+    )
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = _codec()[0](msg)
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """One frame's body as a message map; anything else is a protocol error."""
+    try:
+        msg = _codec()[1](body)
+    except Exception as e:  # decoders raise many types on garbage
+        raise FrameError(f"undecodable frame ({type(e).__name__})") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise FrameError("frame is not a message map with a type")
+    return msg
+
+
+class FrameBuffer:
+    """Splits a byte stream into frame bodies; refuses oversized frames before buffering them."""
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        while len(self._buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self._buf)
+            if n > self._max:
+                raise FrameError(f"oversized frame ({n} bytes, limit {self._max})")
+            if len(self._buf) < HEADER.size + n:
+                break
+            out.append(bytes(self._buf[HEADER.size : HEADER.size + n]))
+            del self._buf[: HEADER.size + n]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)

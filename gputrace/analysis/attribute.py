@@ -1,0 +1,123 @@
+"""From a stall to its cause (DESIGN §5): the op that ended it, its launch, then the launching thread's time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.analysis.explain import Explainer, Part, empty_culprit
+from gputrace.analysis.load import Capture, GpuOp
+from gputrace.analysis.timeline import CollectiveWait, Stall
+from gputrace.records import CudaApi
+
+MAX_BREAKDOWN = 5
+
+
+def gpu_evidence(op: GpuOp, launch: CudaApi | None) -> dict[str, Any]:
+    name = getattr(op, "name", "") or type(op).__name__.removeprefix("Gpu").lower()
+    return {"pid": op.pid, "tid": launch.tid if launch else 0, "kind": "gpu", "what": name,
+            "start_ns": op.start_ns, "end_ns": op.end_ns}
+
+
+def launch_evidence(api: CudaApi) -> dict[str, Any]:
+    return {"pid": api.pid, "tid": api.tid, "kind": "gpu", "what": f"launch {api.name}", "start_ns": api.start_ns,
+            "end_ns": api.end_ns}
+
+
+class Attributor:
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        self.explainer = Explainer(cap)
+
+    def stall(self, st: Stall) -> dict[str, Any]:
+        base = {"device": st.device[1], "start_ns": st.start_ns, "end_ns": st.end_ns,
+                "duration_ns": st.end_ns - st.start_ns}
+        if st.device[0] >= 0:
+            base["device_pid"] = st.device[0]
+        if st.collective is not None:
+            return {**base, **self._collective(st, st.collective)}
+        return {**base, **self._idle(st)}
+
+    def launch_of(self, op: GpuOp | None) -> CudaApi | None:
+        return self.cap.launches.get((op.pid, op.correlation_id)) if op is not None else None
+
+    def _idle(self, st: Stall) -> dict[str, Any]:
+        op = st.op
+        api = self.launch_of(op)
+        gpu_ev = [gpu_evidence(op, api)] if op is not None else []
+        if api is None:
+            return _verdict("unknown", empty_culprit(), [], gpu_ev, why="no launch record for the op that ended it")
+        ev = [*gpu_ev, launch_evidence(api)]
+        launched = api.start_ns
+        if launched <= st.start_ns:  # it was queued before the GPU went idle, yet did not start
+            culprit = self.explainer.culprit(api.tid, api.name, getattr(op, "name", ""))
+            return _verdict("device", culprit, [], ev, why="launched before the stall, started at its end")
+        host_ns, launch_ns = launched - st.start_ns, st.end_ns - launched
+        if launch_ns > host_ns:
+            culprit = self.explainer.culprit(api.tid, api.name, getattr(op, "name", ""), 0, api.end_ns - api.start_ns)
+            return _verdict("launch", culprit, [], ev, why="the op started long after its launch")
+        parts = self.explainer.explain(api.tid, st.start_ns, launched)
+        return _from_parts(parts, ev)
+
+    def _collective(self, st: Stall, w: CollectiveWait) -> dict[str, Any]:
+        own = self.launch_of(w.op)
+        ev = [gpu_evidence(w.op, own)]
+        if w.late is None:  # the other ranks were not captured: the wait is real, the late peer unknown
+            culprit = {**empty_culprit(), "op": w.op.name, "object": w.name}
+            return _verdict("collective", culprit, [], ev, why="ran past its shortest run; late rank not captured")
+        late_api = self.launch_of(w.late)
+        ev.append(gpu_evidence(w.late, late_api))
+        tid = late_api.tid if late_api else 0
+        culprit = {**empty_culprit(), "pid": w.late.pid, "tid": tid, "comm": self.cap.comm(tid or w.late.pid)
+                   or self.cap.comm(w.late.pid), "op": w.late.name, "object": w.name}
+        if w.late_rank >= 0:
+            culprit["rank"] = w.late_rank
+        hop = f"collective:pid {w.late.pid}" + (f" rank {w.late_rank}" if w.late_rank >= 0 else "")
+        out = _verdict("collective", culprit, [hop], ev)
+        if late_api is not None and late_api.start_ns > st.start_ns:
+            ev.append(launch_evidence(late_api))
+            parts = self.explainer.explain(late_api.tid, st.start_ns, late_api.start_ns)
+            if parts:
+                best = _dominant(parts)
+                out["late_rank_cause"] = {"cause": best.cause, "culprit": best.culprit, "via": best.via}
+                out["evidence"] = (ev + best.evidence)[:24]
+        return out
+
+
+def _verdict(cause: str, culprit: dict[str, Any], via: list[str], evidence: list[dict[str, Any]],
+             why: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {"cause": cause, "via": via, "culprit": culprit, "evidence": evidence}
+    if why:
+        out["why"] = why
+    return out
+
+
+def _dominant(parts: list[Part]) -> Part:
+    """The part holding the most time once parts with the same cause and culprit are summed."""
+    totals: dict[tuple[str, int, str], int] = {}
+    first: dict[tuple[str, int, str], Part] = {}
+    for p in parts:
+        k = p.key()
+        totals[k] = totals.get(k, 0) + p.ns
+        if k not in first or p.ns > first[k].ns:
+            first[k] = p
+    best = max(totals, key=lambda k: totals[k])
+    return first[best]
+
+
+def _breakdown(parts: list[Part]) -> list[dict[str, Any]]:
+    totals: dict[tuple[str, int, str], int] = {}
+    for p in parts:
+        totals[p.key()] = totals.get(p.key(), 0) + p.ns
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:MAX_BREAKDOWN]
+    return [{"cause": c, "pid": pid, "object": obj, "ns": ns} for (c, pid, obj), ns in top]
+
+
+def _from_parts(parts: list[Part], gpu_ev: list[dict[str, Any]]) -> dict[str, Any]:
+    if not parts:
+        return _verdict("unknown", empty_culprit(), [], gpu_ev)
+    best = _dominant(parts)
+    culprit = best.culprit if best.cause != "unknown" else empty_culprit()
+    out = _verdict(best.cause, culprit, best.via, (best.evidence + gpu_ev)[:24])
+    out["breakdown"] = _breakdown(parts)
+    out.update({k: v for k, v in best.extra.items() if k not in out})
+    return out

@@ -1,0 +1,195 @@
+"""Explain a window of one thread's time (DESIGN §5, rules 1-3): where did [a, b) go on thread T?
+
+The answer is a list of parts that together cover the window: on CPU, in the run queue, blocked in a syscall
+on a file / socket / sleep / GPU sync, or waiting for another task — in which case the wakeup edge is
+followed to the waker and its time before the wakeup is explained the same way, to a bounded depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputrace.analysis.load import Capture
+from gputrace.analysis.objects import classify, filesystem_of, is_kernel_task, is_remote_fs
+from gputrace.records import BlockIO, OffCpu, Syscall
+
+MAX_DEPTH = 4
+MAX_EVIDENCE = 12
+
+
+@dataclass
+class Part:
+    cause: str
+    ns: int
+    culprit: dict[str, Any]
+    via: list[str] = field(default_factory=list)
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def key(self) -> tuple[str, int, str]:
+        return (self.cause, int(self.culprit.get("pid", 0)), str(self.culprit.get("object", "")))
+
+
+def empty_culprit() -> dict[str, Any]:
+    return {"pid": 0, "tid": 0, "comm": "", "op": "", "object": "", "bytes": 0, "duration_ns": 0}
+
+
+def evidence_syscall(sc: Syscall) -> dict[str, Any]:
+    what = f"{sc.name}({sc.obj})" if sc.obj else sc.name
+    if sc.nbytes:
+        what += f" {sc.nbytes} B"
+    return {"pid": sc.pid, "tid": sc.tid, "kind": "syscall", "what": what, "start_ns": sc.start_ns,
+            "end_ns": sc.end_ns}
+
+
+def evidence_block(b: BlockIO) -> dict[str, Any]:
+    return {"pid": b.pid, "tid": b.tid, "kind": "block", "what": f"{b.rwbs} {b.nbytes} B on {b.dev}",
+            "start_ns": b.issue_ns, "end_ns": b.complete_ns}
+
+
+def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
+    what = f"off CPU ({o.state})"
+    ev = {"pid": o.pid, "tid": o.tid, "kind": kind, "what": what, "start_ns": o.start_ns, "end_ns": o.end_ns}
+    if kind == "wakeup":
+        ev["what"] = f"woken by pid {o.waker_pid} tid {o.waker_tid} ({o.waker_comm})"
+        ev.update(waker_pid=o.waker_pid, waker_tid=o.waker_tid, wake_ns=o.wake_ns)
+    return ev
+
+
+class Explainer:
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        self.mounts: list[Any] = list(cap.header.get("mounts") or [])
+
+    def traced(self, tid: int) -> bool:
+        """Whether the kernel source watched this thread: without that, its time cannot be explained."""
+        return self.cap.kernel_seen and self.cap.pid_of(tid) in self.cap.kernel_pids
+
+    def culprit(self, tid: int, op: str = "", obj: str = "", nbytes: int = 0, dur: int = 0) -> dict[str, Any]:
+        pid = self.cap.pid_of(tid)
+        return {"pid": pid, "tid": tid, "comm": self.cap.comm(tid) or self.cap.comm(pid), "op": op,
+                "object": obj, "bytes": nbytes, "duration_ns": dur}
+
+    def explain(self, tid: int, a: int, b: int, depth: int = 0) -> list[Part]:
+        if b <= a:
+            return []
+        if not self.traced(tid):
+            return [Part("unknown", b - a, empty_culprit(), extra={"why": f"tid {tid} was not traced"})]
+        parts: list[Part] = []
+        in_syscalls = 0
+        sys_index = self.cap.syscalls.get(tid)
+        for sc in sys_index.overlapping(a, b) if sys_index else ():
+            x, y = max(sc.start_ns, a), min(sc.end_ns, b)
+            in_syscalls += y - x
+            parts.extend(self._syscall(sc, x, y, depth))
+        outside = self._offcpu_outside_syscalls(tid, a, b, parts)
+        on_cpu = (b - a) - in_syscalls - outside
+        if on_cpu > 0:
+            parts.append(Part("cpu", on_cpu, self.culprit(tid, "cpu")))
+        return [p for p in parts if p.ns > 0]
+
+    def _offcpu_outside_syscalls(self, tid: int, a: int, b: int, parts: list[Part]) -> int:
+        index, sys_index = self.cap.offcpu.get(tid), self.cap.syscalls.get(tid)
+        total = 0
+        for o in index.overlapping(a, b) if index else ():
+            x, y = max(o.start_ns, a), min(o.end_ns, b)
+            inside = sys_index.overlapping(x, y) if sys_index else ()
+            ns = (y - x) - sum(min(s.end_ns, y) - max(s.start_ns, x) for s in inside)
+            if ns <= 0:
+                continue
+            total += ns
+            if o.state == "R":
+                parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)]))
+            else:  # blocked outside any recorded syscall (a page fault, a short call under the threshold)
+                parts.append(Part("unknown", ns, empty_culprit(), evidence=[evidence_offcpu(o)]))
+        return total
+
+    def _syscall(self, sc: Syscall, x: int, y: int, depth: int) -> list[Part]:
+        kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
+        offs = list(self.cap.offcpu[sc.tid].overlapping(x, y)) if sc.tid in self.cap.offcpu else []
+        preempted = [o for o in offs if o.state == "R"]
+        runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
+        parts = [Part("cpu.runqueue", runq, self.culprit(sc.tid, "preempted"),
+                      evidence=[evidence_offcpu(o) for o in preempted[:MAX_EVIDENCE]])] if runq > 0 else []
+        blocked = [o for o in offs if o.state != "R"]
+        ns = (y - x) - runq
+        if kind == "wait":
+            return parts + self._wait(sc, x, y, blocked, ns, depth)
+        return parts + [self._direct(kind, sc, ns, blocked)]
+
+    def _in_gpu_sync(self, tid: int, x: int, y: int) -> bool:
+        index = self.cap.syncs.get(tid)
+        return index is not None and any(True for _ in index.overlapping(x, y))
+
+    def _direct(self, kind: str, sc: Syscall, ns: int, blocked: list[OffCpu]) -> Part:
+        ev = [evidence_syscall(sc)]
+        dur = sc.end_ns - sc.start_ns
+        if kind == "storage":
+            return self._storage(sc, ns, blocked)
+        if kind == "network":
+            return Part("network", ns, self.culprit(sc.tid, sc.name, sc.obj, sc.nbytes, dur), evidence=ev)
+        if kind == "sleep":
+            return Part("sleep", ns, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev)
+        if kind in ("sync", "gpu"):
+            return Part("sync", ns, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev)
+        if blocked:  # blocked in a call we cannot interpret: say so rather than guess
+            return Part("unknown", ns, empty_culprit(), evidence=ev)
+        return Part("cpu", ns, self.culprit(sc.tid, "cpu"), evidence=ev)
+
+    def _storage(self, sc: Syscall, ns: int, blocked: list[OffCpu]) -> Part:
+        blocks = self.cap.blocks[sc.tid].starting_in(sc.start_ns, sc.end_ns) if sc.tid in self.cap.blocks else []
+        culprit = self.culprit(sc.tid, sc.name, sc.obj, sc.nbytes, sc.end_ns - sc.start_ns)
+        ev = [evidence_syscall(sc)] + [evidence_block(b) for b in blocks[:MAX_EVIDENCE]]
+        extra: dict[str, Any] = {}
+        if blocks:
+            culprit["block_requests"] = len(blocks)
+            culprit["block_device"] = blocks[0].dev
+            culprit["block_latency_ns"] = max(b.complete_ns - b.issue_ns for b in blocks)
+        fstype = filesystem_of(sc.obj, self.mounts) if sc.obj else ""
+        servers = [o for o in blocked if o.waker_pid and o.waker_pid != sc.pid
+                   and not is_kernel_task(o.waker_pid, o.waker_comm)]
+        if servers and not blocks:
+            # a user-space process answered the read: a FUSE daemon (or a network filesystem's helper)
+            s = servers[-1]
+            culprit["served_by"] = {"pid": s.waker_pid, "tid": s.waker_tid, "comm": s.waker_comm}
+            ev.append(evidence_offcpu(s, "wakeup"))
+            fstype = fstype if is_remote_fs(fstype) else "fuse"
+        if fstype:
+            culprit["filesystem"] = fstype
+            extra["remote_fs"] = is_remote_fs(fstype)
+        return Part("storage", ns, culprit, evidence=ev, extra=extra)
+
+    def _wait(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], ns: int, depth: int) -> list[Part]:
+        """Blocked on a futex / pipe / poll: the time belongs to whoever the thread waited for."""
+        parts: list[Part] = []
+        used = 0
+        for o in blocked:
+            ox, oy = max(o.start_ns, x), min(o.end_ns, y)
+            woke = min(o.wake_ns, oy) if o.wake_ns else oy
+            wait_ns = max(woke - ox, 0)
+            if wait_ns > 0:
+                parts.extend(self._follow(sc, o, ox, woke, depth))
+            if oy > woke:  # woken but not yet running
+                parts.append(Part("cpu.runqueue", oy - woke, self.culprit(sc.tid, "woken, waiting for a CPU"),
+                                  evidence=[evidence_offcpu(o)]))
+            used += oy - ox
+        rest = ns - used
+        if rest > 0:
+            if blocked:  # on CPU inside the call around the recorded blocking
+                parts.append(Part("cpu", rest, self.culprit(sc.tid, "cpu"), evidence=[evidence_syscall(sc)]))
+            else:  # no off-CPU record tells who ended this wait
+                parts.append(Part("unknown", rest, empty_culprit(), evidence=[evidence_syscall(sc)]))
+        return parts
+
+    def _follow(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int) -> list[Part]:
+        hop = f"wait:pid {o.waker_pid}" if o.waker_pid else "wait"
+        ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
+        waker = o.waker_tid
+        if not waker or waker == sc.tid or depth >= MAX_DEPTH or is_kernel_task(o.waker_pid, o.waker_comm):
+            return [Part("unknown", y - x, empty_culprit(), via=[hop], evidence=ev)]
+        inner = self.explain(waker, x, y, depth + 1)
+        for p in inner:
+            p.via = [hop, *p.via]
+            p.evidence = (ev + p.evidence)[: MAX_EVIDENCE * 2]
+        return inner

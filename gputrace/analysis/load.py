@@ -1,0 +1,240 @@
+"""One streaming pass over a capture into the indexes attribution needs.
+
+Only the kinds attribution uses are kept; everything else is counted. Per-thread records are sorted once
+and searched with bisect, so each question about a thread's time costs O(log n + hits).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputrace.capture import CaptureReader
+from gputrace.records import (
+    Collective,
+    CudaApi,
+    Drops,
+    GpuDevice,
+    GpuKernel,
+    GpuMemcpy,
+    GpuMemset,
+    NvmlSample,
+    OffCpu,
+    ProcExec,
+    ProcFork,
+    ProcInfo,
+    ThreadInfo,
+)
+
+GpuOp = GpuKernel | GpuMemcpy | GpuMemset
+DeviceKey = tuple[int, int]  # (owning pid or -1 for a shared physical device, device id)
+
+
+class Intervals:
+    """Records of one thread that do not overlap each other (a thread is in one syscall / off-CPU span at a
+    time), sorted by start, with a bisect index."""
+
+    def __init__(self, records: list[Any], start: str, end: str) -> None:
+        records.sort(key=lambda r: getattr(r, start))
+        self.records = records
+        self._end = end
+        self.starts = [getattr(r, start) for r in records]
+
+    def overlapping(self, a: int, b: int) -> Iterator[Any]:
+        """Records that intersect [a, b)."""
+        i = max(bisect_right(self.starts, a) - 1, 0)
+        recs, starts, end = self.records, self.starts, self._end
+        while i < len(recs) and starts[i] < b:
+            if getattr(recs[i], end) > a:
+                yield recs[i]
+            i += 1
+
+    def starting_in(self, a: int, b: int) -> list[Any]:
+        """Records whose start lies in [a, b]."""
+        return self.records[bisect_left(self.starts, a) : bisect_right(self.starts, b)]
+
+
+@dataclass
+class Capture:
+    """What attribution reads, indexed."""
+
+    header: dict[str, Any]
+    ops: dict[DeviceKey, list[GpuOp]] = field(default_factory=dict)
+    devices: dict[DeviceKey, GpuDevice] = field(default_factory=dict)
+    launches: dict[tuple[int, int], CudaApi] = field(default_factory=dict)
+    collectives: dict[tuple[int, int], Collective] = field(default_factory=dict)
+    syscalls: dict[int, Intervals] = field(default_factory=dict)
+    offcpu: dict[int, Intervals] = field(default_factory=dict)
+    blocks: dict[int, Intervals] = field(default_factory=dict)
+    syncs: dict[int, Intervals] = field(default_factory=dict)
+    comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
+    tgid: dict[int, int] = field(default_factory=dict)  # tid -> pid
+    pids: set[int] = field(default_factory=set)
+    kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
+    kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
+    nvml: dict[int, list[float]] = field(default_factory=dict)  # device -> [sum, count] of gpu_util_pct
+    drops: list[Drops] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    first_ns: int = 0
+    last_ns: int = 0
+    complete: bool = True
+    problem: str = ""
+    reader_drops: dict[str, int] = field(default_factory=dict)
+    trailer: dict[str, Any] = field(default_factory=dict)
+
+    def comm(self, pid_or_tid: int) -> str:
+        return self.comms.get(pid_or_tid, "")
+
+    def pid_of(self, tid: int) -> int:
+        return self.tgid.get(tid, 0)
+
+
+class _Loader:
+    def __init__(self, header: dict[str, Any]) -> None:
+        self.cap = Capture(header=header)
+        self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}}
+        self.shared_ids: set[int] = set()
+
+    def add(self, r: Any) -> None:
+        kind = type(r).__name__
+        counts = self.cap.counts
+        counts[kind] = counts.get(kind, 0) + 1
+        handler = _HANDLERS.get(kind)
+        if handler is not None:
+            handler(self, r)
+
+    def _thread(self, pid: int, tid: int) -> None:
+        if tid and pid:
+            self.cap.tgid.setdefault(tid, pid)
+            self.cap.pids.add(pid)
+
+    def _span(self, start: int, end: int) -> None:
+        cap = self.cap
+        if start > 0 and (cap.first_ns == 0 or start < cap.first_ns):
+            cap.first_ns = start
+        cap.last_ns = max(cap.last_ns, end)
+
+    def op(self, r: GpuOp) -> None:
+        if r.end_ns < r.start_ns:
+            return  # hostile or broken: an op cannot end before it starts
+        self.cap.ops.setdefault((r.pid, r.device), []).append(r)
+        self._span(r.start_ns, r.end_ns)
+
+    def per_tid(self, table: str, r: Any, start: int, end: int) -> None:
+        self.raw[table].setdefault(r.tid, []).append(r)
+        self._thread(r.pid, r.tid)
+        if table != "sync":
+            self.cap.kernel_pids.add(r.pid)
+        self._span(start, end)
+
+    def device(self, r: GpuDevice) -> None:
+        self.cap.devices[(r.pid, r.id)] = r
+        if not r.simulated:
+            self.shared_ids.add(r.id)
+
+    def finish(self) -> Capture:
+        cap, raw = self.cap, self.raw
+        cap.syscalls = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sys"].items()}
+        cap.offcpu = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["off"].items()}
+        cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
+        cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
+        self._merge_shared_devices()
+        for ops in cap.ops.values():
+            ops.sort(key=lambda o: (o.start_ns, o.end_ns))
+        return cap
+
+    def _merge_shared_devices(self) -> None:
+        """A real GPU is one device whatever process uses it; a simulated one belongs to its process."""
+        cap = self.cap
+        merged: dict[DeviceKey, list[GpuOp]] = {}
+        for (pid, dev), ops in cap.ops.items():
+            key = (-1, dev) if dev in self.shared_ids else (pid, dev)
+            merged.setdefault(key, []).extend(ops)
+        cap.ops = merged
+        for (_pid, dev), info in list(cap.devices.items()):
+            if dev in self.shared_ids:
+                cap.devices[(-1, dev)] = info
+
+
+def _nvml(ld: _Loader, r: NvmlSample) -> None:
+    if r.metric == "gpu_util_pct":
+        acc = ld.cap.nvml.setdefault(r.device, [0.0, 0.0])
+        acc[0] += float(r.value)
+        acc[1] += 1
+
+
+def _proc(ld: _Loader, r: ProcInfo) -> None:
+    ld.cap.comms[r.pid] = r.comm
+    ld.cap.kernel_pids.add(r.pid)
+    ld.cap.tgid.setdefault(r.pid, r.pid)
+    ld.cap.pids.add(r.pid)
+
+
+def _threadinfo(ld: _Loader, r: ThreadInfo) -> None:
+    ld.cap.comms.setdefault(r.tid, r.comm)
+    ld._thread(r.pid, r.tid)
+    ld.cap.kernel_pids.add(r.pid)
+
+
+def _fork(ld: _Loader, r: ProcFork) -> None:
+    ld.cap.comms.setdefault(r.child_tid, r.comm)
+    if not r.is_thread:
+        ld.cap.comms.setdefault(r.child_pid, r.comm)
+    ld._thread(r.child_pid, r.child_tid)
+    ld.cap.kernel_pids.add(r.child_pid)
+
+
+def _exec(ld: _Loader, r: ProcExec) -> None:
+    ld.cap.comms[r.pid] = r.comm
+    ld.cap.comms[r.tid] = r.comm
+
+
+def _api(ld: _Loader, r: CudaApi) -> None:
+    ld.cap.launches[(r.pid, r.correlation_id)] = r
+    ld._thread(r.pid, r.tid)
+
+
+def _offcpu(ld: _Loader, r: OffCpu) -> None:
+    ld.per_tid("off", r, r.start_ns, r.end_ns)
+    if r.waker_tid and r.waker_comm:
+        ld.cap.comms.setdefault(r.waker_tid, r.waker_comm)
+        ld.cap.comms.setdefault(r.waker_pid, r.waker_comm)
+
+
+_HANDLERS: dict[str, Any] = {
+    "GpuKernel": _Loader.op,
+    "GpuMemcpy": _Loader.op,
+    "GpuMemset": _Loader.op,
+    "GpuDevice": _Loader.device,
+    "CudaApi": _api,
+    "Collective": lambda ld, r: ld.cap.collectives.__setitem__((r.pid, r.correlation_id), r),
+    "Syscall": lambda ld, r: ld.per_tid("sys", r, r.start_ns, r.end_ns),
+    "OffCpu": _offcpu,
+    "BlockIO": lambda ld, r: ld.per_tid("blk", r, r.issue_ns, r.complete_ns),
+    "GpuSync": lambda ld, r: ld.per_tid("sync", r, r.start_ns, r.end_ns),
+    "ProcInfo": _proc,
+    "ThreadInfo": _threadinfo,
+    "ProcFork": _fork,
+    "ProcExec": _exec,
+    "NvmlSample": _nvml,
+    "Drops": lambda ld, r: ld.cap.drops.append(r),
+    "SyscallAgg": lambda ld, r: ld.cap.kernel_pids.add(r.pid),
+}
+
+
+def load(reader: CaptureReader) -> Capture:
+    """Read every record of ``reader`` once; a truncated capture is loaded up to the cut."""
+    ld = _Loader(reader.header)
+    add = ld.add
+    for r in reader.records():
+        add(r)
+    cap = ld.finish()
+    cap.complete = reader.complete
+    cap.problem = reader.problem
+    cap.reader_drops = dict(reader.drops)
+    cap.trailer = dict(reader.trailer or {})
+    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO")
+    cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
+    return cap

@@ -1,0 +1,86 @@
+"""What a syscall was waiting on, judged from its name and the object its fd refers to."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+SLEEP = frozenset({"nanosleep", "clock_nanosleep"})
+WAIT = frozenset({
+    "futex", "futex_waitv", "poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2",
+    "wait4", "waitid", "semop", "semtimedop", "msgrcv", "mq_timedreceive", "pause", "rt_sigtimedwait",
+    "rt_sigsuspend", "sigsuspend", "flock",
+})  # fmt: skip
+FILE_IO = frozenset({
+    "read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev", "pwritev", "pwritev2",
+    "openat", "openat2", "open", "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "access",
+    "faccessat", "faccessat2", "getdents", "getdents64", "fsync", "fdatasync", "sync_file_range", "close",
+    "readahead", "fadvise64", "mmap", "sendfile", "copy_file_range", "splice",
+})  # fmt: skip
+SOCKET_IO = frozenset({
+    "recvfrom", "recvmsg", "recvmmsg", "sendto", "sendmsg", "sendmmsg", "connect", "accept", "accept4",
+    "read", "readv", "write", "writev",
+})  # fmt: skip
+
+_PEER = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[0-9]{1,3}(\.[0-9]{1,3}){3}|[A-Za-z0-9.-]+):[0-9]{1,5}$")
+_KERNEL_COMMS = ("swapper", "kworker", "ksoftirqd", "irq/", "rcu_", "migration", "kthreadd", "jbd2", "loop")
+
+
+def object_kind(obj: str) -> str:
+    """file, peer (host:port), socket (unresolved or local), pipe, anon, or "" when unknown."""
+    if not obj:
+        return ""
+    if obj.startswith("/"):
+        return "socket" if obj.startswith("/dev/socket") else "file"
+    if obj == "pipe" or obj.startswith("pipe:"):
+        return "pipe"
+    if obj == "socket" or obj.startswith(("socket:", "unix:", "@", "listen ", "sockaddr(")):
+        return "socket"
+    if obj.startswith("anon_inode:"):
+        return "anon"
+    if _PEER.match(obj):
+        return "peer"
+    return ""
+
+
+def classify(sc: Any) -> str:
+    """storage, network, sleep, wait (for another task), gpu (a driver call), or other."""
+    name, kind = sc.name, object_kind(sc.obj)
+    if name in SLEEP:
+        return "sleep"
+    if name in WAIT:
+        return "wait"
+    if name == "ioctl":
+        return "gpu" if "nvidia" in sc.obj else "other"
+    if kind == "peer" and (name in SOCKET_IO or name.startswith(("recv", "send"))):
+        return "network"
+    if kind in ("pipe", "socket", "anon") and (name in SOCKET_IO or name.startswith(("recv", "send"))):
+        return "wait"  # a pipe, a unix socket or an eventfd is filled by another task
+    if name in FILE_IO and (kind == "file" or name.startswith(("open", "stat", "lstat", "newfstatat"))):
+        return "storage"
+    return "other"
+
+
+def is_kernel_task(pid: int, comm: str) -> bool:
+    """Wakeups from interrupts and kernel threads (block completion, timers) name no user-space culprit."""
+    return pid <= 0 or comm.startswith(_KERNEL_COMMS)
+
+
+def filesystem_of(path: str, mounts: list[Any]) -> str:
+    """The filesystem type of ``path`` from the capture's mount table (longest matching mount point)."""
+    best, fstype = -1, ""
+    for entry in mounts:
+        if not (isinstance(entry, (list, tuple)) and len(entry) >= 2):
+            continue
+        point, kind = str(entry[0]), str(entry[1])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, fstype = len(point), kind
+    return fstype
+
+
+REMOTE_FS = ("fuse", "nfs", "cifs", "smb3", "ceph", "9p", "glusterfs", "lustre", "gcsfuse", "s3fs")
+
+
+def is_remote_fs(fstype: str) -> bool:
+    return fstype.startswith(REMOTE_FS)

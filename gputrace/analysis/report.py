@@ -1,0 +1,129 @@
+"""The `gputrace.report/1` dict (DESIGN §6) and the figures derived from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.analysis.attribute import Attributor
+from gputrace.analysis.load import Capture
+from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
+
+SCHEMA = "gputrace.report/1"
+CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "sync", "sleep", "device", "launch", "unknown")
+# TensorFlow profiler's input-pipeline analysis calls a step input-bound at these shares of waiting on input
+INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH = 5.0, 20.0
+
+
+def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
+    timelines = build(cap, min_gap_ns)
+    attributor = Attributor(cap)
+    # a cut-off capture may miss records anywhere (sources flush batches late), so every stall is suspect
+    losses, lost_anywhere = loss_windows(cap), untimed_losses(cap) or bool(cap.problem)
+    stalls = []
+    for tl in timelines:
+        for st in tl.stalls:
+            s = attributor.stall(st)
+            s["overlaps_drops"] = lost_anywhere or any(a < st.end_ns and b > st.start_ns for a, b in losses)
+            stalls.append(s)
+    stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "capture": _capture(cap),
+        "devices": [_device(cap, tl) for tl in timelines],
+        "summary": _summary(timelines, stalls),
+        "stalls": stalls,
+    }
+    report["summary"]["input_bound"] = input_bound(report)
+    report["top_culprits"] = top_culprits(stalls)
+    report["min_gap_ns"] = min_gap_ns
+    return report
+
+
+def _capture(cap: Capture) -> dict[str, Any]:
+    drops = {k: int(v) for k, v in cap.reader_drops.items() if isinstance(v, int)}
+    start = int(cap.header.get("start_ns") or cap.first_ns)
+    end = int(cap.trailer.get("end_ns") or cap.last_ns)
+    out = {"start_ns": start, "end_ns": max(end, start), "pids": sorted(p for p in cap.pids if p > 0),
+           "host": str(cap.header.get("host", "")), "drops": drops, "complete": cap.complete,
+           "records": dict(sorted(cap.counts.items()))}
+    if cap.problem:
+        out["problem"] = cap.problem
+    return out
+
+
+def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:
+    info = cap.devices.get(tl.key) or cap.devices.get((-1, tl.key[1]))
+    window = tl.last_ns - tl.first_ns
+    out: dict[str, Any] = {
+        "id": tl.key[1], "name": info.name if info else "", "simulated": bool(info.simulated) if info else False,
+        "busy_ns": tl.busy_ns, "idle_ns": window - tl.busy_ns,
+        "window_ns": window, "first_ns": tl.first_ns, "last_ns": tl.last_ns,
+        "stall_ns": sum(s.end_ns - s.start_ns for s in tl.stalls), "stalls": len(tl.stalls),
+        "collective_wait_ns": tl.collective_wait_ns,
+    }
+    if tl.key[0] >= 0:
+        out["pid"] = tl.key[0]
+    nvml = cap.nvml.get(tl.key[1])
+    if nvml and nvml[1]:
+        out["nvml_util_pct"] = round(nvml[0] / nvml[1], 1)
+    return out
+
+
+def _summary(timelines: list[DeviceTimeline], stalls: list[dict[str, Any]]) -> dict[str, Any]:
+    by_cause: dict[str, int] = {}
+    for s in stalls:
+        by_cause[s["cause"]] = by_cause.get(s["cause"], 0) + s["duration_ns"]
+    return {
+        "window_ns": sum(tl.last_ns - tl.first_ns for tl in timelines),
+        "busy_ns": sum(tl.busy_ns for tl in timelines),
+        "stall_ns": sum(s["duration_ns"] for s in stalls),
+        "stalls": len(stalls),
+        "by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def is_input_stall(s: dict[str, Any]) -> bool:
+    """Waiting for data: storage or network, or a data worker's CPU time reached through a wait chain."""
+    return s["cause"] in ("storage", "network") or (s["cause"].startswith("cpu") and bool(s["via"]))
+
+
+def input_bound(report: dict[str, Any]) -> dict[str, Any]:
+    window = report["summary"]["window_ns"]
+    ns = sum(s["duration_ns"] for s in report["stalls"] if is_input_stall(s))
+    pct = 100.0 * ns / window if window else 0.0
+    if pct >= INPUT_BOUND_HIGH:
+        verdict = "highly input-bound"
+    elif pct >= INPUT_BOUND_MODERATE:
+        verdict = "moderately input-bound"
+    else:
+        verdict = "not input-bound"
+    return {"input_ns": ns, "pct": round(pct, 2), "verdict": verdict,
+            "thresholds_pct": [INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH]}
+
+
+def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
+    """(kind, label) under which a stall's time is counted among the top culprits."""
+    c, cause = s["culprit"], s["cause"]
+    if cause == "unknown":
+        return "unknown", "(unexplained)"
+    if cause == "storage" and c.get("object"):
+        return "file", c["object"]
+    if cause == "network" and c.get("object"):
+        return "peer", c["object"]
+    if cause == "collective":
+        return "collective", c.get("object") or c.get("op", "")
+    if c.get("pid"):
+        return "process", f"pid {c['pid']} ({c.get('comm', '')})"
+    return cause, c.get("op", "") or cause
+
+
+def top_culprits(stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str, Any]]:
+    total = sum(s["duration_ns"] for s in stalls)
+    acc: dict[tuple[str, str], list[int]] = {}
+    for s in stalls:
+        slot = acc.setdefault(culprit_label(s), [0, 0])
+        slot[0] += s["duration_ns"]
+        slot[1] += 1
+    top = sorted(acc.items(), key=lambda kv: -kv[1][0])[:limit]
+    return [{"kind": k, "culprit": label, "stall_ns": ns, "stalls": n,
+             "share_pct": round(100.0 * ns / total, 1) if total else 0.0} for (k, label), (ns, n) in top]

@@ -1,0 +1,117 @@
+"""Synthetic captures for analysis tests and benchmarks: typed records in, a real capture file out.
+
+Times are given in milliseconds from an arbitrary base and stored as CLOCK_MONOTONIC ns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gputrace.capture import CaptureWriter, host_header
+from gputrace.records import (
+    BlockIO,
+    Collective,
+    CudaApi,
+    Drops,
+    GpuDevice,
+    GpuKernel,
+    GpuMemcpy,
+    GpuSync,
+    NvmlSample,
+    OffCpu,
+    ProcInfo,
+    Syscall,
+    ThreadInfo,
+)
+
+BASE_NS = 1_000_000_000_000
+
+
+def ns(ms: float) -> int:
+    return BASE_NS + round(ms * 1_000_000)
+
+
+class Builder:
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self._corr = 0
+
+    def proc(self, pid: int, comm: str, ppid: int = 1) -> Builder:
+        self.records.append(ProcInfo(ns(0), pid, ppid, comm, [comm], f"/usr/bin/{comm}"))
+        return self
+
+    def thread(self, pid: int, tid: int, comm: str) -> Builder:
+        self.records.append(ThreadInfo(ns(0), pid, tid, comm))
+        return self
+
+    def device(self, pid: int, dev: int = 0, simulated: bool = True, name: str = "sim-gpu") -> Builder:
+        self.records.append(GpuDevice(dev, name, simulated, f"uuid-{pid}-{dev}", pid))
+        return self
+
+    def op(self, pid: int, tid: int, launch_ms: float, start_ms: float, end_ms: float, name: str = "k",
+           dev: int = 0, stream: int = 7, memcpy: bool = False, api: bool = True) -> int:
+        """A kernel (or an h2d copy) and the CUDA API call that launched it; returns its correlation id."""
+        self._corr += 1
+        c = self._corr
+        if api:
+            api_name = "cudaMemcpyAsync" if memcpy else "cudaLaunchKernel"
+            self.records.append(CudaApi(pid, tid, api_name, ns(launch_ms), ns(launch_ms) + 5_000, c, "runtime", 0))
+        if memcpy:
+            self.records.append(GpuMemcpy(pid, dev, 1, stream, ns(start_ms), ns(end_ms), c, 1 << 20, "h2d", "pinned"))
+        else:
+            self.records.append(GpuKernel(pid, dev, 1, stream, ns(start_ms), ns(end_ms), c, name, (1, 1, 1),
+                                          (128, 1, 1)))
+        return c
+
+    def collective(self, pid: int, corr: int, name: str, seq: int, rank: int, world: int, dev: int = 0) -> Builder:
+        self.records.append(Collective(pid, dev, corr, name, seq, rank, world, 4 << 20))
+        return self
+
+    def syscall(self, pid: int, tid: int, name: str, start_ms: float, end_ms: float, obj: str = "", nbytes: int = 0,
+                fd: int = 3, arg: int = 0) -> Builder:
+        self.records.append(Syscall(pid, tid, name, ns(start_ms), ns(end_ms), nbytes, fd, obj, nbytes, arg))
+        return self
+
+    def block(self, pid: int, tid: int, issue_ms: float, done_ms: float, nbytes: int, dev: str = "loop0",
+              comm: str = "worker") -> Builder:
+        self.records.append(BlockIO(pid, tid, comm, dev, 2048, nbytes, "R", ns(issue_ms), ns(done_ms)))
+        return self
+
+    def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
+               wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, "")) -> Builder:
+        wake = ns(wake_ms) if wake_ms is not None else (ns(end_ms) if waker[1] else 0)
+        self.records.append(OffCpu(pid, tid, ns(start_ms), ns(end_ms), state, wake, *waker))
+        return self
+
+    def sync(self, pid: int, tid: int, start_ms: float, end_ms: float, dev: int = 0) -> Builder:
+        self.records.append(GpuSync(pid, tid, dev, 1, 7, ns(start_ms), ns(end_ms), 0, "context"))
+        return self
+
+    def nvml(self, dev: int, at_ms: float, util: float) -> Builder:
+        self.records.append(NvmlSample(ns(at_ms), dev, "gpu_util_pct", util))
+        return self
+
+    def drops(self, at_ms: float, source: str, what: str, count: int) -> Builder:
+        self.records.append(Drops(ns(at_ms), source, what, count))
+        return self
+
+    def write(self, path: Path, *, complete: bool = True, drops: dict[str, int] | None = None,
+              header: dict[str, Any] | None = None) -> Path:
+        hdr = {**host_header(["synthetic"]), "start_ns": BASE_NS, **(header or {})}
+        w = CaptureWriter(path, hdr, force=True)
+        w.write(self.records)
+        cut = w.partial_path.stat().st_size
+        end = max((_end(r) for r in self.records), default=BASE_NS)
+        w.close({"end_ns": end, "drops": drops or {}, "complete": True})
+        if not complete:  # as a crash leaves it: everything up to the trailer
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+        return path
+
+
+def _end(r: Any) -> int:
+    for f in ("end_ns", "complete_ns", "ts"):
+        if hasattr(r, f):
+            return int(getattr(r, f))
+    return BASE_NS

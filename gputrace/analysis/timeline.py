@@ -1,0 +1,186 @@
+"""Per-device GPU timelines and the stalls in them.
+
+A device is busy while any of its streams runs a kernel, copy or set — except while a collective kernel
+only waits for a late rank: that wait is stall time (the GPU spins but does no work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputrace.analysis.load import Capture, DeviceKey, GpuOp
+from gputrace.records import GpuKernel
+
+_COLLECTIVE_WORDS = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
+                     "reduce_scatter", "alltoall", "broadcast")
+
+
+@dataclass
+class CollectiveWait:
+    """The part of one rank's collective kernel spent waiting for the last rank to arrive."""
+
+    op: GpuKernel
+    name: str
+    wait_start: int
+    wait_end: int
+    late: GpuKernel | None  # the last rank's kernel, when that rank was captured
+    late_rank: int = -1
+
+
+@dataclass
+class Stall:
+    device: DeviceKey
+    start_ns: int
+    end_ns: int
+    op: GpuOp | None  # the operation whose start ended the stall
+    collective: CollectiveWait | None = None
+
+
+@dataclass
+class DeviceTimeline:
+    key: DeviceKey
+    first_ns: int
+    last_ns: int
+    busy_ns: int
+    collective_wait_ns: int
+    stalls: list[Stall] = field(default_factory=list)
+
+
+def is_collective(cap: Capture, op: GpuOp) -> bool:
+    if not isinstance(op, GpuKernel):
+        return False
+    if (op.pid, op.correlation_id) in cap.collectives:
+        return True
+    lname = op.name.lower()
+    return any(w in lname for w in _COLLECTIVE_WORDS)
+
+
+def collective_waits(cap: Capture, min_gap_ns: int) -> dict[int, CollectiveWait]:
+    """Waits by id() of the waiting kernel. Ranks are matched by (name, seq) from Collective records, or by
+    (name, n-th occurrence in its process) when only kernel names mark a collective."""
+    groups: dict[tuple[str, int], list[tuple[GpuKernel, int]]] = {}
+    nth: dict[tuple[int, str], int] = {}
+    for ops in cap.ops.values():
+        for op in ops:
+            if not is_collective(cap, op):
+                continue
+            assert isinstance(op, GpuKernel)
+            meta = cap.collectives.get((op.pid, op.correlation_id))
+            if meta is not None:
+                key, rank = (meta.name, meta.seq), meta.rank
+            else:
+                n = nth.get((op.pid, op.name), 0)
+                nth[(op.pid, op.name)] = n + 1
+                key, rank = (op.name, n), -1
+            groups.setdefault(key, []).append((op, rank))
+    waits: dict[int, CollectiveWait] = {}
+    single_min = _single_rank_transfer(groups)
+    for (name, _), members in groups.items():
+        if len(members) == 1:
+            _single(waits, name, members[0][0], single_min, min_gap_ns)
+            continue
+        late, late_rank = max(members, key=lambda m: m[0].start_ns)
+        for op, _rank in members:
+            if late.start_ns - op.start_ns >= min_gap_ns and op is not late:
+                waits[id(op)] = CollectiveWait(op, name, op.start_ns, min(late.start_ns, op.end_ns), late, late_rank)
+    return waits
+
+
+def _single_rank_transfer(groups: dict[tuple[str, int], list[tuple[GpuKernel, int]]]) -> dict[tuple[int, str], int]:
+    """For ranks captured alone: the shortest run of each collective is the best estimate of its transfer."""
+    best: dict[tuple[int, str], int] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            op = members[0][0]
+            k = (op.pid, op.name)
+            best[k] = min(best.get(k, op.end_ns - op.start_ns), op.end_ns - op.start_ns)
+    return best
+
+
+def _single(waits: dict[int, CollectiveWait], name: str, op: GpuKernel, best: dict[tuple[int, str], int],
+            min_gap_ns: int) -> None:
+    extra = (op.end_ns - op.start_ns) - best[(op.pid, op.name)]
+    if extra >= min_gap_ns:
+        waits[id(op)] = CollectiveWait(op, name, op.start_ns, op.start_ns + extra, None)
+
+
+def build(cap: Capture, min_gap_ns: int) -> list[DeviceTimeline]:
+    waits = collective_waits(cap, min_gap_ns)
+    return [_device(key, ops, waits, min_gap_ns) for key, ops in sorted(cap.ops.items()) if ops]
+
+
+def _device(key: DeviceKey, ops: list[GpuOp], waits: dict[int, CollectiveWait], min_gap_ns: int) -> DeviceTimeline:
+    busy = sorted((_busy_start(op, waits), op.end_ns, i) for i, op in enumerate(ops))
+    first = min(op.start_ns for op in ops)
+    last = max(op.end_ns for op in ops)
+    tl = DeviceTimeline(key, first, last, 0, sum(w.wait_end - w.wait_start for w in _waits_of(ops, waits)))
+    cur_start, cur_end = busy[0][0], busy[0][1]
+    for start, end, i in busy[1:]:
+        if start > cur_end:
+            tl.busy_ns += cur_end - cur_start
+            if start - cur_end >= min_gap_ns:
+                tl.stalls.extend(_gap(key, cur_end, start, ops[i], waits, min_gap_ns))
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    tl.busy_ns += cur_end - cur_start
+    return tl
+
+
+def _waits_of(ops: list[GpuOp], waits: dict[int, CollectiveWait]) -> list[CollectiveWait]:
+    return [waits[id(op)] for op in ops if id(op) in waits]
+
+
+def _busy_start(op: GpuOp, waits: dict[int, CollectiveWait]) -> int:
+    w = waits.get(id(op))
+    return w.wait_end if w is not None else op.start_ns
+
+
+def _gap(key: DeviceKey, g0: int, g1: int, op: GpuOp, waits: dict[int, CollectiveWait],
+         min_gap_ns: int) -> list[Stall]:
+    """The stall [g0, g1) ended by ``op``, split where a collective kernel started waiting inside it."""
+    w = waits.get(id(op))
+    if w is None:
+        return [Stall(key, g0, g1, op)]  # busy is sorted by (start, end): ops[i] is the first to start
+    stalls = []
+    if w.wait_start - g0 >= min_gap_ns:
+        stalls.append(Stall(key, g0, w.wait_start, op))
+    stalls.append(Stall(key, max(g0, w.wait_start), g1, op, w))
+    return stalls
+
+
+def loss_windows(cap: Capture) -> list[tuple[int, int]]:
+    """Intervals in which some source lost records, from its cumulative Drops counters."""
+    windows: list[tuple[int, int]] = []
+    last: dict[tuple[str, str], tuple[int, int]] = {}
+    for d in sorted(cap.drops, key=lambda d: d.ts):
+        k = (d.source, d.what)
+        prev_ts, prev_count = last.get(k, (cap.first_ns, 0))
+        if d.count > prev_count:
+            windows.append((prev_ts, d.ts))
+        last[k] = (d.ts, max(d.count, prev_count))
+    return windows
+
+
+def untimed_losses(cap: Capture) -> bool:
+    """Losses the trailer reports that no timed Drops record accounts for: they could be anywhere."""
+    timed: dict[str, int] = {}
+    for d in cap.drops:
+        timed[f"{d.source}.{d.what}"] = max(timed.get(f"{d.source}.{d.what}", 0), d.count)
+    for name, count in _trailer_drops(cap).items():
+        if count > timed.get(name, 0) and not any(k.startswith(name + ".") for k in timed):
+            return True
+    return False
+
+
+def _trailer_drops(cap: Capture) -> dict[str, int]:
+    raw: Any = cap.trailer.get("drops", {})
+    out: dict[str, int] = {}
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            if isinstance(v, int) and v > 0:
+                out[str(k)] = v
+            elif isinstance(v, dict):
+                out.update({f"{k}.{kk}": vv for kk, vv in v.items() if isinstance(vv, int) and vv > 0})
+    return out

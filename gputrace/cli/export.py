@@ -1,0 +1,117 @@
+"""`gputrace export CAPTURE (--perfetto OUT.pftrace | --otlp ENDPOINT)`: a capture to a trace or to spans."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gputrace.capture import CaptureReader, check_output_path, open_capture
+from gputrace.cli import common
+from gputrace.errors import UserError
+from gputrace.exporters import ExportResult
+
+ORDER = 30
+HELP = "export a capture as a Perfetto trace or as OpenTelemetry (OTLP) spans"
+EXAMPLES = """\
+  gputrace export run.gputrace --perfetto run.pftrace          a Perfetto trace, stalls included
+  gputrace export run.gputrace --perfetto run.pftrace -f       overwrite an existing trace
+  gputrace export run.gputrace --otlp localhost:4317           stall spans to an OTLP collector (gRPC)
+  gputrace export run.gputrace --otlp http://tempo:4318 --protocol http
+
+The Perfetto trace shows every traced thread (syscalls, off-CPU time and who woke it), block I/O per device,
+GPU streams, CUDA API calls with arrows to the work they launched, NVML counters, and per device a
+"stalls" track whose slices name what each GPU idle gap waited on, with arrows from the evidence.
+A cut-off capture is exported up to the cut, with a warning.
+"""
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("capture", metavar="CAPTURE", help="a .gputrace capture file")
+    dest = p.add_mutually_exclusive_group(required=True)
+    dest.add_argument("--perfetto", metavar="OUT.pftrace", help="write a Perfetto trace")
+    dest.add_argument("--otlp", metavar="ENDPOINT", help="send stall spans to an OTLP endpoint (host:port or URL)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="OTLP transport (default grpc; http is HTTP/protobuf)")
+    common.add_force(p)
+    common.add_min_gap(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.min_gap_ms <= 0:
+        raise UserError("--min-gap-ms must be > 0")
+    min_gap_ns = int(args.min_gap_ms * 1e6)
+    if args.otlp:
+        return _run_otlp(args, min_gap_ns)
+    out = Path(args.perfetto)
+    check_output_path(out, force=args.force)
+    with open_capture(args.capture) as reader:
+        report, why = load_report(reader, min_gap_ns)
+        if why:
+            _warn(f"exporting without stalls: {why}")
+        result = perfetto_from_reader(reader, out, report=report)
+        complete, problem = reader.complete, reader.problem
+    _print_notes(result)
+    if not complete:
+        _warn(f"the capture is incomplete ({problem or 'records were lost'}); the trace has what was readable")
+    print(f"Wrote {out} ({result.items:,} packets)")
+    print("Next:")
+    print(f"  gputrace view {out}")
+    return 0
+
+
+def export_perfetto(capture_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
+                    force: bool = False, report: dict[str, Any] | None = None) -> ExportResult:
+    """Write ``out_path`` from a capture (stalls drawn when ``report`` is given); refuses to overwrite."""
+    out = Path(out_path)
+    check_output_path(out, force=force)
+    with open_capture(capture_path) as reader:
+        return perfetto_from_reader(reader, out, report=report)
+
+
+def perfetto_from_reader(reader: CaptureReader, out: Path, *, report: dict[str, Any] | None) -> ExportResult:
+    from gputrace.exporters.perfetto import PerfettoExporter
+
+    try:
+        return PerfettoExporter(out, report=report).write(reader)
+    except OSError as e:
+        raise UserError(f"writing {out}: {e.strerror}; nothing was written under that name") from None
+
+
+def load_report(reader: CaptureReader, min_gap_ns: int) -> tuple[dict[str, Any] | None, str]:
+    """The stall report for a capture, or None and why (no analysis module, or it failed on this capture)."""
+    try:
+        from gputrace.analysis import analyze
+    except ImportError as e:
+        return None, f"stall analysis unavailable ({e})"
+    try:
+        return analyze(reader, min_gap_ns=min_gap_ns), ""
+    except UserError as e:
+        return None, f"stall analysis failed: {e}"
+
+
+def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
+    from gputrace.exporters.otlp import OtlpExporter
+
+    exporter = OtlpExporter(args.otlp, args.protocol, min_gap_ns=min_gap_ns)
+    with open_capture(args.capture) as reader:
+        result = exporter.write(reader)
+        complete, problem = reader.complete, reader.problem
+    _print_notes(result)
+    if not complete:
+        _warn(f"the capture is incomplete ({problem or 'records were lost'}); exported what was readable")
+    dropped = f" ({result.dropped:,} dropped)" if result.dropped else ""
+    print(f"Sent {result.items:,} spans to {result.target}{dropped}")
+    return 0
+
+
+def _print_notes(result: ExportResult) -> None:
+    for note in result.notes:
+        if not note.startswith("capture incomplete"):
+            print(f"note: {note}", file=sys.stderr)
+
+
+def _warn(msg: str) -> None:
+    print(f"gputrace: warning: {msg}", file=sys.stderr)

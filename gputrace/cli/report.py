@@ -1,0 +1,59 @@
+"""gputrace report: the stall budget of a capture — by cause, by culprit, stall by stall."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from gputrace.cli import common
+from gputrace.errors import UserError
+
+ORDER = 20
+HELP = "analyse a capture: GPU stalls by cause and culprit (terminal, --json or --html)"
+EXAMPLES = """\
+  gputrace report run.gputrace                      stall budget, top culprits, longest stalls
+  gputrace report run.gputrace --json | jq .summary the gputrace.report/1 JSON on stdout
+  gputrace report run.gputrace --html run.html      a self-contained page to share
+  gputrace report run.gputrace --min-gap-ms 5       count only GPU gaps of 5 ms or more
+
+Reads only the capture file: re-run it with other options any time.
+"""
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("capture", metavar="CAPTURE", help="a NAME.gputrace file")
+    p.add_argument("--json", action="store_true", help="print the gputrace.report/1 JSON to stdout")
+    p.add_argument("--html", metavar="OUT.html", help="also write the report as a self-contained HTML page")
+    common.add_force(p)
+    common.add_min_gap(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gputrace.analysis import analyze
+    from gputrace.capture import open_capture
+
+    if not args.min_gap_ms > 0:
+        raise UserError("--min-gap-ms must be > 0")
+    html_out = Path(args.html) if args.html else None
+    if html_out is not None and html_out.exists() and not args.force:
+        raise UserError(f"{html_out} exists; use --force to overwrite it")
+    with open_capture(args.capture) as reader:
+        report = analyze(reader, min_gap_ns=max(1, int(args.min_gap_ms * 1e6)))
+    if html_out is not None:
+        from gputrace.viewer import html
+
+        html.write(report, html_out, title=Path(args.capture).name, force=args.force)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+
+    from gputrace.viewer import terminal
+
+    terminal.render(report, Console(), Path(args.capture).name)
+    if html_out is not None:
+        print(f"Wrote {html_out}")
+    return 0

@@ -1,0 +1,510 @@
+/* gputrace kernel side: follows a process tree and records what can make a GPU wait.
+ *
+ * Tracepoints only. Everything a non-target pays is one hash lookup: syscall entry checks the tgid in
+ * `targets`, syscall exit looks up its tid in `inflight` (only targets ever get an entry). Calls shorter
+ * than THRESHOLD_NS are summed per (tid, syscall) in `agg`, not emitted. Every lost record is counted in
+ * `drops` by reason (see gputrace.h). Build-time settings come in as -D flags from probes/ebpf.py. */
+#include <linux/sched.h>
+#include "gputrace.h"
+
+#ifndef THRESHOLD_NS
+#define THRESHOLD_NS 100000
+#endif
+#ifndef OFFCPU_THRESHOLD_NS
+#define OFFCPU_THRESHOLD_NS THRESHOLD_NS
+#endif
+#ifndef MAX_TARGETS
+#define MAX_TARGETS 4096
+#endif
+#ifndef INFLIGHT_BITS
+#define INFLIGHT_BITS 16
+#endif
+#define INFLIGHT_MASK ((1U << INFLIGHT_BITS) - 1)
+#ifndef MAX_OFFCPU
+#define MAX_OFFCPU 16384
+#endif
+#ifndef MAX_AGG
+#define MAX_AGG 16384
+#endif
+#ifndef EVENT_PAGES
+#define EVENT_PAGES 4096
+#endif
+#ifndef PROC_PAGES
+#define PROC_PAGES 64
+#endif
+#define GT_CLONE_THREAD 0x00010000
+
+BPF_HASH(targets, u32, u8, MAX_TARGETS);
+/* In-flight calls in slots indexed by tid: an array lookup instead of hash update/lookup/delete on every
+ * call (the difference between ~1.5x and ~1.2x on a pread loop). Two traced threads whose tids share
+ * the low INFLIGHT_BITS and are in a syscall at once collide; the loser is counted in drops. */
+BPF_ARRAY(inflight, struct gt_inflight, 1 << INFLIGHT_BITS);
+BPF_HASH(agg, struct gt_agg_key, struct gt_agg_val, MAX_AGG);
+BPF_ARRAY(sysinfo, struct gt_sysinfo, GT_NR_MAX);
+BPF_PERCPU_ARRAY(drops, u64, GT_DROP_MAX);
+BPF_HASH(blk, struct gt_blk_key, struct gt_blk_val, 8192);
+BPF_HASH(offcpu, u32, struct gt_offcpu_val, MAX_OFFCPU);
+BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
+BPF_RINGBUF_OUTPUT(procev, PROC_PAGES);
+
+/* Never read, never updated: they let user space see the compiler's layout of the shared events. */
+BPF_ARRAY(layout_sys, struct gt_sys_event, 1);
+BPF_ARRAY(layout_path, struct gt_path_event, 1);
+BPF_ARRAY(layout_block, struct gt_block_event, 1);
+BPF_ARRAY(layout_offcpu, struct gt_offcpu_event, 1);
+BPF_ARRAY(layout_proc, struct gt_proc_event, 1);
+
+/* The common layout of every syscalls:sys_enter_X / sys_exit_X tracepoint. */
+struct gt_sys_enter_args {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    u64 args[6];
+};
+
+struct gt_sys_exit_args {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    s64 ret;
+};
+
+static __always_inline void count_drop(u32 reason)
+{
+    u64 *n = drops.lookup(&reason);
+    if (n)
+        (*n)++;
+}
+
+static __always_inline int is_target(u32 tgid)
+{
+    return targets.lookup(&tgid) != 0;
+}
+
+int gt_sys_enter(struct gt_sys_enter_args *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *v = inflight.lookup(&slot);
+    if (!v)
+        return 0;
+    if (v->tid && v->tid != tid)
+        count_drop(GT_DROP_INFLIGHT);
+    v->tid = tid;
+    v->ts = bpf_ktime_get_ns();
+    v->nr = (u32)ctx->nr;
+    /* Copied, not loaded from ctx: a direct load past a call's last argument would make the kernel
+     * refuse to attach the shared program to tracepoints with fewer arguments. Extra slots hold junk. */
+    bpf_probe_read_kernel(v->args, sizeof(v->args), ctx->args);
+    return 0;
+}
+
+static __always_inline void fold_agg(struct gt_inflight *v)
+{
+    if (!v->agg_count)
+        return;
+    struct gt_agg_key k = {.pid = v->agg_pid, .tid = v->agg_tid, .nr = v->agg_nr};
+    struct gt_agg_val *a = agg.lookup(&k);
+    if (a) {
+        /* One key per thread: only that thread (or the final read) touches it. */
+        a->count += v->agg_count;
+        a->total_ns += v->agg_ns;
+    } else {
+        struct gt_agg_val init = {.count = v->agg_count, .total_ns = v->agg_ns};
+        if (agg.insert(&k, &init))
+            count_drop(GT_DROP_AGG);
+    }
+    v->agg_count = 0;
+    v->agg_ns = 0;
+}
+
+static __always_inline void add_agg(struct gt_inflight *v, u32 pid, u32 tid, u32 nr, u64 dur)
+{
+    if (v->agg_tid != tid || v->agg_nr != nr) {
+        fold_agg(v);
+        v->agg_pid = pid;
+        v->agg_tid = tid;
+        v->agg_nr = nr;
+    }
+    v->agg_count += 1;
+    v->agg_ns += dur;
+}
+
+static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt_inflight *c, u64 id,
+                                     u64 now, s64 ret, struct gt_sysinfo *si)
+{
+    e->type = type;
+    e->nr = c->nr;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->start_ns = c->ts;
+    e->end_ns = now;
+    e->ret = ret;
+    e->a0 = c->args[0];
+    e->a1 = c->args[1];
+    e->arg = c->args[si->arg_idx & 3];
+    if (si->flags & GT_F_TIMESPEC) {
+        s64 ts[2] = {};
+        if (e->arg && bpf_probe_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
+            e->arg = ts[0] * 1000000000ULL + ts[1];
+    }
+    if ((si->flags & GT_F_PIPE) && ret == 0) {
+        int fds[2] = {-1, -1};
+        bpf_probe_read_user(fds, sizeof(fds), (void *)c->args[0]);
+        e->a0 = (u64)(s64)fds[0];
+        e->a1 = (u64)(s64)fds[1];
+    }
+}
+
+static __always_inline void read_sockaddr(struct gt_path_event *e, const void *addr, u32 len)
+{
+    if (!addr || len == 0)
+        return;
+    if (len > GT_SOCKADDR_MAX)
+        len = GT_SOCKADDR_MAX;
+    /* Keep the compiler from folding the clamp away; the mask is the bound the verifier sees. */
+    asm volatile("" : "+r"(len));
+    u64 n = len & (GT_DATA_LEN - 1);
+    if (n && bpf_probe_read_user(e->data, n, addr) == 0)
+        e->len = n;
+}
+
+static __always_inline void emit_path(struct gt_inflight *c, u64 id, u64 now, s64 ret, struct gt_sysinfo *si)
+{
+    struct gt_path_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return;
+    }
+    fill_sys(&e->sys, GT_EV_PATH, c, id, now, ret, si);
+    e->len = 0;
+    e->pad = 0;
+    e->data[0] = 0;
+    if (si->flags & GT_F_PATH) {
+        int n = bpf_probe_read_user_str(e->data, sizeof(e->data), (void *)c->args[1]);
+        e->len = n > 0 ? n - 1 : 0;
+    } else if (si->flags & GT_F_SOCKADDR) {
+        read_sockaddr(e, (void *)c->args[1], (u32)c->args[2]);
+    } else if ((si->flags & GT_F_SOCKADDR_PLEN) && ret >= 0 && c->args[2]) {
+        u32 len = 0;
+        bpf_probe_read_user(&len, sizeof(len), (void *)c->args[2]);
+        read_sockaddr(e, (void *)c->args[1], len);
+    }
+    events.ringbuf_submit(e, 0);
+}
+
+static __always_inline void emit_sys(struct gt_inflight *c, u64 id, u64 now, s64 ret, struct gt_sysinfo *si)
+{
+    struct gt_sys_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return;
+    }
+    fill_sys(e, GT_EV_SYS, c, id, now, ret, si);
+    events.ringbuf_submit(e, 0);
+}
+
+int gt_sys_exit(struct gt_sys_exit_args *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *v = inflight.lookup(&slot);
+    if (!v || v->tid != tid)
+        return 0;
+    struct gt_inflight c = *v;
+    v->tid = 0;
+    if (c.nr != (u32)ctx->nr)
+        return 0; /* entry of another call (its exit was missed): no trustworthy duration */
+    u64 now = bpf_ktime_get_ns();
+    u64 dur = now - c.ts;
+    u32 nr = c.nr;
+    struct gt_sysinfo *si = sysinfo.lookup(&nr);
+    if (!si)
+        return 0;
+    int always = si->flags & GT_F_FDTABLE;
+    if (dur < THRESHOLD_NS)
+        add_agg(v, id >> 32, tid, nr, dur);
+    if (!always && dur < THRESHOLD_NS)
+        return 0;
+    if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
+        emit_path(&c, id, now, ctx->ret, si);
+    else
+        emit_sys(&c, id, now, ctx->ret, si);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------- process tree ---- */
+
+static __always_inline void emit_proc(void *ring_is_proc, struct gt_proc_event *src)
+{
+    struct gt_proc_event *e;
+    if (ring_is_proc)
+        e = procev.ringbuf_reserve(sizeof(*e));
+    else
+        e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(ring_is_proc ? GT_DROP_PROCBUF : GT_DROP_RINGBUF);
+        return;
+    }
+    __builtin_memcpy(e, src, sizeof(*e));
+    if (ring_is_proc)
+        procev.ringbuf_submit(e, 0);
+    else
+        events.ringbuf_submit(e, 0);
+}
+
+/* Runs in the parent: a traced parent's new process joins the target set before it can run. */
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 ptgid = id >> 32;
+    if (!is_target(ptgid))
+        return 0;
+    struct gt_proc_event ev = {};
+    ev.type = GT_EV_FORK;
+    ev.flags = (args->clone_flags & GT_CLONE_THREAD) ? 1 : 0;
+    ev.pid = ptgid;
+    ev.tid = (u32)id;
+    ev.ts = bpf_ktime_get_ns();
+    ev.child_tid = args->pid;
+    ev.child_pid = ev.flags ? ptgid : (u32)args->pid;
+    bpf_probe_read_kernel(ev.comm, sizeof(ev.comm), args->comm);
+    if (!ev.flags) {
+        u8 one = 1;
+        if (targets.update(&ev.child_pid, &one))
+            count_drop(GT_DROP_TARGETS);
+    }
+    emit_proc((void *)1, &ev);
+    /* A copy in the events ring keeps fd inheritance in order with the child's own events. */
+    if (!ev.flags)
+        emit_proc(0, &ev);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    struct gt_proc_event ev = {};
+    ev.type = GT_EV_EXEC;
+    ev.pid = id >> 32;
+    ev.tid = (u32)id;
+    ev.ts = bpf_ktime_get_ns();
+    bpf_get_current_comm(ev.comm, sizeof(ev.comm));
+    TP_DATA_LOC_READ_STR(ev.filename, filename, sizeof(ev.filename));
+    emit_proc((void *)1, &ev);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!is_target(tgid))
+        return 0;
+    u32 tid = (u32)id;
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *v = inflight.lookup(&slot);
+    if (v && v->tid == tid)
+        v->tid = 0;
+    if (v && v->agg_tid == tid)
+        fold_agg(v);
+    offcpu.delete(&tid);
+    struct gt_proc_event ev = {};
+    ev.type = GT_EV_EXIT;
+#ifdef HAVE_GROUP_DEAD
+    ev.flags = args->group_dead ? 1 : 0;
+#else
+    ev.flags = tid == tgid;
+#endif
+    ev.pid = tgid;
+    ev.tid = tid;
+    ev.ts = bpf_ktime_get_ns();
+    bpf_get_current_comm(ev.comm, sizeof(ev.comm));
+    emit_proc((void *)1, &ev);
+    if (ev.flags) {
+        targets.delete(&tgid);
+        emit_proc(0, &ev);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------- scheduling ---- */
+
+/* `current` is prev here, so its tgid is at hand; next is known only by tid, hence `offcpu` by tid. */
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    u64 now = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    u32 prev = args->prev_pid;
+    if (prev != 0 && is_target(id >> 32)) {
+        struct gt_offcpu_val v = {};
+        v.ts = now;
+        v.pid = id >> 32;
+        v.state = (u32)args->prev_state;
+        if (offcpu.update(&prev, &v))
+            count_drop(GT_DROP_OFFCPU);
+    }
+    u32 next = args->next_pid;
+    struct gt_offcpu_val *o = offcpu.lookup(&next);
+    if (!o)
+        return 0;
+    if (now - o->ts >= OFFCPU_THRESHOLD_NS) {
+        struct gt_offcpu_event *e = events.ringbuf_reserve(sizeof(*e));
+        if (e) {
+            e->type = GT_EV_OFFCPU;
+            e->state = o->state;
+            e->pid = o->pid;
+            e->tid = next;
+            e->start_ns = o->ts;
+            e->end_ns = now;
+            e->wake_ns = o->wake_ns;
+            e->waker_pid = o->waker_pid;
+            e->waker_tid = o->waker_tid;
+            __builtin_memcpy(e->waker_comm, o->waker_comm, sizeof(e->waker_comm));
+            events.ringbuf_submit(e, 0);
+        } else {
+            count_drop(GT_DROP_RINGBUF);
+        }
+    }
+    offcpu.delete(&next);
+    return 0;
+}
+
+/* Interrupt nesting per CPU (0 hard irq, 1 softirq, 2 timer callback). A wakeup from an interrupt names
+ * no task: `current` is whoever happened to be interrupted. (The trace_entry flags byte would say so, but
+ * it is not filled in on the BPF path.) */
+BPF_PERCPU_ARRAY(irqdepth, u32, 3);
+
+static __always_inline int irq_enter(u32 kind)
+{
+    u32 *d = irqdepth.lookup(&kind);
+    if (d)
+        (*d)++;
+    return 0;
+}
+
+static __always_inline int irq_leave(u32 kind)
+{
+    u32 *d = irqdepth.lookup(&kind);
+    if (d && *d) /* an exit whose entry came before the program was attached */
+        (*d)--;
+    return 0;
+}
+
+TRACEPOINT_PROBE(irq, irq_handler_entry) { return irq_enter(0); }
+TRACEPOINT_PROBE(irq, irq_handler_exit) { return irq_leave(0); }
+TRACEPOINT_PROBE(irq, softirq_entry) { return irq_enter(1); }
+TRACEPOINT_PROBE(irq, softirq_exit) { return irq_leave(1); }
+TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { return irq_enter(2); }
+TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { return irq_leave(2); }
+
+static __always_inline int in_irq_kind(u32 kind)
+{
+    u32 *d = irqdepth.lookup(&kind);
+    return d && *d;
+}
+
+static __always_inline int irq_kind(void)
+{
+    if (in_irq_kind(0))
+        return 1;
+    if (in_irq_kind(1))
+        return 2;
+    if (in_irq_kind(2))
+        return 3;
+    return 0;
+}
+
+/* sched_waking runs in the waker's context (sched_wakeup may run on the target's CPU), so `current` is
+ * the waker, traced or not, unless the wakeup comes from an interrupt. */
+TRACEPOINT_PROBE(sched, sched_waking)
+{
+    u32 tid = args->pid;
+    struct gt_offcpu_val *o = offcpu.lookup(&tid);
+    if (!o)
+        return 0;
+    o->wake_ns = bpf_ktime_get_ns();
+    int kind = irq_kind();
+    if (kind) {
+        o->waker_pid = 0;
+        o->waker_tid = 0;
+        if (kind == 1)
+            __builtin_memcpy(o->waker_comm, "[irq]\0\0\0\0\0\0\0\0\0\0", GT_COMM_LEN);
+        else if (kind == 2)
+            __builtin_memcpy(o->waker_comm, "[softirq]\0\0\0\0\0\0", GT_COMM_LEN);
+        else
+            __builtin_memcpy(o->waker_comm, "[timer]\0\0\0\0\0\0\0\0", GT_COMM_LEN);
+    } else {
+        u64 id = bpf_get_current_pid_tgid();
+        o->waker_pid = id >> 32;
+        o->waker_tid = (u32)id;
+        bpf_get_current_comm(o->waker_comm, sizeof(o->waker_comm));
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ block ---- */
+
+static __always_inline int block_submit(u32 dev, u64 sector)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    struct gt_blk_key k = {.dev = dev, .sector = sector};
+    struct gt_blk_val v = {};
+    v.ts = bpf_ktime_get_ns();
+    v.pid = id >> 32;
+    v.tid = (u32)id;
+    bpf_get_current_comm(v.comm, sizeof(v.comm));
+    if (blk.update(&k, &v))
+        count_drop(GT_DROP_BLOCK);
+    return 0;
+}
+
+#ifdef HAVE_BLOCK_IO_START
+/* Accounted when the request is made, in the submitter's context. */
+TRACEPOINT_PROBE(block, block_io_start)
+{
+    return block_submit(args->dev, args->sector);
+}
+#else
+TRACEPOINT_PROBE(block, block_rq_issue)
+{
+    return block_submit(args->dev, args->sector);
+}
+#endif
+
+/* block_rq_complete carries the bytes completed (after merges), block_io_done only zero. */
+TRACEPOINT_PROBE(block, block_rq_complete)
+{
+    struct gt_blk_key k = {.dev = args->dev, .sector = args->sector};
+    struct gt_blk_val *v = blk.lookup(&k);
+    if (!v)
+        return 0;
+    struct gt_block_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (e) {
+        e->type = GT_EV_BLOCK;
+        e->dev = args->dev;
+        e->pid = v->pid;
+        e->tid = v->tid;
+        e->sector = args->sector;
+        e->issue_ns = v->ts;
+        e->complete_ns = bpf_ktime_get_ns();
+        e->nbytes = args->nr_sector << 9;
+        e->error = args->error;
+        bpf_probe_read_kernel(e->rwbs, sizeof(e->rwbs), args->rwbs);
+        e->rwbs[7] = 0;
+        __builtin_memcpy(e->comm, v->comm, sizeof(e->comm));
+        events.ringbuf_submit(e, 0);
+    } else {
+        count_drop(GT_DROP_RINGBUF);
+    }
+    blk.delete(&k);
+    return 0;
+}

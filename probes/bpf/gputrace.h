@@ -1,0 +1,156 @@
+/* Events shared between gputrace.bpf.c and probes/events.py (which mirrors them with struct formats;
+ * tests/test_ebpf_layout.py checks that sizes and offsets agree). Bump GT_LAYOUT on any change. */
+#ifndef GPUTRACE_H
+#define GPUTRACE_H
+
+#define GT_LAYOUT 1
+#define GT_COMM_LEN 16
+#define GT_DATA_LEN 256
+#define GT_SOCKADDR_MAX 128
+#define GT_FILENAME_LEN 128
+#define GT_NR_MAX 512
+
+/* Event types: the first u32 of every event. */
+#define GT_EV_SYS 1    /* struct gt_sys_event */
+#define GT_EV_PATH 2   /* struct gt_path_event: a syscall plus its path or sockaddr */
+#define GT_EV_BLOCK 3  /* struct gt_block_event */
+#define GT_EV_OFFCPU 4 /* struct gt_offcpu_event */
+#define GT_EV_FORK 5   /* struct gt_proc_event */
+#define GT_EV_EXEC 6
+#define GT_EV_EXIT 7
+
+/* Where records were lost: indexes of the per-CPU `drops` array. */
+#define GT_DROP_RINGBUF 0  /* events ring buffer full */
+#define GT_DROP_PROCBUF 1  /* process-event ring buffer full */
+#define GT_DROP_INFLIGHT 2 /* in-flight slot taken by another thread: that thread's call is lost */
+#define GT_DROP_AGG 3      /* short-call aggregation map full */
+#define GT_DROP_BLOCK 4    /* block request map full */
+#define GT_DROP_OFFCPU 5   /* off-CPU map full */
+#define GT_DROP_TARGETS 6  /* target set full: a child is not followed */
+#define GT_DROP_MAX 8
+
+/* Per-syscall flags (the `sysinfo` array, filled from probes/syscalls.py). */
+#define GT_F_FD 0x1             /* args[0] is an fd */
+#define GT_F_XFER 0x2           /* a positive return value is a byte count */
+#define GT_F_PATH 0x4           /* args[1] is a user path */
+#define GT_F_SOCKADDR 0x8       /* args[1] is a sockaddr, args[2] its length */
+#define GT_F_SOCKADDR_PLEN 0x10 /* args[1] is a sockaddr, args[2] points to its length (filled on return) */
+#define GT_F_FDTABLE 0x20       /* changes the fd table: always emitted, whatever its duration */
+#define GT_F_PIPE 0x40          /* args[0] points to int[2], filled on return */
+#define GT_F_TIMESPEC 0x80      /* the main argument points to a struct timespec */
+
+struct gt_sysinfo {
+    u32 flags;
+    u32 arg_idx; /* which argument is the "main" one reported in `arg` */
+};
+
+struct gt_inflight {
+    u64 ts;
+    u64 args[4];
+    u32 nr;
+    u32 tid; /* owner of this slot while its call runs; 0 = free */
+    /* The running total of short calls of one (thread, syscall), folded into `agg` when the thread
+     * makes a short call of another syscall, exits, or the capture stops. */
+    u32 agg_pid;
+    u32 agg_tid;
+    u32 agg_nr;
+    u32 agg_pad;
+    u64 agg_count;
+    u64 agg_ns;
+};
+
+struct gt_agg_key {
+    u32 pid;
+    u32 tid;
+    u32 nr;
+    u32 pad;
+};
+
+struct gt_agg_val {
+    u64 count;
+    u64 total_ns;
+};
+
+struct gt_sys_event { /* 64 bytes */
+    u32 type;
+    u32 nr;
+    u32 pid;
+    u32 tid;
+    u64 start_ns;
+    u64 end_ns;
+    s64 ret;
+    u64 a0;  /* the fd (or first pipe fd) */
+    u64 a1;  /* second argument (dup2 newfd, second pipe fd, sockaddr length) */
+    u64 arg; /* the main argument (count, futex address, sleep ns, ioctl cmd) */
+};
+
+struct gt_path_event { /* 328 bytes */
+    struct gt_sys_event sys;
+    u32 len;
+    u32 pad;
+    char data[GT_DATA_LEN];
+};
+
+struct gt_block_event { /* 72 bytes */
+    u32 type;
+    u32 dev;
+    u32 pid;
+    u32 tid;
+    u64 sector;
+    u64 issue_ns;
+    u64 complete_ns;
+    u32 nbytes;
+    s32 error;
+    char rwbs[8];
+    char comm[GT_COMM_LEN];
+};
+
+struct gt_offcpu_event { /* 64 bytes */
+    u32 type;
+    u32 state;
+    u32 pid;
+    u32 tid;
+    u64 start_ns;
+    u64 end_ns;
+    u64 wake_ns;
+    u32 waker_pid;
+    u32 waker_tid;
+    char waker_comm[GT_COMM_LEN];
+};
+
+struct gt_proc_event { /* 176 bytes */
+    u32 type;
+    u32 flags; /* fork: 1 = a thread; exit: 1 = the whole process is gone */
+    u32 pid;
+    u32 tid;
+    u64 ts;
+    u32 child_pid;
+    u32 child_tid;
+    char comm[GT_COMM_LEN];
+    char filename[GT_FILENAME_LEN];
+};
+
+struct gt_blk_key {
+    u32 dev;
+    u32 pad;
+    u64 sector;
+};
+
+struct gt_blk_val {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    char comm[GT_COMM_LEN];
+};
+
+struct gt_offcpu_val {
+    u64 ts;
+    u64 wake_ns;
+    u32 pid;
+    u32 state;
+    u32 waker_pid;
+    u32 waker_tid;
+    char waker_comm[GT_COMM_LEN];
+};
+
+#endif

@@ -1,0 +1,349 @@
+"""The real GPU backend of the in-process agent: CUPTI activity tracing through cupti-python.
+
+CUPTI fills activity buffers on its own; a flusher thread here asks for the completed ones every
+``flush_period_s`` (non-forced, so kernels still running are not cut), and ``stop()`` forces the rest out.
+Each completed buffer is converted right in the callback (the record objects are views into a buffer
+CUPTI reuses afterwards) by gputrace.probes.cupti_convert, on the capture clock via gputrace.clock.
+
+cupti-python is imported only in ``start()``: the agent, and everything else, runs without it. Nothing here
+may change what the target does: every error inside a callback is counted, never raised into CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gputrace.probes.cupti_convert import (
+    KIND_CONCURRENT_KERNEL,
+    KIND_CONTEXT,
+    KIND_DEVICE,
+    KIND_DRIVER,
+    KIND_MARKER,
+    KIND_MEMCPY,
+    KIND_MEMSET,
+    KIND_RUNTIME,
+    KIND_SYNCHRONIZATION,
+    ActivityConverter,
+    dump_activity,
+)
+
+from gputrace.clock import RealtimeConverter, monotonic_ns
+
+Emit = Callable[[Sequence[tuple[Any, ...]]], None]
+
+# Device work and host calls; CONTEXT and DEVICE records name the hardware (enabled with a dump, so a
+# late start still learns about contexts created before it).
+TRACED_KINDS = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, KIND_RUNTIME, KIND_DRIVER,
+                KIND_SYNCHRONIZATION, KIND_MARKER)  # fmt: skip
+DUMPED_KINDS = (KIND_CONTEXT, KIND_DEVICE)
+THREAD_ID_SYSTEM = 1  # CUpti_ActivityThreadIdType: kernel tids instead of pthread_self()
+FLUSH_FORCED = 1
+ERROR_MULTIPLE_SUBSCRIBERS = 39
+
+LIBCUDA = "libcuda.so.1"
+LD_CACHE = Path("/etc/ld.so.cache")
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/nvidia/lib64",
+             "/usr/lib/wsl/lib", "/usr/lib/aarch64-linux-gnu")  # fmt: skip
+
+
+RECORD_ENV = "GPUTRACE_CUPTI_RECORD"
+
+
+class BatchRecorder:
+    """Writes each completed buffer as one JSON line (after a meta line with the clock offset)."""
+
+    def __init__(self, path: str, pid: int, realtime_offset_ns: int, api_name: Callable[[int, int], str]) -> None:
+        path = path.replace("{pid}", str(pid))  # several CUDA processes in one tree: one file each
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed at stop
+        self._api_name = api_name
+        meta = {"pid": pid, "realtime_offset_ns": realtime_offset_ns, "driver_version": driver_version(),
+                "cupti_python": _dist_version("cupti-python")}  # fmt: skip
+        self._file.write(json.dumps({"meta": meta}) + "\n")
+
+    def write(self, activities: Iterable[Any]) -> None:
+        batch = [dump_activity(a, self._api_name) for a in activities]
+        self._file.write(json.dumps({"batch": batch}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class CuptiUnavailable(RuntimeError):
+    """CUPTI cannot trace this process; the message says why (the agent reports it and stays out of the way)."""
+
+
+def find_libcuda(env: Mapping[str, str] | None = None, ld_cache: Path = LD_CACHE) -> str | None:
+    """Where the dynamic loader would find libcuda.so.1, found without loading it."""
+    search = (os.environ if env is None else env).get("LD_LIBRARY_PATH", "")
+    dirs = [d for d in search.split(":") if d] + list(_LIB_DIRS)
+    for d in dirs:
+        p = Path(d) / LIBCUDA
+        if p.exists():
+            return str(p)
+    return _in_ld_cache(ld_cache, LIBCUDA)
+
+
+def _in_ld_cache(cache: Path, soname: str) -> str | None:
+    try:
+        data = cache.read_bytes()
+    except OSError:
+        return None
+    for chunk in data.split(b"\0"):
+        if chunk.startswith(b"/") and chunk.endswith(b"/" + soname.encode()) and Path(chunk.decode()).exists():
+            return chunk.decode()
+    return None
+
+
+def nvtx_injection_path(search: Iterable[str] | None = None) -> str | None:
+    """The libcupti to name in NVTX_INJECTION64_PATH (so NVTX ranges reach CUPTI), or None when absent.
+
+    Looks where pip's nvidia-cuda-cupti wheels put it (``nvidia/cu*/lib``, ``nvidia/cuda_cupti/lib`` under
+    each entry of ``search``, default sys.path), then in a CUDA toolkit (CUDA_HOME, /usr/local/cuda).
+    """
+    roots = list(sys.path if search is None else search)
+    candidates: list[Path] = []
+    for root in roots:
+        base = Path(root or ".") / "nvidia"
+        candidates += sorted(base.glob("cu*/lib/libcupti.so*"), reverse=True)
+        candidates += sorted(base.glob("cuda_cupti/lib/libcupti.so*"), reverse=True)
+    if search is None:
+        for home in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+            if home:
+                candidates += sorted(Path(home).glob("extras/CUPTI/lib64/libcupti.so*"), reverse=True)
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    return None
+
+
+def driver_version(path: Path = Path("/proc/driver/nvidia/version")) -> str:
+    """The kernel driver's version (e.g. "580.65.06"), "" without the NVIDIA driver."""
+    try:
+        first = path.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return ""
+    m = re.search(r"Module\b.*?\s(\d+\.\d+(?:\.\d+)?)\s", first + " ")
+    return m.group(1) if m else ""
+
+
+def cuda_driver_api_version() -> str:
+    """cuDriverGetVersion of the libcuda already loaded into this process ("" when none is)."""
+    try:
+        lib = ctypes.CDLL(LIBCUDA, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return ""
+    v = ctypes.c_int(0)
+    if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
+        return ""
+    return f"{v.value // 1000}.{(v.value % 1000) // 10}"
+
+
+class CuptiBackend:
+    """GpuBackend (gputrace.agent.backend) recording CUPTI activity of this process."""
+
+    name = "cupti"
+
+    def __init__(
+        self, *, flush_period_s: float = 0.25, resample_period_s: float = 1.0, buffer_bytes: int = 8 << 20,
+        record_path: str | None = None,
+    ) -> None:  # fmt: skip
+        # Raw batches as JSON lines, for replay tests (tests/data/cupti); RECORD_ENV arms it in a target.
+        self._record_path = record_path if record_path is not None else os.environ.get(RECORD_ENV) or None
+        self._recorder: BatchRecorder | None = None
+        self._flush_period = flush_period_s
+        self._resample_period = resample_period_s
+        self._buffer_bytes = buffer_bytes
+        self._cupti: Any = None
+        self._emit: Emit | None = None
+        self._clock: RealtimeConverter | None = None
+        self._conv: ActivityConverter | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._counts = {"cupti": 0, "convert": 0, "emit": 0}
+        self._errors: list[str] = []
+        self._skew_us = ""
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Whether start() can work here, found without importing CUPTI or loading libcuda."""
+        if importlib.util.find_spec("cupti") is None:
+            return False, "cupti-python is not installed (pip install cupti-python)"
+        if find_libcuda() is None:
+            return False, f"no CUDA driver: {LIBCUDA} not found (is the NVIDIA driver installed?)"
+        return True, "cupti-python and the CUDA driver are present"
+
+    # ---------------------------------------------------------------------------------- lifecycle --
+
+    def start(self, emit: Emit) -> None:
+        ok, why = self.available()
+        if not ok:
+            raise CuptiUnavailable(why)
+        try:
+            cupti = importlib.import_module("cupti.cupti")
+        except Exception as e:  # noqa: BLE001 - a broken install (missing libcupti, numpy) is a reason, not a crash
+            raise CuptiUnavailable(f"cupti-python does not load: {e}") from None
+        self._cupti, self._emit = cupti, emit
+        self._clock = RealtimeConverter(self._resample_period)
+        self._conv = ActivityConverter(os.getpid(), self._clock.to_monotonic, cupti.get_callback_name)
+        if self._record_path:
+            self._recorder = BatchRecorder(self._record_path, os.getpid(), self._clock.offset_ns, self._conv.api_name)
+        try:
+            self._enable(cupti)
+        except Exception as e:  # noqa: BLE001 - cuptiError, or cupti-python's NotSupportedError without a driver
+            self._cupti = None  # nothing to stop
+            if self._recorder is not None:
+                self._recorder.close()
+            raise CuptiUnavailable(_explain(e)) from None
+        self._measure_skew(cupti)
+        self._thread = threading.Thread(target=self._flush_loop, name="gputrace-cupti-flush", daemon=True)
+        self._thread.start()
+
+    def _enable(self, cupti: Any) -> None:
+        """Kernels are required; a kind this CUPTI refuses (and the hardware dumps) degrades, noted in info()."""
+        cupti.set_thread_id_type(THREAD_ID_SYSTEM)
+        cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        cupti.activity_enable(KIND_CONCURRENT_KERNEL)
+        for kind in DUMPED_KINDS:
+            if not self._call(cupti.activity_enable_and_dump, kind):
+                self._call(cupti.activity_enable, kind)
+        for kind in TRACED_KINDS:
+            if kind != KIND_CONCURRENT_KERNEL:
+                self._call(cupti.activity_enable, kind)
+
+    def _measure_skew(self, cupti: Any) -> None:
+        """How far CUPTI's clock, read as CLOCK_REALTIME, is from the capture clock now (should be ~0)."""
+        assert self._clock is not None
+        try:
+            skew = self._clock.to_monotonic(int(cupti.get_timestamp())) - monotonic_ns()
+        except Exception as e:  # noqa: BLE001
+            self._note(f"get_timestamp: {e}")
+            return
+        self._skew_us = str(skew // 1000)
+        if abs(skew) > 10_000_000:
+            self._note(f"CUPTI's clock is {skew / 1e6:.1f} ms off CLOCK_REALTIME: GPU times will be shifted")
+
+    def stop(self) -> None:
+        cupti = self._cupti
+        if cupti is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._call(cupti.activity_flush_all, FLUSH_FORCED)
+        for kind in TRACED_KINDS + DUMPED_KINDS:
+            self._call(cupti.activity_disable, kind)
+        self._read_dropped()
+        with self._lock:
+            assert self._conv is not None
+            tail = self._conv.finish()
+        self._deliver(tail)
+        if self._recorder is not None:
+            self._recorder.close()
+        self._cupti = None
+
+    def drops(self) -> dict[str, int]:
+        """Records lost: dropped by CUPTI, failed to convert or to send, or never completed on the device."""
+        with self._lock:
+            out = dict(self._counts)
+            out["incomplete"] = self._conv.skipped.get("incomplete", 0) if self._conv is not None else 0
+        return out
+
+    def notes(self) -> dict[str, int]:
+        """Records converted with a gap (a sync with no thread) or not at all though nothing was lost."""
+        with self._lock:
+            skipped = dict(self._conv.skipped) if self._conv is not None else {}
+        skipped.pop("incomplete", None)
+        return skipped
+
+    def info(self) -> dict[str, str]:
+        return {
+            "cuda_version": cuda_driver_api_version(),
+            "driver_version": driver_version(),
+            "cupti_python": _dist_version("cupti-python"),
+            "cupti_clock_skew_us": self._skew_us,
+            "errors": "; ".join(self._errors[-3:]),
+        }
+
+    # ---------------------------------------------------------------------------------- callbacks --
+
+    def _buffer_requested(self) -> tuple[int, int]:
+        return self._buffer_bytes, 0  # 0: as many records as fit
+
+    def _buffer_completed(self, activities: list[Any]) -> None:
+        try:
+            with self._lock:
+                assert self._conv is not None
+                if self._recorder is not None:
+                    self._recorder.write(activities)
+                records = self._conv.convert(activities)
+        except Exception as e:  # noqa: BLE001 - never raise into CUPTI's thread
+            self._count("convert", len(activities), e)
+            return
+        self._deliver(records)
+
+    def _deliver(self, records: list[tuple[Any, ...]]) -> None:
+        if not records or self._emit is None:
+            return
+        try:
+            self._emit(records)
+        except Exception as e:  # noqa: BLE001 - a broken channel must not break the target
+            self._count("emit", len(records), e)
+
+    def _flush_loop(self) -> None:
+        assert self._clock is not None
+        while not self._stop.wait(self._flush_period):
+            self._call(self._cupti.activity_flush_all, 0)
+            self._clock.maybe_resample()
+            self._read_dropped()
+
+    def _read_dropped(self) -> None:
+        """Add CUPTI's count of records lost for want of buffer space (global queue; it resets on read)."""
+        dropped = ctypes.c_size_t(0)
+        if self._call(self._cupti.activity_get_num_dropped_records, 0, 0, ctypes.addressof(dropped)):
+            self._count("cupti", dropped.value)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> bool:
+        try:
+            fn(*args)
+            return True
+        except Exception as e:  # noqa: BLE001 - recorded in info(); tracing degrades, the target goes on
+            self._note(f"{getattr(fn, '__name__', 'cupti')}: {e}")
+            return False
+
+    def _count(self, where: str, n: int, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._counts[where] += n
+        if error is not None:
+            self._note(f"{where}: {error!r}")
+
+    def _note(self, message: str) -> None:
+        if len(self._errors) < 100:
+            self._errors.append(message)
+
+
+def _explain(error: Any) -> str:
+    status = getattr(error, "status", None) or (error.args[0] if getattr(error, "args", None) else None)
+    if status == ERROR_MULTIPLE_SUBSCRIBERS:
+        return "another CUPTI client (Nsight Systems, a profiler) already traces this process"
+    return f"CUPTI could not start: {error}"
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001
+        return ""
+

@@ -1,0 +1,373 @@
+"""The eBPF source: bcc tracepoint programs (probes/bpf/gputrace.bpf.c) following a process tree.
+
+The hot path stores raw kernel events: the ring-buffer callback only copies bytes, a batch becomes one
+blob for ``sink.emit_kernel``, and probes/events.py decodes it when the capture is read. Process events
+come through a small ring of their own and are decoded live (the session needs forks and exits as they
+happen, and new processes' /proc metadata must be read while they exist).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import subprocess
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gputrace.probes import events, procfs
+from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers, wanted_tracepoints
+
+from gputrace import clock
+from gputrace.errors import PermissionDenied, UserError
+from gputrace.records import (
+    Drops,
+    ProcExec,
+    ProcFork,
+    SourceStatus,
+    SyscallAgg,
+)
+from gputrace.source import Sink
+
+__all__ = ["EbpfSource", "wanted_tracepoints", "check_host", "program_text"]
+
+BPF_DIR = Path(__file__).resolve().parent / "bpf"
+TRACEFS = Path("/sys/kernel/tracing")
+_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+_BATCH_EVENTS = 4096
+_POLL_MS = 50
+
+ProcCallback = Callable[[Any], None]
+
+
+def program_text() -> str:
+    """The kernel program as compiled (header first), for the hidden ``--ebpf`` flag."""
+    return (BPF_DIR / "gputrace.h").read_text() + "\n" + (BPF_DIR / "gputrace.bpf.c").read_text()
+
+
+# ------------------------------------------------------------------------------- host checks ---
+
+
+def _effective_caps() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_privileges() -> None:
+    caps = _effective_caps()
+    if caps >> _CAP_SYS_ADMIN & 1 or (caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1):
+        return
+    missing = [n for n, bit in (("CAP_BPF", _CAP_BPF), ("CAP_PERFMON", _CAP_PERFMON)) if not caps >> bit & 1]
+    raise PermissionDenied(f"eBPF tracing needs root or {' + '.join(missing)} (missing); run with sudo")
+
+
+def check_tracefs() -> None:
+    if (TRACEFS / "events").is_dir():
+        return
+    if os.geteuid() == 0:
+        r = subprocess.run(["mount", "-t", "tracefs", "tracefs", str(TRACEFS)], capture_output=True, text=True)
+        if r.returncode == 0 and (TRACEFS / "events").is_dir():
+            return
+    raise UserError(f"tracefs is not mounted at {TRACEFS}; run: sudo mount -t tracefs tracefs {TRACEFS}")
+
+
+def check_headers() -> None:
+    mod = Path("/lib/modules") / os.uname().release
+    if any((mod / d / "include/linux/kconfig.h").exists() for d in ("build", "source")):
+        return
+    raise UserError(f"kernel headers for {os.uname().release} are missing (bcc needs them); run ./setup.sh")
+
+
+def import_bcc() -> Any:
+    try:
+        import bcc
+    except ImportError:
+        raise UserError("bcc is not importable (python3-bpfcc, system site packages); run ./setup.sh") from None
+    return bcc
+
+
+def check_host() -> Any:
+    """Everything the source needs before compiling; returns the bcc module."""
+    check_privileges()
+    bcc = import_bcc()
+    check_tracefs()
+    check_headers()
+    return bcc
+
+
+def _format_has(category: str, name: str, field: str) -> bool:
+    try:
+        return f" {field};" in (TRACEFS / "events" / category / name / "format").read_text()
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------ source ---
+
+
+class EbpfSource:
+    """Follows ``pids`` and their descendants; see the module docstring."""
+
+    name = "ebpf"
+
+    def __init__(
+        self,
+        pids: Sequence[int],
+        *,
+        threshold_ns: int = 100_000,
+        on_proc: ProcCallback | None = None,
+        syscalls: Sequence[str] | None = None,
+        ring_mib: int = 16,
+    ) -> None:
+        if threshold_ns < 0:
+            raise UserError("the eBPF threshold must be ≥ 0 ns")
+        if ring_mib < 1 or ring_mib & (ring_mib - 1):
+            raise UserError("the ring buffer size must be a power of two MiB")
+        self.pids = list(pids)
+        self.threshold_ns = threshold_ns
+        self.on_proc = on_proc
+        self.syscalls = list(syscalls) if syscalls is not None else [s.name for s in SPECS]
+        self.ring_pages = ring_mib * 1024 * 1024 // os.sysconf("SC_PAGE_SIZE")
+        self.attached: list[str] = []
+        self.missing: list[str] = []
+        self.events = 0
+        self._bpf: Any = None
+        self._sink: Sink | None = None
+        self._batch: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._callback_errors = 0
+        self._nr_names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------------------ lifecycle ---
+
+    def start(self, sink: Sink) -> None:
+        for pid in self.pids:
+            if procfs.proc_info(pid) is None:
+                raise UserError(f"no process with pid {pid}")
+        bcc = check_host()
+        self._sink = sink
+        self._bpf = self._compile(bcc)
+        sysinfo = self._fill_sysinfo(bcc)
+        self._attach_syscalls(sysinfo)
+        sink.emit_meta(self.name, self._meta(sysinfo))
+        self._bpf[b"events"].open_ring_buffer(self._on_event)
+        self._bpf[b"procev"].open_ring_buffer(self._on_proc_event)
+        for pid in self.pids:
+            self.add_target(pid)
+        status = "degraded" if self.missing else "started"
+        detail = f"missing tracepoints: {', '.join(self.missing)}" if self.missing else ""
+        sink.emit([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
+        self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._bpf is None or self._sink is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._bpf.ring_buffer_consume()
+        self._flush()
+        now = clock.monotonic_ns()
+        records: list[Any] = self._aggregates()
+        records += [Drops(now, self.name, what, n) for what, n in self.drops().items()]
+        records.append(SourceStatus(now, self.name, "stopped", f"{self.events} kernel events"))
+        self._sink.emit(records)
+        bpf, self._bpf = self._bpf, None
+        bpf[b"targets"].clear()  # the programs go quiet at once; unhooking them takes a while
+        threading.Thread(target=_unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True).start()
+
+    def drops(self) -> dict[str, int]:
+        out = dict.fromkeys(events.DROP_REASONS, 0)
+        if self._bpf is not None:
+            table = self._bpf[b"drops"]
+            for i, what in enumerate(events.DROP_REASONS):
+                out[what] = int(table.sum(table.Key(i)).value)
+        out["callback"] = self._callback_errors
+        return out
+
+    # -------------------------------------------------------------------------------- targets ---
+
+    def add_target(self, pid: int, *, descendants: bool = True) -> None:
+        """Trace ``pid`` (and its living descendants) from now on; snapshot their /proc state."""
+        info = procfs.proc_info(pid)
+        if info is None:
+            raise UserError(f"no process with pid {pid}")
+        targets = self._bpf[b"targets"]
+        pids = [pid] + (procfs.descendants(pid) if descendants else [])
+        for p in pids:
+            targets[targets.Key(p)] = targets.Leaf(1)
+        records: list[Any] = []
+        for p in pids:
+            records += self._snapshot(p)
+        if self._sink is not None:
+            self._sink.emit(records)
+
+    def is_traced(self, pid: int) -> bool:
+        if self._bpf is None:
+            return False
+        targets = self._bpf[b"targets"]
+        try:
+            targets[targets.Key(pid)]
+        except KeyError:
+            return False
+        return True
+
+    def live_targets(self) -> set[int]:
+        """Traced tgids whose process still exists."""
+        if self._bpf is None:
+            return set()
+        return {k.value for k in self._bpf[b"targets"] if Path(f"/proc/{k.value}").is_dir()}
+
+    def program_text(self) -> str:
+        return program_text()
+
+    # ---------------------------------------------------------------------------- compilation ---
+
+    def _cflags(self) -> list[str]:
+        flags = [
+            f"-I{BPF_DIR}",
+            f"-DTHRESHOLD_NS={self.threshold_ns}ULL",
+            f"-DEVENT_PAGES={self.ring_pages}",
+        ]
+        if _tracepoint_exists("block", "block_io_start"):
+            flags.append("-DHAVE_BLOCK_IO_START")
+        if _format_has("sched", "sched_process_exit", "group_dead"):
+            flags.append("-DHAVE_GROUP_DEAD")
+        return flags
+
+    def _compile(self, bcc: Any) -> Any:
+        try:
+            with warnings.catch_warnings():  # bcc 0.26 warns on str paths but cannot join bytes ones
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return bcc.BPF(src_file=str(BPF_DIR / "gputrace.bpf.c"), cflags=self._cflags())
+        except Exception as e:  # bcc raises bare Exception on compile/load failures
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"loading the eBPF program failed: {first} (check: gputrace doctor)") from None
+
+    def _fill_sysinfo(self, bcc: Any) -> dict[int, tuple[str, int]]:
+        numbers = syscall_numbers()
+        table = self._bpf[b"sysinfo"]
+        out: dict[int, tuple[str, int]] = {}
+        for name in self.syscalls:
+            spec, nr = BY_NAME.get(name), numbers.get(name)
+            if spec is None or nr is None or nr >= 512:
+                self.missing.append(f"syscalls:sys_enter_{name}")
+                continue
+            table[table.Key(nr)] = table.Leaf(spec.flags, spec.arg_idx)
+            out[nr] = (name, spec.flags)
+        self._nr_names = {nr: name for nr, (name, _) in out.items()}
+        return out
+
+    def _attach_syscalls(self, sysinfo: dict[int, tuple[str, int]]) -> None:
+        for _, (name, _) in sorted(sysinfo.items()):
+            enter, exit_ = f"sys_enter_{name}", f"sys_exit_{name}"
+            if not (_tracepoint_exists("syscalls", enter) and _tracepoint_exists("syscalls", exit_)):
+                self.missing.append(f"syscalls:{enter}")
+                continue
+            self._bpf.attach_tracepoint(tp=f"syscalls:{enter}".encode(), fn_name=b"gt_sys_enter")
+            self._bpf.attach_tracepoint(tp=f"syscalls:{exit_}".encode(), fn_name=b"gt_sys_exit")
+            self.attached.append(name)
+        if not _tracepoint_exists("block", "block_io_start"):
+            self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
+
+    def _meta(self, sysinfo: dict[int, tuple[str, int]]) -> dict[str, Any]:
+        return {
+            "layout": events.LAYOUT,
+            "threshold_ns": self.threshold_ns,
+            "clock": "CLOCK_MONOTONIC",
+            "syscalls": {nr: name for nr, (name, _) in sysinfo.items()},
+            "sysflags": {nr: flags for nr, (_, flags) in sysinfo.items()},
+            "devices": procfs.block_devices(),
+            "attached": self.attached,
+            "missing": self.missing,
+            "drop_reasons": list(events.DROP_REASONS),
+        }
+
+    # ---------------------------------------------------------------------------------- drain ---
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._bpf.ring_buffer_poll(_POLL_MS)
+            self._flush()
+
+    def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
+        batch = self._batch
+        batch.append(ctypes.string_at(data, size))
+        if len(batch) >= _BATCH_EVENTS:
+            self._flush()
+        return 0
+
+    def _flush(self) -> None:
+        if self._batch and self._sink is not None:
+            batch, self._batch = self._batch, []
+            self.events += len(batch)
+            self._sink.emit_kernel(b"".join(batch), len(batch))
+
+    def _on_proc_event(self, _ctx: Any, data: Any, size: int) -> int:
+        try:
+            rec = events.proc_record(ctypes.string_at(data, size))
+            assert self._sink is not None
+            self._sink.emit([rec, *self._proc_metadata(rec)])
+            if self.on_proc is not None:
+                self.on_proc(rec)
+        except Exception:  # noqa: BLE001 - a callback must not raise into bcc; counted instead
+            self._callback_errors += 1
+        return 0
+
+    def _proc_metadata(self, rec: Any) -> list[Any]:
+        if isinstance(rec, ProcFork):
+            if rec.is_thread:
+                return [t for t in procfs.threads(rec.child_pid) if t.tid == rec.child_tid]
+            info = procfs.proc_info(rec.child_pid)
+            return [info, *procfs.threads(rec.child_pid)] if info else []
+        if isinstance(rec, ProcExec):
+            info = procfs.proc_info(rec.pid)
+            return [info] if info else []
+        return []
+
+    def _snapshot(self, pid: int) -> list[Any]:
+        info = procfs.proc_info(pid)
+        if info is None:
+            return []
+        return [info, *procfs.threads(pid), *procfs.fd_snapshot(pid)]
+
+    def _aggregates(self) -> list[SyscallAgg]:
+        names = self._nr_names
+        return [
+            SyscallAgg(k.pid, k.tid, names.get(k.nr, f"syscall_{k.nr}"), v.count, v.total_ns)
+            for k, v in self._bpf[b"agg"].items()
+        ]
+
+
+def _unload(bpf: Any) -> None:
+    """Close every tracepoint link at once, then free the rest. Each close waits for an RCU grace period
+    (70 ms to seconds on a busy machine); concurrent closes share them."""
+    from bcc.libbcc import lib
+
+    atexit.unregister(bpf.cleanup)  # an exiting interpreter drops the links itself; never twice
+    fds = list(bpf.tracepoint_fds.values())
+    bpf.tracepoint_fds.clear()
+    closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,), daemon=True) for fd in fds]
+    try:
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
+        bpf.cleanup()
+    except Exception:  # noqa: BLE001 - interpreter shutting down: the kernel closes what is left
+        pass
+
+
+def _tracepoint_exists(category: str, name: str) -> bool:
+    from bcc import BPF
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(BPF.tracepoint_exists(category, name))

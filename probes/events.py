@@ -1,0 +1,231 @@
+"""Decodes the eBPF source's raw kernel events into typed records, at read time.
+
+Pure Python (no bcc): every machine that reads a capture can decode it. The struct formats mirror
+probes/bpf/gputrace.h once; tests/test_ebpf_layout.py checks them against the compiler's layout. The
+capture stores the kernel's bytes as they came out of the ring buffer; resolving fds to paths and peers
+happens here, from the fd events, the /proc snapshot (FdInfo) and fork inheritance.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+from gputrace.records import BlockIO, FdInfo, OffCpu, ProcFork, Syscall
+
+LAYOUT = 1
+AT_FDCWD = -100
+
+EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
+
+F_FD = 0x1
+F_XFER = 0x2
+F_PATH = 0x4
+F_SOCKADDR = 0x8
+F_SOCKADDR_PLEN = 0x10
+F_FDTABLE = 0x20
+F_PIPE = 0x40
+F_TIMESPEC = 0x80
+
+DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets")
+
+SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event
+PATH = struct.Struct("<IIIIQQqQQQII256s")  # gt_path_event
+BLOCK = struct.Struct("<IIIIQQQIi8s16s")  # gt_block_event
+OFFCPU = struct.Struct("<IIIIQQQII16s")  # gt_offcpu_event
+PROC = struct.Struct("<IIIIQII16s128s")  # gt_proc_event
+
+SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
+         EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size}  # fmt: skip
+
+# sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
+_STATES = "SDTtXZPI"
+_AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
+
+
+def cstr(b: bytes) -> str:
+    return b.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def task_state(raw: int) -> str:
+    bits = raw & 0xFF
+    if not bits:
+        return "R"
+    low = (bits & -bits).bit_length() - 1
+    return _STATES[low] if low < len(_STATES) else "?"
+
+
+def dev_name(devt: int, names: dict[str, str]) -> str:
+    key = f"{devt >> 20}:{devt & 0xFFFFF}"
+    return names.get(key, key)
+
+
+def sockaddr_str(data: bytes) -> str:
+    """A peer as ``host:port`` / ``[v6]:port`` / a unix path; "" when unreadable. Bytes are untrusted."""
+    if len(data) < 2:
+        return ""
+    family = int.from_bytes(data[:2], "little")
+    if family == _AF_INET and len(data) >= 8:
+        return f"{ipaddress.IPv4Address(data[4:8])}:{int.from_bytes(data[2:4], 'big')}"
+    if family == _AF_INET6 and len(data) >= 24:
+        return f"[{ipaddress.IPv6Address(data[8:24])}]:{int.from_bytes(data[2:4], 'big')}"
+    if family == _AF_UNIX:
+        path = data[2:]
+        if path[:1] == b"\0":
+            return "unix:@" + cstr(path[1:])
+        return "unix:" + cstr(path) if cstr(path) else "unix:(unnamed)"
+    return f"sockaddr(family {family})"
+
+
+class KernelDecoder:
+    """Turns raw event blobs into Syscall, BlockIO and OffCpu records, resolving fds as it goes."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        if meta.get("layout") != LAYOUT:
+            raise ValueError(f"eBPF event layout {meta.get('layout')!r}, this reader knows {LAYOUT}")
+        self.threshold_ns = int(meta.get("threshold_ns", 0))
+        self._names: dict[int, str] = {int(k): str(v) for k, v in meta.get("syscalls", {}).items()}
+        self._flags: dict[int, int] = {int(k): int(v) for k, v in meta.get("sysflags", {}).items()}
+        self._devices: dict[str, str] = {str(k): str(v) for k, v in meta.get("devices", {}).items()}
+        self._fds: dict[int, dict[int, str]] = {}
+        self._forked: set[int] = set()
+
+    # ------------------------------------------------------------------------------ fd tables ---
+
+    def note_fd(self, info: FdInfo) -> None:
+        self._fds.setdefault(info.pid, {})[info.fd] = info.obj
+
+    def note_fork(self, fork: ProcFork) -> None:
+        """A child process starts with a copy of its parent's fd table (once: later calls are no-ops)."""
+        if fork.is_thread or fork.child_pid in self._forked:
+            return
+        self._forked.add(fork.child_pid)
+        self._fds[fork.child_pid] = dict(self._fds.get(fork.parent_pid, {}))
+
+    def fd_obj(self, pid: int, fd: int) -> str:
+        return self._fds.get(pid, {}).get(fd, "")
+
+    def _resolve_path(self, pid: int, dirfd: int, path: str) -> str:
+        if not path or path.startswith("/"):
+            return path
+        base = self.fd_obj(pid, dirfd)
+        return os.path.normpath(os.path.join(base, path)) if base.startswith("/") else path
+
+    # ---------------------------------------------------------------------------------- decode ---
+
+    def decode(self, blob: bytes) -> Iterator[Any]:
+        off, end = 0, len(blob)
+        while off < end:
+            if end - off < 4:
+                raise ValueError(f"kernel event cut short at offset {off}")
+            etype = int.from_bytes(blob[off : off + 4], "little")
+            size = SIZES.get(etype)
+            if size is None or off + size > end:
+                raise ValueError(f"bad kernel event type {etype} at offset {off}")
+            rec = self._decode_one(etype, blob, off)
+            off += size
+            if rec is not None:
+                yield rec
+
+    def _decode_one(self, etype: int, blob: bytes, off: int) -> Any:
+        if etype == EV_SYS:
+            return self._syscall(SYS.unpack_from(blob, off), "")
+        if etype == EV_PATH:
+            f = PATH.unpack_from(blob, off)
+            return self._syscall(f[:10], f[12][: min(f[10], 256)])
+        if etype == EV_BLOCK:
+            return self._block(BLOCK.unpack_from(blob, off))
+        if etype == EV_OFFCPU:
+            return self._offcpu(OFFCPU.unpack_from(blob, off))
+        self._proc(PROC.unpack_from(blob, off))
+        return None
+
+    def _syscall(self, f: tuple[Any, ...], data: bytes) -> Syscall | None:
+        _, nr, pid, tid, start, end, ret, a0, a1, arg = f
+        flags = self._flags.get(nr, 0)
+        fd = _int(a0) if flags & F_FD else -1
+        obj = self._object(pid, nr, flags, ret, _int(a0), _int(a1), data)
+        if end - start < self.threshold_ns:
+            return None  # emitted only to keep the fd table right; its time is in SyscallAgg
+        if flags & F_PATH:
+            fd = ret if ret >= 0 and flags & F_FDTABLE else -1
+        nbytes = ret if flags & F_XFER and ret > 0 else 0
+        return Syscall(pid, tid, self._names.get(nr, f"syscall_{nr}"), start, end, ret, fd, obj, nbytes, arg)
+
+    def _object(self, pid: int, nr: int, flags: int, ret: int, a0: int, a1: int, data: bytes) -> str:
+        """The call's object, updating the process's fd table for calls that change it."""
+        table = self._fds.setdefault(pid, {})
+        name = self._names.get(nr, "")
+        if flags & F_PATH:
+            path = self._resolve_path(pid, a0, cstr(data))
+            if flags & F_FDTABLE and ret >= 0:
+                table[ret] = path
+            return path
+        if flags & F_SOCKADDR:
+            peer = sockaddr_str(data)
+            if ret == 0 or ret == -errno.EINPROGRESS:
+                table[a0] = peer
+            return peer
+        if flags & F_SOCKADDR_PLEN:
+            peer = sockaddr_str(data) or "socket"
+            if ret >= 0:
+                table[ret] = peer
+            return peer
+        if flags & F_PIPE:
+            if ret == 0:
+                table[a0] = table[a1] = "pipe"
+            return "pipe"
+        if name == "socket":
+            if ret >= 0:
+                table[ret] = "socket"
+            return "socket"
+        if name == "close":
+            return table.pop(a0, "")
+        if name.startswith("dup"):
+            obj = table.get(a0, "")
+            newfd = ret if name == "dup" else a1
+            if ret >= 0 and obj:
+                table[newfd] = obj
+            return obj
+        return table.get(a0, "") if flags & F_FD else ""
+
+    def _block(self, f: tuple[Any, ...]) -> BlockIO:
+        _, dev, pid, tid, sector, issue, complete, nbytes, _err, rwbs, comm = f
+        return BlockIO(pid, tid, cstr(comm), dev_name(dev, self._devices), sector, nbytes, cstr(rwbs),
+                       issue, complete)  # fmt: skip
+
+    def _offcpu(self, f: tuple[Any, ...]) -> OffCpu:
+        _, state, pid, tid, start, end, wake, wpid, wtid, wcomm = f
+        return OffCpu(pid, tid, start, end, task_state(state), wake, wpid, wtid, cstr(wcomm))
+
+    def _proc(self, f: tuple[Any, ...]) -> None:
+        etype, flags, pid, tid, ts, child_pid, child_tid, comm, _filename = f
+        if etype == EV_FORK:
+            self.note_fork(ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm)))
+        elif etype == EV_EXIT and flags:
+            self._fds.pop(pid, None)  # the process is gone; its pid may be reused
+            self._forked.discard(pid)
+
+
+def proc_record(raw: bytes) -> Any:
+    """A process event from the live process ring as a ProcFork / ProcExec / ProcExit record."""
+    from gputrace.records import ProcExec, ProcExit
+
+    etype, flags, pid, tid, ts, child_pid, child_tid, comm, filename = PROC.unpack_from(raw)
+    if etype == EV_FORK:
+        return ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm))
+    if etype == EV_EXEC:
+        return ProcExec(ts, pid, tid, cstr(comm), cstr(filename))
+    if etype == EV_EXIT:
+        return ProcExit(ts, pid, tid, cstr(comm))
+    raise ValueError(f"bad process event type {etype}")
+
+
+def _int(v: int) -> int:
+    """A C int argument (an fd, AT_FDCWD) from a 64-bit register whose upper half may be anything."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v

@@ -1,0 +1,166 @@
+"""What /proc says about a process when tracing of it begins: metadata, threads, open fds, children.
+
+Everything read here is written by (or about) a traced process and is treated as untrusted: sizes are
+capped, bytes decoded with replacement, and a process that vanishes mid-read yields what was read.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+from gputrace.probes.events import AT_FDCWD
+
+from gputrace import clock
+from gputrace.records import FdInfo, ProcInfo, ThreadInfo
+
+PROC = Path("/proc")
+_MAX_CMDLINE = 64 << 10
+_MAX_ARGS = 1024
+
+
+def _read(path: Path, limit: int = 4096) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return b""
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+def comm(pid: int, tid: int | None = None) -> str:
+    base = PROC / str(pid) if tid is None else PROC / str(pid) / "task" / str(tid)
+    return _text(_read(base / "comm", 64)).rstrip("\n")
+
+
+def ppid_of(pid: int) -> int:
+    """The parent's pid from /proc/PID/stat (0 if unreadable); comm may hold spaces and parens."""
+    stat = _read(PROC / str(pid) / "stat")
+    close = stat.rfind(b")")
+    fields = stat[close + 2 :].split()
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def proc_info(pid: int) -> ProcInfo | None:
+    if not (PROC / str(pid)).is_dir():
+        return None
+    args = _read(PROC / str(pid) / "cmdline", _MAX_CMDLINE).split(b"\0")
+    if args and args[-1] == b"":
+        args.pop()
+    try:
+        exe = os.readlink(PROC / str(pid) / "exe")
+    except OSError:
+        exe = ""
+    cmdline = [_text(a) for a in args[:_MAX_ARGS]]
+    return ProcInfo(clock.monotonic_ns(), pid, ppid_of(pid), comm(pid), cmdline, exe)
+
+
+def threads(pid: int) -> list[ThreadInfo]:
+    try:
+        tids = sorted(int(t) for t in os.listdir(PROC / str(pid) / "task") if t.isdigit())
+    except OSError:
+        return []
+    now = clock.monotonic_ns()
+    return [ThreadInfo(now, pid, tid, comm(pid, tid)) for tid in tids]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (one pass over /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir(PROC):
+        if name.isdigit():
+            children.setdefault(ppid_of(int(name)), []).append(int(name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return sorted(out)
+
+
+def _hex_addr(text: str) -> str:
+    """``0100007F:1F90`` (as /proc/net/tcp prints it, host byte order per 32-bit word) → 127.0.0.1:8080."""
+    addr, _, port = text.partition(":")
+    raw = bytes.fromhex(addr)
+    # Each 32-bit word is in host (little-endian) order.
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    host = ipaddress.ip_address(raw)
+    if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped:
+        host = host.ipv4_mapped
+    port_n = int(port, 16)
+    return f"[{host}]:{port_n}" if host.version == 6 else f"{host}:{port_n}"
+
+
+def socket_peers(pid: int) -> dict[int, str]:
+    """socket inode → peer ``host:port`` (listening: ``listen host:port``) or unix path, in pid's netns."""
+    peers: dict[int, str] = {}
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        for line in _text(_read(PROC / str(pid) / "net" / proto, 4 << 20)).splitlines()[1:]:
+            f = line.split()
+            try:
+                local, remote, inode = _hex_addr(f[1]), _hex_addr(f[2]), int(f[9])
+            except (IndexError, ValueError):
+                continue
+            peers[inode] = remote if not remote.endswith(":0") else f"listen {local}"
+    for line in _text(_read(PROC / str(pid) / "net" / "unix", 4 << 20)).splitlines()[1:]:
+        f = line.split(maxsplit=7)
+        if len(f) >= 7 and f[6].isdigit():
+            peers[int(f[6])] = "unix:" + (f[7] if len(f) > 7 else "(unnamed)")
+    return peers
+
+
+def _classify(link: str, peers: dict[int, str]) -> tuple[str, str]:
+    if link.startswith("socket:["):
+        inode = link[8:-1]
+        return "socket", peers.get(int(inode), link) if inode.isdigit() else link
+    if link.startswith("pipe:["):
+        return "pipe", link
+    if link.startswith("anon_inode:"):
+        return "anon", link
+    if link.startswith("/"):
+        return "file", link
+    return "other", link
+
+
+def fd_snapshot(pid: int) -> list[FdInfo]:
+    """The open fds of ``pid`` (plus its cwd as fd AT_FDCWD, kind "cwd", to resolve relative opens)."""
+    base = PROC / str(pid)
+    now = clock.monotonic_ns()
+    out: list[FdInfo] = []
+    try:
+        out.append(FdInfo(now, pid, AT_FDCWD, "cwd", os.readlink(base / "cwd")))
+        names = os.listdir(base / "fd")
+    except OSError:
+        return out
+    peers: dict[int, str] | None = None
+    for name in names:
+        try:
+            link = os.readlink(base / "fd" / name)
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:") and peers is None:
+            peers = socket_peers(pid)
+        kind, obj = _classify(link, peers or {})
+        out.append(FdInfo(now, pid, int(name), kind, obj))
+    return sorted(out, key=lambda r: r.fd)
+
+
+def block_devices() -> dict[str, str]:
+    """``major:minor`` → device name, for naming block requests."""
+    out: dict[str, str] = {}
+    try:
+        entries = os.listdir("/sys/dev/block")
+    except OSError:
+        return out
+    for majmin in entries:
+        for line in _text(_read(Path("/sys/dev/block") / majmin / "uevent")).splitlines():
+            if line.startswith("DEVNAME="):
+                out[majmin] = line[8:]
+    return out

@@ -1,0 +1,147 @@
+"""Which syscalls the eBPF source traces, and how the kernel program reads each one's arguments.
+
+Pure Python (no bcc): ``gputrace doctor`` and the tests read it on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from gputrace.probes.events import (
+    F_FD,
+    F_FDTABLE,
+    F_PATH,
+    F_PIPE,
+    F_SOCKADDR,
+    F_SOCKADDR_PLEN,
+    F_TIMESPEC,
+    F_XFER,
+)
+
+
+class SyscallSpec(NamedTuple):
+    name: str
+    flags: int
+    arg_idx: int  # which argument the record's ``arg`` carries
+    purpose: str
+
+
+_READ = "storage/network reads"
+_OPEN = "file opens and lookups (slow or remote filesystems)"
+_WRITE = "writes and checkpoints"
+_WAIT = "waits on other threads and processes"
+_POLL = "event loops and readiness waits"
+_NET = "network transfers"
+_CONN = "socket setup (peer addresses)"
+_SLEEP = "sleeps"
+_FDS = "fd table changes (resolves fds to files and peers)"
+
+SPECS: tuple[SyscallSpec, ...] = (
+    SyscallSpec("read", F_FD | F_XFER, 2, _READ),
+    SyscallSpec("pread64", F_FD | F_XFER, 2, _READ),
+    SyscallSpec("readv", F_FD | F_XFER, 2, _READ),
+    SyscallSpec("preadv", F_FD | F_XFER, 2, _READ),
+    SyscallSpec("preadv2", F_FD | F_XFER, 2, _READ),
+    SyscallSpec("openat", F_PATH | F_FDTABLE, 2, _OPEN),
+    SyscallSpec("openat2", F_PATH | F_FDTABLE, 2, _OPEN),
+    SyscallSpec("newfstatat", F_PATH, 3, _OPEN),
+    SyscallSpec("statx", F_PATH, 2, _OPEN),
+    SyscallSpec("getdents64", F_FD, 2, _OPEN),
+    SyscallSpec("write", F_FD | F_XFER, 2, _WRITE),
+    SyscallSpec("pwrite64", F_FD | F_XFER, 2, _WRITE),
+    SyscallSpec("writev", F_FD | F_XFER, 2, _WRITE),
+    SyscallSpec("fsync", F_FD, 0, _WRITE),
+    SyscallSpec("fdatasync", F_FD, 0, _WRITE),
+    SyscallSpec("futex", 0, 0, _WAIT),
+    SyscallSpec("futex_waitv", 0, 0, _WAIT),
+    SyscallSpec("poll", 0, 2, _POLL),
+    SyscallSpec("ppoll", 0, 1, _POLL),
+    SyscallSpec("select", 0, 0, _POLL),
+    SyscallSpec("pselect6", 0, 0, _POLL),
+    SyscallSpec("epoll_wait", F_FD, 3, _POLL),
+    SyscallSpec("epoll_pwait", F_FD, 3, _POLL),
+    SyscallSpec("epoll_pwait2", F_FD, 3, _POLL),
+    SyscallSpec("recvfrom", F_FD | F_XFER, 2, _NET),
+    SyscallSpec("recvmsg", F_FD | F_XFER, 2, _NET),
+    SyscallSpec("recvmmsg", F_FD, 2, _NET),
+    SyscallSpec("sendto", F_FD | F_XFER, 2, _NET),
+    SyscallSpec("sendmsg", F_FD | F_XFER, 2, _NET),
+    SyscallSpec("sendmmsg", F_FD, 2, _NET),
+    SyscallSpec("accept", F_FD | F_SOCKADDR_PLEN | F_FDTABLE, 0, _CONN),
+    SyscallSpec("accept4", F_FD | F_SOCKADDR_PLEN | F_FDTABLE, 3, _CONN),
+    SyscallSpec("connect", F_FD | F_SOCKADDR | F_FDTABLE, 2, _CONN),
+    SyscallSpec("nanosleep", F_TIMESPEC, 0, _SLEEP),
+    SyscallSpec("clock_nanosleep", F_TIMESPEC, 2, _SLEEP),
+    SyscallSpec("ioctl", F_FD, 1, "device calls (a GPU driver's ioctls)"),
+    SyscallSpec("pipe", F_PIPE | F_FDTABLE, 0, _FDS),
+    SyscallSpec("pipe2", F_PIPE | F_FDTABLE, 1, _FDS),
+    SyscallSpec("socket", F_FDTABLE, 0, _FDS),
+    SyscallSpec("dup", F_FD | F_FDTABLE, 0, _FDS),
+    SyscallSpec("dup2", F_FD | F_FDTABLE, 1, _FDS),
+    SyscallSpec("dup3", F_FD | F_FDTABLE, 1, _FDS),
+    SyscallSpec("close", F_FD | F_FDTABLE, 0, _FDS),
+)
+
+BY_NAME: dict[str, SyscallSpec] = {s.name: s for s in SPECS}
+
+OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
+    ("task", "task_newtask", "follow forked children and threads"),
+    ("sched", "sched_process_exec", "process exec"),
+    ("sched", "sched_process_exit", "process and thread exit"),
+    ("sched", "sched_switch", "off-CPU intervals"),
+    ("sched", "sched_waking", "who woke a waiting thread"),
+    ("irq", "irq_handler_entry", "wakeups from hard interrupts (no task to blame)"),
+    ("irq", "irq_handler_exit", "wakeups from hard interrupts (no task to blame)"),
+    ("irq", "softirq_entry", "wakeups from softirqs (network receive, block completion)"),
+    ("irq", "softirq_exit", "wakeups from softirqs (network receive, block completion)"),
+    ("timer", "hrtimer_expire_entry", "wakeups by timers (sleeps, timeouts)"),
+    ("timer", "hrtimer_expire_exit", "wakeups by timers (sleeps, timeouts)"),
+    ("block", "block_io_start", "block requests, in the submitter's context (else block_rq_issue)"),
+    ("block", "block_rq_complete", "block request completion"),
+)
+
+
+def wanted_tracepoints() -> list[tuple[str, str, str]]:
+    """(category, name, purpose) of every tracepoint the eBPF source uses."""
+    out = list(OTHER_TRACEPOINTS)
+    for s in SPECS:
+        out.append(("syscalls", f"sys_enter_{s.name}", s.purpose))
+        out.append(("syscalls", f"sys_exit_{s.name}", s.purpose))
+    return out
+
+
+_NR_RE = re.compile(r"^#define __NR_(\w+)\s+(\d+)\s*$", re.M)
+
+
+def _unistd_headers() -> list[Path]:
+    arch = platform.machine()
+    rel = os.uname().release
+    if arch == "x86_64":
+        names = ["/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h",
+                 f"/lib/modules/{rel}/build/arch/x86/include/generated/uapi/asm/unistd_64.h"]  # fmt: skip
+    else:
+        names = ["/usr/include/asm-generic/unistd.h"]
+    return [Path(n) for n in names]
+
+
+def syscall_numbers() -> dict[str, int]:
+    """name → number on this machine: the C library's unistd headers, else bcc's (older) table."""
+    out: dict[str, int] = {}
+    try:
+        from bcc import syscall
+
+        out = {name.decode(): nr for nr, name in syscall.syscalls.items()}
+    except Exception:  # noqa: BLE001 - bcc missing or its table unavailable: headers alone
+        pass
+    for header in _unistd_headers():
+        try:
+            text = header.read_text()
+        except OSError:
+            continue
+        out.update((name, int(nr)) for name, nr in _NR_RE.findall(text))
+        break
+    return out

@@ -1,0 +1,330 @@
+"""Training-loop workloads on the simulated device whose every GPU stall has a cause known by construction.
+
+    python workload.py SCENARIO CONFIG.json
+
+Each GPU step is launched right after the host got what it waited for; just before that launch the
+process appends the ground truth for the stall that launch ends to ``config["truth"]`` (one JSON line:
+device-owning pid, launch time, cause, culprit object, culprit pid). Kernels are short and the waits long,
+so the only GPU gaps are the ones constructed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gputrace.sim import Device, ProcessGroup
+
+KERNEL_MS = 4.0
+
+
+def now() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def spin(ms: float) -> None:
+    end = now() + int(ms * 1e6)
+    x = 0
+    while now() < end:
+        x += 1
+
+
+class Truth:
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def label(self, cause: str, obj: str = "", pid: int = 0) -> None:
+        line = {"pid": os.getpid(), "launch_ns": now(), "cause": cause, "object": obj, "culprit_pid": pid}
+        os.write(self.fd, (json.dumps(line) + "\n").encode())
+
+
+# ------------------------------------------------------------------------------------ workers ---
+
+
+class Workers:
+    """DataLoader-style worker processes, one pipe each; batch k comes from worker k % n."""
+
+    def __init__(self, n: int, body: Callable[[int, int, int], None], *, on_demand: bool = False) -> None:
+        """``on_demand``: a worker starts each batch only when asked (no prefetch)."""
+        self.requests: list[int] = []
+        self.pipes: list[int] = []
+        self.pids: list[int] = []
+        self.pending: list[list[dict[str, Any]]] = []
+        self.bufs: list[bytes] = []
+        for i in range(n):
+            r, w = os.pipe()
+            req_r, req_w = os.pipe() if on_demand else (-1, -1)
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                try:
+                    body(i, w, req_r)
+                finally:
+                    os._exit(0)
+            os.close(w)
+            if on_demand:
+                os.close(req_r)
+                self.requests.append(req_w)
+            self.pipes.append(r)
+            self.pids.append(pid)
+            self.pending.append([])
+            self.bufs.append(b"")
+
+    def get(self, k: int) -> dict[str, Any]:
+        i = k % len(self.pipes)
+        if self.requests:
+            os.write(self.requests[i], b"1")
+        while not self.pending[i]:
+            data = os.read(self.pipes[i], 4096)
+            if not data:
+                raise RuntimeError(f"worker {i} ended early")
+            *lines, self.bufs[i] = (self.bufs[i] + data).split(b"\n")
+            self.pending[i].extend(json.loads(x) for x in lines if x)
+        return self.pending[i].pop(0)
+
+    def join(self) -> None:
+        for fd in self.requests:
+            os.close(fd)
+        for pid in self.pids:
+            os.waitpid(pid, 0)
+
+
+def send(w: int, cause: str, obj: str = "") -> None:
+    os.write(w, (json.dumps({"cause": cause, "object": obj, "pid": os.getpid()}) + "\n").encode())
+
+
+def join_cgroup(path: str) -> None:
+    if path:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def read_uncached(path: str) -> int:
+    """Read a whole file after dropping it from the page cache, so the read goes to the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        n = 0
+        while chunk := os.read(fd, 1 << 20):
+            n += len(chunk)
+        return n
+    finally:
+        os.close(fd)
+
+
+def storage_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
+    def body(i: int, w: int, req: int) -> None:
+        join_cgroup(cfg["cgroups"][i % len(cfg["cgroups"])])
+        for path in cfg["files"][i :: cfg["workers"]]:
+            if req >= 0 and not os.read(req, 1):
+                return
+            read_uncached(path)
+            send(w, "storage", path)
+    return body
+
+
+def cpu_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
+    def body(_i: int, w: int, _req: int) -> None:
+        for _ in range(cfg["steps"]):
+            spin(cfg["work_ms"])  # "decode and augment" a sample
+            send(w, "cpu")
+    return body
+
+
+# ---------------------------------------------------------------------------------- scenarios ---
+
+
+def trainer_loop(cfg: dict[str, Any], wait: Callable[[int], tuple[str, str, int]]) -> None:
+    truth = Truth(cfg["truth"])
+    s = Device(0).stream()
+    s.launch("warmup", KERNEL_MS)
+    for k in range(cfg["steps"]):
+        cause, obj, pid = wait(k)
+        truth.label(cause, obj, pid)
+        s.launch(f"train_step_{k}", KERNEL_MS)
+    s.synchronize()
+
+
+def with_workers(cfg: dict[str, Any], body: Callable[[int, int, int], None]) -> None:
+    workers = Workers(cfg["workers"], body)
+
+    def wait(k: int) -> tuple[str, str, int]:
+        msg = workers.get(k)
+        return msg["cause"], msg["object"], msg["pid"]
+
+    trainer_loop(cfg, wait)
+    workers.join()
+
+
+def storage(cfg: dict[str, Any]) -> None:
+    with_workers(cfg, storage_body(cfg))
+
+
+def cpu_worker(cfg: dict[str, Any]) -> None:
+    with_workers(cfg, cpu_body(cfg))
+
+
+def fuse(cfg: dict[str, Any]) -> None:
+    def wait(k: int) -> tuple[str, str, int]:
+        path = cfg["files"][k % len(cfg["files"])]
+        with open(path, "rb") as f:
+            f.read()
+        return "storage", path, os.getpid()
+
+    trainer_loop(cfg, wait)
+
+
+def network(cfg: dict[str, Any]) -> None:
+    sock = socket.create_connection(("127.0.0.1", cfg["port"]))
+    peer = f"127.0.0.1:{cfg['port']}"
+
+    def wait(_k: int) -> tuple[str, str, int]:
+        sock.sendall(b"next\n")
+        got = b""
+        while not got.endswith(b"\n"):
+            got += sock.recv(65536)
+        return "network", peer, os.getpid()
+
+    trainer_loop(cfg, wait)
+    sock.close()
+
+
+def sleep(cfg: dict[str, Any]) -> None:
+    def wait(_k: int) -> tuple[str, str, int]:
+        time.sleep(cfg["sleep_ms"] / 1e3)
+        return "sleep", "", os.getpid()
+
+    trainer_loop(cfg, wait)
+
+
+def sync_then_work(cfg: dict[str, Any]) -> None:
+    truth = Truth(cfg["truth"])
+    s = Device(0).stream()
+    for k in range(cfg["steps"]):
+        s.launch(f"train_step_{k}", KERNEL_MS * 2)
+        s.synchronize()  # the host waits for the GPU, then works while the GPU has nothing queued
+        spin(cfg["work_ms"])
+        truth.label("cpu", "", os.getpid())
+    s.launch("last", KERNEL_MS)
+    s.synchronize()
+
+
+def contention(cfg: dict[str, Any]) -> None:
+    """More busy processes than cores: everyone here shares CPU 0 with three spinning hogs."""
+    s = Device(0).stream()  # its thread is created before pinning, so it may run on any CPU
+    hogs = []
+    for _ in range(3):
+        pid = os.fork()
+        if pid == 0:
+            os.sched_setaffinity(0, {0})
+            spin(cfg["hog_ms"])
+            os._exit(0)
+        hogs.append(pid)
+    os.sched_setaffinity(0, {0})
+    truth = Truth(cfg["truth"])
+    s.launch("warmup", KERNEL_MS)
+    for k in range(cfg["steps"]):
+        spin(cfg["work_ms"])
+        truth.label("cpu.runqueue", "", os.getpid())
+        s.launch(f"train_step_{k}", KERNEL_MS)
+    s.synchronize()
+    for pid in hogs:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def collective(cfg: dict[str, Any]) -> None:
+    """Two ranks; rank 1 reads a throttled file before every all-reduce and so arrives late."""
+    pid = os.fork()
+    rank = 1 if pid == 0 else 0
+    try:
+        _rank(cfg, rank)
+    finally:
+        if rank == 1:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _rank(cfg: dict[str, Any], rank: int) -> None:
+    truth = Truth(cfg["truth"])
+    if rank == 1:
+        join_cgroup(cfg["cgroups"][-1])
+    group = ProcessGroup(rank, 2, cfg["address"])
+    s = Device(0).stream()
+    late_pid = int(_exchange_pids(cfg, rank))
+    for k in range(cfg["steps"]):
+        s.launch(f"fwd_bwd_{k}", KERNEL_MS)
+        if rank == 1:
+            path = cfg["files"][k % len(cfg["files"])]
+            read_uncached(path)
+            truth.label("storage", path, os.getpid())
+        else:
+            truth.label("collective", "all_reduce", late_pid)
+        s.all_reduce(group, 1 << 20, duration_ms=1.0)
+        s.synchronize()
+    group.close()
+
+
+def _exchange_pids(cfg: dict[str, Any], rank: int) -> int:
+    """Rank 0 learns rank 1's pid (the late rank, by construction) through a file."""
+    path = cfg["address"] + ".pid"
+    if rank == 1:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(path + ".tmp", path)
+        return os.getpid()
+    while not os.path.exists(path):
+        time.sleep(0.005)
+    with open(path) as f:
+        return int(f.read())
+
+
+def mixed(cfg: dict[str, Any]) -> None:
+    """Storage through a worker, a slow peer, a sleep and host work, in turn."""
+    workers = Workers(1, storage_body({**cfg, "workers": 1}), on_demand=True)
+    sock = socket.create_connection(("127.0.0.1", cfg["port"]))
+    peer = f"127.0.0.1:{cfg['port']}"
+    kinds = ["storage", "network", "sleep", "cpu"]
+    served = 0
+
+    def wait(k: int) -> tuple[str, str, int]:
+        nonlocal served
+        kind = kinds[k % len(kinds)]
+        if kind == "storage":
+            msg = workers.get(served)
+            served += 1
+            return "storage", msg["object"], msg["pid"]
+        if kind == "network":
+            sock.sendall(b"next\n")
+            got = b""
+            while not got.endswith(b"\n"):
+                got += sock.recv(65536)
+            return "network", peer, os.getpid()
+        if kind == "sleep":
+            time.sleep(cfg["sleep_ms"] / 1e3)
+            return "sleep", "", os.getpid()
+        spin(cfg["work_ms"])
+        return "cpu", "", os.getpid()
+
+    trainer_loop(cfg, wait)
+    sock.close()
+    workers.join()
+
+
+SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
+    "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
+}  # fmt: skip
+
+if __name__ == "__main__":
+    with open(sys.argv[2]) as f:
+        config = json.load(f)
+    if sys.argv[1] != "contention":
+        # other load on a shared machine must not turn constructed CPU work into run-queue waits
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    SCENARIOS[sys.argv[1]](config)

@@ -1,0 +1,156 @@
+"""Arming: a process started with gputrace's environment behaves exactly as before, attaches when offered,
+keeps its own sitecustomize and PYTHONPATH, and its forked workers speak for themselves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from agent_harness import PYTHON, Harness, of, wait_for
+
+from gputrace.agent import arming
+
+WORKLOAD = """
+import sys
+from gputrace.sim import Device
+s = Device(0).stream()
+for i in range(3):
+    s.launch(f"k{i}", duration_ms=2)
+s.synchronize()
+print("steps done", sys.argv[1:], sorted(k for k in __import__("os").environ if k.startswith("ZZ_")))
+print("to stderr", file=sys.stderr)
+"""
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
+    return {**env, **extra}
+
+
+def _run(script: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, str(script), "a", "b"], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_an_armed_process_without_a_session_runs_exactly_as_before(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(WORKLOAD)
+    plain = _run(script, _clean_env(ZZ_X="1"))
+    armed_env = {**_clean_env(ZZ_X="1"), **arming.environment(None, base={}),
+                 "GPUTRACE_ATTACH_DIR": str(tmp_path / "attach")}
+    armed = _run(script, armed_env)
+    assert plain.returncode == armed.returncode == 0
+    assert (armed.stdout, armed.stderr) == (plain.stdout, plain.stderr)
+    # A capture's environment whose session is gone: still the same run.
+    gone = _run(script, {**_clean_env(ZZ_X="1"), **arming.environment(str(tmp_path / "no.sock"), base={})})
+    assert (gone.returncode, gone.stdout, gone.stderr) == (0, plain.stdout, plain.stderr)
+
+
+def test_without_the_variables_the_boot_hook_loads_nothing(tmp_path: Path) -> None:
+    code = "import sys; print('gputrace' in sys.modules, 'sitecustomize' in sys.modules)"
+    env = _clean_env(PYTHONPATH=arming.boot_dir())
+    out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert out.stdout.split() == ["False", "True"] and out.stderr == ""
+
+
+def test_a_dormant_process_attaches_when_offered_and_detaches_at_stop(tmp_path: Path) -> None:
+    attach = tmp_path / "attach"
+    h = Harness(tmp_path, attach_dir=str(attach))
+    env = {**_clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
+    p = h.spawn("""
+import sys, time
+from gputrace.sim import Device
+s = Device(0).stream()
+print("ready", flush=True)
+for line in sys.stdin if False else iter(lambda: time.sleep(0.01) or True, None):
+    s.launch("step", duration_ms=2)
+    s.synchronize()
+""", env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    assert h.server.stats["accepted"] == 0, "armed but not offered: it must not connect"
+    h.server.offer(p.pid)
+    assert (attach / f"{p.pid}.sock").is_socket()
+    wait_for(lambda: h.server.stats["records"] > 10, timeout_s=5, what="the dormant agent attaching")
+    h.server.stop()
+    assert not (attach / f"{p.pid}.sock").exists(), "the offer is withdrawn when the session ends"
+    assert p.poll() is None, "the target keeps running after the capture"
+    recs = h.finish()
+    assert h.server.stats["ended_early"] == 0
+    assert of(recs, "GpuDevice")[0].pid == p.pid and of(recs, "GpuKernel")
+
+
+def test_sitecustomize_chaining_keeps_the_targets_own(tmp_path: Path) -> None:
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['ZZ_OWN_SITE'] = 'ran'\n")
+    (own / "helper_mod.py").write_text("VALUE = 42\n")
+    code = "import os, helper_mod; print(os.environ.get('ZZ_OWN_SITE'), helper_mod.VALUE)"
+    base = {**_clean_env(), "PYTHONPATH": str(own)}
+    for env in (
+        {**base, **arming.environment(None, base=base), "GPUTRACE_ATTACH_DIR": str(tmp_path / "a")},
+        {**base, **arming.environment(str(tmp_path / "gone.sock"), base=base)},
+        {**base, "PYTHONPATH": arming.boot_dir() + os.pathsep + str(own)},
+    ):
+        assert env["PYTHONPATH"].split(os.pathsep) == [arming.boot_dir(), str(own)]
+        out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+        assert (out.stdout.strip(), out.stderr) == ("ran 42", ""), out
+
+
+def test_a_failing_own_sitecustomize_is_reported_as_python_would(tmp_path: Path) -> None:
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("raise RuntimeError('boom')\n")
+    plain = subprocess.run([PYTHON, "-c", "print(1)"], env={**_clean_env(), "PYTHONPATH": str(own)},
+                           capture_output=True, text=True, timeout=30)
+    env = {**_clean_env(), "PYTHONPATH": arming.boot_dir() + os.pathsep + str(own)}
+    chained = subprocess.run([PYTHON, "-c", "print(1)"], env=env, capture_output=True, text=True, timeout=30)
+    assert (chained.stdout, chained.stderr) == (plain.stdout, plain.stderr)
+    assert "RuntimeError: boom" in chained.stderr
+
+
+def test_forked_workers_get_their_own_connection(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    p = h.spawn("""
+import multiprocessing as mp, os
+from gputrace.sim import Device
+
+def work(n):
+    s = Device(0).stream()
+    s.launch(f"worker{n}", duration_ms=3)
+    s.synchronize()
+    return os.getpid()
+
+if __name__ == "__main__":
+    s = Device(0).stream()
+    s.launch("parent", duration_ms=3)
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=work, args=(n,)) for n in range(2)]
+    for q in procs: q.start()
+    for q in procs: q.join()
+    s.synchronize()
+    print(sorted(q.pid for q in procs), flush=True)
+""")
+    h.allowed.update(range(p.pid, p.pid + 2000))  # its forks, as the session's fork tracking would
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    recs = h.finish()
+    workers = eval(out)  # noqa: S307 - our own child's printed list of ints
+    by_name = {k.name: k.pid for k in of(recs, "GpuKernel")}
+    assert by_name == {"parent": p.pid, "worker0": workers[0], "worker1": workers[1]}
+    assert {d.pid for d in of(recs, "GpuDevice")} == {p.pid, *workers}
+    assert h.server.stats["ended_early"] == 0, h.server.rejections
+
+
+def test_gputrace_env_prints_arming_lines() -> None:
+    out = subprocess.run([sys.executable, "-m", "gputrace", "env"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    assert "export GPUTRACE_AGENT=1" in out.stdout
+    assert f'export PYTHONPATH={arming.boot_dir()}"${{PYTHONPATH:+:$PYTHONPATH}}"' in out.stdout
+    unit = subprocess.run([sys.executable, "-m", "gputrace", "env", "--systemd", "--unit", "trainer.service"],
+                          capture_output=True, text=True, timeout=30)
+    assert "[Service]" in unit.stdout and 'Environment="GPUTRACE_AGENT=1"' in unit.stdout
+    assert "/etc/systemd/system/trainer.service.d/gputrace.conf" in unit.stdout
+    bad = subprocess.run([sys.executable, "-m", "gputrace", "env", "--unit", "a;b"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.startswith("gputrace: error: ")

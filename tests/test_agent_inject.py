@@ -1,0 +1,53 @@
+"""Injection into a running, unarmed process: every reason it cannot work is one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrace.agent import inject
+from gputrace.errors import UserError
+
+
+def _start(argv: list[str]) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline()  # running, past interpreter start-up
+    return p
+
+
+def test_refuses_a_python_older_than_3_14_and_says_why(tmp_path: Path) -> None:
+    p = _start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"])
+    try:
+        with pytest.raises(UserError) as e:
+            inject.inject(p.pid, str(tmp_path / "agent.sock"))
+        ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+        msg = str(e.value)
+        assert f"pid {p.pid} runs Python {ver}" in msg and ">= 3.14" in msg and "sys.remote_exec" in msg
+        assert "gputrace env" in msg and "\n" not in msg
+        assert not list(tmp_path.iterdir()), "nothing is written when refusing"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_refuses_a_process_that_is_not_python(tmp_path: Path) -> None:
+    p = _start(["sh", "-c", "echo up; exec sleep 60"])
+    try:
+        with pytest.raises(UserError, match=f"pid {p.pid} is not a Python process"):
+            inject.inject(p.pid, str(tmp_path / "agent.sock"))
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_refuses_a_pid_that_does_not_exist(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no process with pid 999999999"):
+        inject.inject(999_999_999, str(tmp_path / "agent.sock"))
+
+
+def test_version_is_read_from_the_interpreter_name_or_libpython() -> None:
+    assert inject.python_version(1, "/usr/bin/python3.14") == (3, 14)
+    assert inject.python_version(1, "/opt/py/bin/python3.13t") == (3, 13)

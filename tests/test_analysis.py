@@ -1,0 +1,242 @@
+"""Attribution rules of DESIGN §5 on small synthetic captures: records in, expected stalls out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gputrace.analysis import analyze, summary_lines
+from gputrace.analysis.synth import Builder, ns
+from gputrace.capture import open_capture
+
+TRAINER, WORKER, WORKER2 = 100, 200, 300
+PATH = "/data/shard-0042.bin"
+
+
+def run(b: Builder, tmp_path: Path, **kw: Any) -> dict[str, Any]:
+    path = b.write(tmp_path / "t.gputrace", **{k: v for k, v in kw.items() if k in ("complete", "drops", "header")})
+    with open_capture(path) as reader:
+        return analyze(reader, **{k: v for k, v in kw.items() if k == "min_gap_ns"})
+
+
+def trainer(stall_from: float = 10.0, stall_to: float = 40.0, launch_at: float | None = None) -> Builder:
+    """A trainer with one kernel before and one after a stall [stall_from, stall_to)."""
+    b = Builder().proc(TRAINER, "python").device(TRAINER)
+    b.op(TRAINER, TRAINER, 0.0, 0.0, stall_from, "step_fwd")
+    launch = stall_to - 0.05 if launch_at is None else launch_at
+    b.op(TRAINER, TRAINER, launch, stall_to, stall_to + 10, "step_bwd")
+    return b
+
+
+def only_stall(report: dict[str, Any]) -> dict[str, Any]:
+    assert len(report["stalls"]) == 1, report["stalls"]
+    return report["stalls"][0]
+
+
+def worker_reads(b: Builder, pid: int, path: str = PATH, start: float = 12.0, end: float = 38.0) -> Builder:
+    b.proc(pid, "pt_data_worker", TRAINER)
+    b.syscall(pid, pid, "pread64", start, end, path, 1 << 20)
+    b.block(pid, pid, start + 0.1, end - 0.1, 512 << 10).block(pid, pid, start + 0.2, end - 0.2, 512 << 10)
+    return b.offcpu(pid, pid, start + 0.2, end - 0.05, "D", waker=(0, 0, "swapper/1"))
+
+
+def test_gap_geometry_and_schema(tmp_path: Path) -> None:
+    b = trainer()
+    b.op(TRAINER, TRAINER, 50.2, 50.3, 55.0, "tiny_gap")  # 0.3 ms gap: below the 1 ms default
+    r = run(b, tmp_path)
+    s = only_stall(r)
+    assert (s["start_ns"], s["end_ns"], s["duration_ns"]) == (ns(10), ns(40), ns(40) - ns(10))
+    assert r["schema"] == "gputrace.report/1"
+    assert set(r) >= {"schema", "capture", "devices", "summary", "stalls"}
+    assert set(r["capture"]) >= {"start_ns", "end_ns", "pids", "host", "drops", "complete"}
+    d = r["devices"][0]
+    assert d["simulated"] is True and d["busy_ns"] == ns(55) - ns(40) + ns(10) - ns(0) - (ns(50.3) - ns(50))
+    assert r["summary"]["stall_ns"] == s["duration_ns"] and r["summary"]["by_cause"] == {s["cause"]: s["duration_ns"]}
+    assert set(s) >= {"device", "start_ns", "end_ns", "duration_ns", "cause", "via", "culprit", "evidence"}
+    assert set(s["culprit"]) >= {"pid", "tid", "comm", "op", "object", "bytes", "duration_ns"}
+    assert run(b, tmp_path, min_gap_ns=100_000)["summary"]["stalls"] == 2
+
+
+def test_storage_through_a_wakeup_chain(tmp_path: Path) -> None:
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,
+                                                           (WORKER, WORKER, "pt_data_worker"))
+    worker_reads(b, WORKER)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage"
+    assert s["culprit"]["pid"] == WORKER and s["culprit"]["object"] == PATH and s["culprit"]["op"] == "pread64"
+    assert s["culprit"]["bytes"] == 1 << 20 and s["culprit"]["block_requests"] == 2
+    assert s["via"] == [f"wait:pid {WORKER}"]
+    kinds = {(e["kind"], e["pid"], e["start_ns"]) for e in s["evidence"]}
+    assert ("syscall", WORKER, ns(12)) in kinds and ("block", WORKER, ns(12.1)) in kinds
+    assert ("wakeup", TRAINER, ns(9)) in kinds and any(k == "gpu" for k, _, _ in kinds)
+
+
+def test_wakeup_chain_across_two_processes(tmp_path: Path) -> None:
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "read", 9.0, 39.9, "pipe:[4242]")
+    b.offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8, (WORKER, WORKER, "collate"))
+    b.proc(WORKER, "collate", TRAINER).syscall(WORKER, WORKER, "futex", 8.0, 39.5)
+    b.offcpu(WORKER, WORKER, 8.0, 39.5, "S", 39.4, (WORKER2, WORKER2, "reader"))
+    worker_reads(b, WORKER2, "/data/b.bin", 11.0, 39.0)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and s["culprit"]["pid"] == WORKER2 and s["culprit"]["object"] == "/data/b.bin"
+    assert s["via"] == [f"wait:pid {WORKER}", f"wait:pid {WORKER2}"]
+
+
+def test_cpu_in_a_worker(tmp_path: Path) -> None:
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,
+                                                           (WORKER, WORKER, "pt_data_worker"))
+    b.proc(WORKER, "pt_data_worker", TRAINER)  # traced, and never off CPU: it was computing
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["pid"], s["via"]) == ("cpu", WORKER, [f"wait:pid {WORKER}"])
+
+
+def test_cpu_on_the_launching_thread(tmp_path: Path) -> None:
+    s = only_stall(run(trainer().syscall(TRAINER, TRAINER, "write", 20, 20.5, "/dev/pts/0"), tmp_path))
+    assert (s["cause"], s["culprit"]["pid"], s["culprit"]["tid"], s["via"]) == ("cpu", TRAINER, TRAINER, [])
+
+
+def test_runqueue(tmp_path: Path) -> None:
+    s = only_stall(run(trainer().offcpu(TRAINER, TRAINER, 11.0, 38.0, "R"), tmp_path))
+    assert s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == TRAINER
+    assert s["evidence"][0]["kind"] == "offcpu" and s["evidence"][0]["start_ns"] == ns(11)
+
+
+def test_network_peer(tmp_path: Path) -> None:
+    b = trainer().syscall(TRAINER, TRAINER, "recvfrom", 10.5, 39.5, "10.0.0.7:29500", 4096)
+    b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (0, 0, "swapper/0"))
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["object"], s["culprit"]["pid"]) == ("network", "10.0.0.7:29500", TRAINER)
+
+
+def test_sleep(tmp_path: Path) -> None:
+    s = only_stall(run(trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8), tmp_path))
+    assert s["cause"] == "sleep" and s["culprit"]["op"] == "clock_nanosleep"
+
+
+def test_gpu_sync_is_not_followed_to_the_device_thread(tmp_path: Path) -> None:
+    b = trainer().sync(TRAINER, TRAINER, 10.1, 39.0).syscall(TRAINER, TRAINER, "futex", 10.1, 39.0)
+    b.offcpu(TRAINER, TRAINER, 10.1, 39.0, "S", 39.0, (TRAINER, TRAINER + 1, "sim-device"))
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "sync" and s["culprit"]["pid"] == TRAINER
+
+
+def test_fuse_read_names_the_filesystem_and_its_server(tmp_path: Path) -> None:
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "read", 10.5, 39.5, "/mnt/slowfs/x.bin", 65536)
+    b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.3, (555, 556, "slowfs"))
+    s = only_stall(run(b, tmp_path, header={"mounts": [["/", "ext4"]]}))  # mounted after the capture began
+    assert s["cause"] == "storage" and s["culprit"]["object"] == "/mnt/slowfs/x.bin"
+    assert s["culprit"]["filesystem"] == "fuse" and s["culprit"]["served_by"]["pid"] == 555
+    hdr = {"mounts": [["/", "ext4"], ["/mnt/slowfs", "fuse.slowfs"]]}
+    s = only_stall(run(b, tmp_path, header=hdr))
+    assert s["culprit"]["filesystem"] == "fuse.slowfs" and s["remote_fs"] is True
+
+
+def test_device_dependency(tmp_path: Path) -> None:
+    s = only_stall(run(trainer(launch_at=5.0), tmp_path))
+    assert s["cause"] == "device" and s["culprit"]["object"] == "step_bwd"
+
+
+def test_launch_latency(tmp_path: Path) -> None:
+    s = only_stall(run(trainer(launch_at=12.0), tmp_path))
+    assert s["cause"] == "launch"
+
+
+def test_collective_names_the_late_rank(tmp_path: Path) -> None:
+    b = Builder().proc(TRAINER, "rank0").proc(WORKER2, "rank1").device(TRAINER).device(WORKER2)
+    for pid in (TRAINER, WORKER2):
+        b.op(pid, pid, 0.0, 0.0, 10.0, "fwd")
+    c0 = b.op(TRAINER, TRAINER, 9.0, 10.0, 45.0, "ncclDevKernel_AllReduce_Sum_f32")
+    b.syscall(WORKER2, WORKER2, "pread64", 10.5, 39.5, "/data/rank1.bin", 1 << 20)
+    c1 = b.op(WORKER2, WORKER2, 39.9, 40.0, 45.0, "ncclDevKernel_AllReduce_Sum_f32")
+    b.collective(TRAINER, c0, "allreduce", 1, 0, 2).collective(WORKER2, c1, "allreduce", 1, 1, 2)
+    r = run(b, tmp_path)
+    by_dev = {s["device_pid"]: s for s in r["stalls"]}
+    assert len(r["stalls"]) == 2
+    waiting, late = by_dev[TRAINER], by_dev[WORKER2]
+    assert waiting["cause"] == "collective" and waiting["culprit"]["pid"] == WORKER2
+    assert waiting["culprit"]["object"] == "allreduce" and waiting["culprit"]["rank"] == 1
+    assert (waiting["start_ns"], waiting["end_ns"]) == (ns(10), ns(40))
+    assert waiting["late_rank_cause"]["cause"] == "storage"
+    assert late["cause"] == "storage" and late["culprit"]["object"] == "/data/rank1.bin"
+    dev0 = next(d for d in r["devices"] if d["pid"] == TRAINER)
+    assert dev0["collective_wait_ns"] == ns(40) - ns(10)
+
+
+def test_collective_by_kernel_name_alone(tmp_path: Path) -> None:
+    b = Builder().proc(TRAINER, "rank0").proc(WORKER2, "rank1").device(TRAINER).device(WORKER2)
+    for pid in (TRAINER, WORKER2):
+        b.op(pid, pid, 0.0, 0.0, 10.0, "fwd")
+    b.op(TRAINER, TRAINER, 9.0, 10.0, 45.0, "ncclKernel_AllReduce")
+    b.op(WORKER2, WORKER2, 29.9, 30.0, 45.0, "ncclKernel_AllReduce")
+    r = run(b, tmp_path)
+    waiting = next(s for s in r["stalls"] if s["device_pid"] == TRAINER)
+    assert waiting["cause"] == "collective" and waiting["culprit"]["pid"] == WORKER2
+
+
+def test_untraced_waker_is_unknown_with_an_empty_culprit(tmp_path: Path) -> None:
+    b = trainer().syscall(TRAINER, TRAINER, "futex", 9.0, 39.9)
+    b.offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8, (999, 999, "mystery"))
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "unknown" and s["culprit"]["pid"] == 0 and s["culprit"]["object"] == ""
+    assert s["via"] == ["wait:pid 999"]
+
+
+def test_no_kernel_source_means_unknown_not_cpu(tmp_path: Path) -> None:
+    s = only_stall(run(trainer(), tmp_path))  # GPU records only: nothing says what the host did
+    assert s["cause"] == "unknown" and s["culprit"] == {"pid": 0, "tid": 0, "comm": "", "op": "", "object": "",
+                                                         "bytes": 0, "duration_ns": 0}
+
+
+def test_stalls_overlapping_losses_say_so(tmp_path: Path) -> None:
+    b = trainer().syscall(TRAINER, TRAINER, "write", 1, 1.5, "/dev/null")
+    b.op(TRAINER, TRAINER, 59.9, 60.0, 70.0, "later")  # second stall [50, 60)
+    b.drops(5, "ebpf", "ringbuf", 0).drops(25, "ebpf", "ringbuf", 7).drops(65, "ebpf", "ringbuf", 7)
+    r = run(b, tmp_path, drops={"ebpf.ringbuf": 7})
+    first, second = r["stalls"]
+    assert first["overlaps_drops"] is True and second["overlaps_drops"] is False
+    assert r["capture"]["drops"]["ebpf.ringbuf"] == 7
+    assert any("LOST 7" in line for line in summary_lines(r))
+
+
+def test_untimed_trailer_losses_mark_every_stall(tmp_path: Path) -> None:
+    r = run(trainer(), tmp_path, drops={"agent.queue": 3})
+    assert only_stall(r)["overlaps_drops"] is True
+
+
+def test_truncated_capture_is_analysed_up_to_the_cut(tmp_path: Path) -> None:
+    b = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8)
+    r = run(b, tmp_path, complete=False)
+    assert r["capture"]["complete"] is False and "cut off" in r["capture"]["problem"]
+    s = only_stall(r)
+    assert s["cause"] == "sleep" and s["overlaps_drops"] is True
+    assert summary_lines(r)[0].startswith("INCOMPLETE")
+
+
+def test_no_gpu_activity(tmp_path: Path) -> None:
+    b = Builder().proc(TRAINER, "python").syscall(TRAINER, TRAINER, "read", 1, 2, PATH, 10)
+    r = run(b, tmp_path)
+    assert r["devices"] == [] and r["stalls"] == [] and r["summary"]["stall_ns"] == 0
+    assert r["capture"]["records"] == {"ProcInfo": 1, "Syscall": 1}
+    assert summary_lines(r) == ["no GPU activity in this capture"]
+
+
+def test_breakdown_keeps_the_minor_causes(tmp_path: Path) -> None:
+    b = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.0, 30.0)
+    b.offcpu(TRAINER, TRAINER, 31.0, 36.0, "R")
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "sleep"
+    causes = {p["cause"] for p in s["breakdown"]}
+    assert causes == {"sleep", "cpu.runqueue", "cpu"}
+    assert sum(p["ns"] for p in s["breakdown"]) == ns(39.95) - ns(10)
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_min_gap_must_be_positive(tmp_path: Path, bad: int) -> None:
+    with pytest.raises(ValueError):
+        run(trainer(), tmp_path, min_gap_ns=bad)

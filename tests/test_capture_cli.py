@@ -1,0 +1,143 @@
+"""`gputrace capture` as a user runs it: real processes, real eBPF, the files it leaves, its errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gputrace.capture import CaptureReader
+from gputrace.records import ProcFork, SourceStatus, Syscall
+
+GPUTRACE = [sys.executable, "-m", "gputrace"]
+
+
+def gputrace(*args: str, cwd: Path, user: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    return subprocess.run(prefix + GPUTRACE + list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_command_is_traced_and_its_exit_code_returned(tmp_path: Path) -> None:
+    data = tmp_path / "input.bin"
+    data.write_bytes(os.urandom(1 << 20))
+    script = (
+        "import os, sys, time\n"
+        f"fd = os.open({str(data)!r}, os.O_RDONLY)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(0.3)\n"  # a sleep longer than the threshold, in a child forked during the capture
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "n = len(os.pread(fd, 1 << 20, 0))\n"
+        "print('read', n)\n"
+        "sys.exit(7)\n"
+    )
+    r = gputrace("capture", "-o", "run.gputrace", "--syscall-threshold-us", "0", "--", sys.executable, "-c", script,
+                 cwd=tmp_path)
+    assert r.returncode == 7, r.stderr
+    assert "read 1048576" in r.stdout
+    assert "Wrote run.gputrace" in r.stderr and "Wrote run.pftrace" in r.stderr
+    assert "gputrace report run.gputrace" in r.stderr
+    with CaptureReader(tmp_path / "run.gputrace") as reader:
+        recs = list(reader.records())
+        assert reader.complete, reader.problem or reader.drops
+    reads = [x for x in recs if isinstance(x, Syscall) and x.name == "pread64" and x.obj == str(data)]
+    assert reads and reads[0].nbytes == 1 << 20
+    forks = [x for x in recs if isinstance(x, ProcFork) and not x.is_thread]
+    assert forks, "the child forked during the capture was not followed"
+    sleeps = [x for x in recs if isinstance(x, Syscall) and x.pid == forks[0].child_pid and "sleep" in x.name]
+    assert sleeps and sleeps[0].end_ns - sleeps[0].start_ns >= 250_000_000
+
+
+def test_pid_capture_ends_when_target_exits(tmp_path: Path) -> None:
+    target = subprocess.Popen([sys.executable, "-c", "import sys,time; sys.stdin.readline(); time.sleep(0.5)"],
+                              stdin=subprocess.PIPE, text=True)
+    try:
+        cap = subprocess.Popen(GPUTRACE + ["capture", "-p", str(target.pid), "-o", "t.gputrace"], cwd=tmp_path,
+                               stderr=subprocess.PIPE, text=True)
+        assert cap.stderr is not None
+        line = cap.stderr.readline()  # handshake: tracing has started
+        assert "tracing" in line, line
+        assert target.stdin is not None
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        _, err = cap.communicate(timeout=60)
+        assert cap.returncode == 0, err
+    finally:
+        target.kill()
+    with CaptureReader(tmp_path / "t.gputrace") as reader:
+        list(reader.records())
+        assert reader.complete
+        assert reader.trailer is not None and reader.trailer["stop_reason"] == "targets exited"
+
+
+def test_dead_pid_is_refused(tmp_path: Path) -> None:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    r = gputrace("capture", "-p", str(p.pid), "-d", "1", cwd=tmp_path)
+    assert r.returncode != 0 and f"no process with pid {p.pid}" in r.stderr
+    assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())
+
+
+def test_existing_output_is_not_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "x.gputrace").write_text("keep")
+    r = gputrace("capture", "-o", "x.gputrace", "--", "true", cwd=tmp_path)
+    assert r.returncode != 0 and "--force" in r.stderr
+    assert (tmp_path / "x.gputrace").read_text() == "keep"
+
+
+def test_unwritable_directory(tmp_path: Path) -> None:
+    r = gputrace("capture", "-o", str(tmp_path / "missing" / "x.gputrace"), "--", "true", cwd=tmp_path)
+    assert r.returncode != 0 and "does not exist" in r.stderr
+
+
+def test_not_root_names_the_capability(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o777)
+    r = gputrace("capture", "-d", "1", "--", "true", cwd=tmp_path, user=65534)
+    assert r.returncode != 0
+    assert "CAP_BPF" in r.stderr and "CAP_PERFMON" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_command_not_found(tmp_path: Path) -> None:
+    r = gputrace("capture", "--", "no-such-command-xyz", cwd=tmp_path)
+    assert r.returncode != 0 and "command not found" in r.stderr
+    assert not list(tmp_path.glob("*.gputrace")) and not list(tmp_path.glob(".*partial"))
+
+
+def test_full_disk_leaves_no_capture(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    assert os.system(f"mount -t tmpfs -o size=48k tmpfs {mnt}") == 0
+    try:
+        script = "import os\nfor i in range(20000): os.stat('/')\n"
+        r = gputrace("capture", "--syscall-threshold-us", "0", "-o", str(mnt / "x.gputrace"), "--",
+                     sys.executable, "-c", script, cwd=tmp_path)
+        assert r.returncode != 0 and "No space left" in r.stderr, r.stderr
+        assert not list(mnt.glob("*.gputrace")) and not list(mnt.glob(".*partial"))
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_duration_ends_capture_and_statuses_recorded(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        t0 = time.monotonic()
+        r = gputrace("capture", "-p", str(sleeper.pid), "-d", "1", "-o", "d.gputrace", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert time.monotonic() - t0 < 30
+    finally:
+        sleeper.kill()
+    with CaptureReader(tmp_path / "d.gputrace") as reader:
+        recs = list(reader.records())
+    assert reader.trailer is not None and reader.trailer["stop_reason"] == "duration"
+    assert any(isinstance(x, SourceStatus) for x in recs)
+
+
+@pytest.mark.parametrize("bad", [["-d", "0", "--", "true"], ["-p", "1", "--", "true"], []])
+def test_bad_arguments(tmp_path: Path, bad: list[str]) -> None:
+    r = gputrace("capture", *bad, cwd=tmp_path)
+    assert r.returncode != 0 and "error" in r.stderr and "Traceback" not in r.stderr

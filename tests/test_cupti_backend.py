@@ -1,0 +1,222 @@
+"""CuptiBackend on a host without a GPU: discovery, refusal, and its lifecycle against CUPTI's API surface.
+
+The real library is exercised by tests/test_gpu_real.py on a GPU machine. Here the lifecycle test stands a
+small in-process object in for ``cupti.cupti`` (the functions the backend calls, with CUPTI's contract:
+completed buffers arrive through the registered callback when flushed; the dropped count resets on read),
+to pin down the backend's own behaviour: periodic non-forced flushes, a forced flush at stop, drop
+counts read through the pointer CUPTI writes, and no exception ever raised back into CUPTI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import cupti_shapes as shapes
+import pytest
+from gputrace.probes import cupti as cupti_probe
+from gputrace.probes.cupti import CuptiBackend, CuptiUnavailable, driver_version, find_libcuda, nvtx_injection_path
+
+from gputrace.agent.backend import GpuBackend
+from gputrace.clock import monotonic_ns
+from gputrace.records import CudaApi, GpuKernel, GpuSync
+
+
+def test_backend_satisfies_the_agent_protocol() -> None:
+    assert isinstance(CuptiBackend(), GpuBackend)
+    assert CuptiBackend.name == "cupti"
+
+
+def test_unavailable_here_says_why_and_start_refuses() -> None:
+    loaded = "cupti.cupti" in sys.modules
+    ok, why = CuptiBackend.available()
+    assert not ok
+    assert "cupti-python" in why or "libcuda" in why
+    with pytest.raises(CuptiUnavailable, match="cupti-python|libcuda"):
+        CuptiBackend().start(lambda records: None)
+    assert ("cupti.cupti" in sys.modules) == loaded  # refusing imported nothing
+
+
+def test_find_libcuda_in_library_path_and_ld_cache(tmp_path: Path) -> None:
+    lib = tmp_path / "drv" / "libcuda.so.1"
+    lib.parent.mkdir()
+    lib.write_bytes(b"\x7fELF")
+    assert find_libcuda({"LD_LIBRARY_PATH": f"/nonexistent:{lib.parent}"}, tmp_path / "none") == str(lib)
+    cache = tmp_path / "ld.so.cache"
+    cache.write_bytes(b"glibc-ld.so.cache1.1\0libcuda.so.1\0" + str(lib).encode() + b"\0/usr/lib/libm.so.6\0")
+    assert cupti_probe._in_ld_cache(cache, "libcuda.so.1") == str(lib)
+    assert cupti_probe._in_ld_cache(tmp_path / "missing", "libcuda.so.1") is None
+
+
+def test_nvtx_injection_path_from_pip_layout(tmp_path: Path) -> None:
+    assert nvtx_injection_path([str(tmp_path)]) is None
+    lib = tmp_path / "nvidia" / "cu13" / "lib" / "libcupti.so.13"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\x7fELF")
+    assert nvtx_injection_path([str(tmp_path)]) == str(lib)
+
+
+def test_driver_version_parsed(tmp_path: Path) -> None:
+    f = tmp_path / "version"
+    f.write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)\n"
+        "GCC version:  gcc version 12.3.0\n"
+    )
+    assert driver_version(f) == "580.65.06"
+    assert driver_version(tmp_path / "absent") == ""
+
+
+class CuptiStandIn(types.ModuleType):
+    """The slice of cupti.cupti the backend uses, holding delivered batches until a flush."""
+
+    class cuptiError(Exception):  # noqa: N801 - the library's own name
+        def __init__(self, status: int) -> None:
+            super().__init__(f"CUPTI error ({status})")
+            self.status = status
+
+    def __init__(self, batches: list[list], dropped: int) -> None:
+        super().__init__("cupti.cupti")
+        self.batches, self.dropped = batches, dropped
+        self.calls: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def set_thread_id_type(self, t: int) -> None:
+        self.calls.append(("thread_id_type", t))
+
+    def activity_register_callbacks(self, requested, completed) -> None:  # type: ignore[no-untyped-def]
+        self.requested, self.completed = requested, completed
+
+    def activity_enable_and_dump(self, kind: int) -> None:
+        self.calls.append(("enable_and_dump", kind))
+
+    refuse: frozenset[int] = frozenset()
+
+    def activity_enable(self, kind: int) -> None:
+        if kind in self.refuse:
+            raise self.cuptiError(1)  # CUPTI_ERROR_INVALID_PARAMETER
+        self.calls.append(("enable", kind))
+
+    def get_timestamp(self) -> int:
+        return time.clock_gettime_ns(time.CLOCK_REALTIME)
+
+    def activity_disable(self, kind: int) -> None:
+        self.calls.append(("disable", kind))
+
+    def activity_flush_all(self, flag: int) -> None:
+        self.calls.append(("flush", flag))
+        with self.lock:
+            batch = self.batches.pop(0) if self.batches else None
+        if batch is not None:
+            self.completed(batch)
+
+    def activity_get_num_dropped_records(self, context: int, stream: int, ptr: int) -> None:
+        ctypes.c_size_t.from_address(ptr).value, self.dropped = self.dropped, 0
+
+    def get_callback_name(self, domain: int, cbid: int) -> str:
+        return shapes.api_name(domain, cbid)
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(CuptiBackend, "available", classmethod(lambda cls: (True, "stand-in")))
+    package = types.ModuleType("cupti")
+
+    def install(batches: list[list], dropped: int = 0) -> CuptiStandIn:
+        mod = CuptiStandIn(batches, dropped)
+        package.cupti = mod  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "cupti", package)
+        monkeypatch.setitem(sys.modules, "cupti.cupti", mod)
+        return mod
+
+    return install
+
+
+def test_lifecycle_flushes_converts_counts_drops(stand_in) -> None:  # type: ignore[no-untyped-def]
+    backend = CuptiBackend(flush_period_s=0.02)
+    clock = cupti_probe.RealtimeConverter(3600)
+    t0 = monotonic_ns()
+    mod = stand_in([shapes.step(clock, t0), [], [object()], shapes.step_tail(clock, t0)], dropped=3)
+    got: list = []
+    backend.start(got.extend)
+    deadline = time.monotonic() + 5
+    while mod.batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    backend.stop()
+    kinds = [c for c in mod.calls if c[0] != "flush"]
+    assert kinds[0] == ("thread_id_type", 1)
+    assert {k for op, k in kinds if op == "enable"} == {10, 1, 2, 5, 4, 38, 12}
+    assert {k for op, k in kinds if op == "enable_and_dump"} == {9, 8}
+    flushes = [c[1] for c in mod.calls if c[0] == "flush"]
+    assert flushes[-1] == 1 and set(flushes[:-1]) == {0} and len(flushes) >= 4
+    assert len([r for r in got if type(r) is GpuKernel]) == 1
+    assert [r.tid for r in got if type(r) is GpuSync] == [4243]
+    assert {r.tid for r in got if type(r) is CudaApi} == {4243}
+    drops = backend.drops()
+    assert drops == {"cupti": 3, "convert": 1, "emit": 0, "incomplete": 0}
+    assert backend.notes() == {}
+    assert "convert" in backend.info()["errors"]
+    assert {"cuda_version", "driver_version"} <= backend.info().keys()
+
+
+def test_broken_emit_is_counted_not_raised(stand_in) -> None:  # type: ignore[no-untyped-def]
+    clock = cupti_probe.RealtimeConverter(3600)
+    stand_in([shapes.step(clock, monotonic_ns())])
+    backend = CuptiBackend(flush_period_s=3600)
+
+    def broken(records: object) -> None:
+        raise BrokenPipeError("session gone")
+
+    backend.start(broken)
+    backend.stop()
+    assert backend.drops()["emit"] > 0
+    backend.stop()  # a second stop is harmless
+
+
+def test_start_error_is_explained(stand_in) -> None:  # type: ignore[no-untyped-def]
+    mod = stand_in([])
+
+    def refuse(t: int) -> None:
+        raise mod.cuptiError(39)
+
+    mod.set_thread_id_type = refuse  # type: ignore[method-assign]
+    with pytest.raises(CuptiUnavailable, match="another CUPTI client"):
+        CuptiBackend().start(lambda r: None)
+    assert os.getpid()  # the process goes on
+
+
+def test_driver_version_proprietary_module_line(tmp_path: Path) -> None:
+    f = tmp_path / "version"
+    f.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
+    assert driver_version(f) == "535.104.05"
+
+
+def test_refused_optional_kind_degrades_refused_kernels_fail(stand_in) -> None:  # type: ignore[no-untyped-def]
+    mod = stand_in([])
+    mod.refuse = frozenset({12})  # MARKER
+    backend = CuptiBackend(flush_period_s=3600)
+    backend.start(lambda r: None)
+    backend.stop()
+    info = backend.info()
+    assert "activity_enable" in info["errors"] and abs(int(info["cupti_clock_skew_us"])) < 10_000
+    mod.refuse = frozenset({10})  # CONCURRENT_KERNEL
+    with pytest.raises(CuptiUnavailable, match="CUPTI could not start"):
+        CuptiBackend().start(lambda r: None)
+
+
+def test_cuda_version_read_only_from_an_already_loaded_driver(tmp_path: Path) -> None:
+    src = tmp_path / "drv.c"
+    src.write_text("int cuDriverGetVersion(int *v) { *v = 13020; return 0; }\n")
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)], check=True)
+    probe = (
+        "import ctypes, sys; from gputrace.probes.cupti import cuda_driver_api_version as v; "
+        "before = v(); ctypes.CDLL(sys.argv[1]); print(repr(before), repr(v()))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(lib)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["''", "'13.2'"]

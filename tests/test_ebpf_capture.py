@@ -1,0 +1,125 @@
+"""The eBPF source on a real process tree: forks followed, reads resolved, block I/O and wakeups attributed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gputrace.probes.syscalls import syscall_numbers
+from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.loopdev import LoopFs, loop_filesystem, write_file
+
+from gputrace.records import BlockIO, OffCpu, ProcFork, Syscall, SyscallAgg
+
+WORKLOADS = Path(__file__).parent / "workloads"
+SIZE_A, SIZE_B = 3 << 20, (2 << 20) + 40960
+
+
+class Tree:
+    """tests/workloads/tree.py plus the untraced waker, driven through their handshakes."""
+
+    def __init__(self, fs: LoopFs) -> None:
+        self.file_a = write_file(fs.mountpoint / "a.bin", SIZE_A)
+        self.file_b = write_file(fs.mountpoint / "b.bin", SIZE_B)
+        self.pipe_r, self.pipe_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKLOADS / "tree.py"), str(self.file_a), str(self.file_b), str(self.pipe_r)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=(self.pipe_r,),
+        )  # fmt: skip
+        self.pid = int(self._expect("ready")[0])
+
+    def _expect(self, word: str) -> list[str]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert line and line[0] == word, f"expected {word!r} from tree.py, got {line!r}"
+        return line[1:]
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        tid = int(self._expect("thread")[0])
+        worker = [int(x) for x in self._expect("worker")]
+        waker = subprocess.run(
+            [sys.executable, str(WORKLOADS / "waker.py"), str(self.pid), str(tid),
+             str(syscall_numbers()["read"]), str(self.pipe_w)],
+            pass_fds=(self.pipe_w,), capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert self._expect("done") == ["woken"]
+        assert self.proc.wait(timeout=10) == 0
+        wpid, wtid = (int(x) for x in waker.stdout.split())
+        return {"thread": tid, "worker": worker[0], "bytes_a": worker[1], "bytes_b": worker[2],
+                "waker_pid": wpid, "waker_tid": wtid}  # fmt: skip
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.pipe_r)
+        os.close(self.pipe_w)
+
+
+@pytest.fixture
+def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
+    with loop_filesystem(tmp_path) as fs:
+        yield fs
+
+
+@pytest.fixture
+def tree(loopfs: LoopFs) -> Iterator[Tree]:
+    t = Tree(loopfs)
+    yield t
+    t.close()
+
+
+def test_tree_is_followed_and_attributed(tree: Tree, loopfs: LoopFs, tmp_path: Path) -> None:
+    path = tmp_path / "tree.gputrace"
+    with ebpf_capture(path, [tree.pid], threshold_ns=0) as src:
+        assert src.is_traced(tree.pid)
+        got = tree.run()
+    records, reader = read_capture(path)
+    worker = got["worker"]
+    assert got["bytes_a"] == SIZE_A and got["bytes_b"] == SIZE_B
+
+    forks = [f for f in of(records, ProcFork) if f.child_pid == worker]
+    assert forks and forks[0].parent_pid == tree.pid and not forks[0].is_thread
+
+    calls = [s for s in of(records, Syscall) if s.pid == worker]
+    reads = [s for s in calls if s.name == "read" and s.obj == str(tree.file_a)]
+    preads = [s for s in calls if s.name == "pread64" and s.obj == str(tree.file_b)]
+    assert sum(s.nbytes for s in reads) == SIZE_A
+    assert sum(s.nbytes for s in preads) == SIZE_B
+    assert all(s.tid == worker and s.end_ns >= s.start_ns for s in reads + preads)
+
+    blocks = [b for b in of(records, BlockIO) if b.dev == loopfs.name and "R" in b.rwbs]
+    assert blocks, "no block reads on the loop device"
+    assert {(b.pid, b.tid) for b in blocks} == {(worker, worker)}
+    assert sum(b.nbytes for b in blocks) == SIZE_A + SIZE_B
+    assert all(b.complete_ns > b.issue_ns for b in blocks)
+
+    waits = [o for o in of(records, OffCpu) if o.tid == got["thread"] and o.waker_comm == "gt-waker"]
+    assert len(waits) == 1, "\n".join(map(str, (o for o in of(records, OffCpu) if o.tid == got["thread"])))
+    w = waits[0]
+    assert (w.pid, w.waker_pid, w.waker_tid, w.state) == (tree.pid, got["waker_pid"], got["waker_tid"], "S")
+    assert w.start_ns < w.wake_ns <= w.end_ns
+
+    assert reader.drops and set(reader.drops.values()) == {0}, reader.drops
+
+
+def test_short_calls_are_aggregated_not_lost(tree: Tree, tmp_path: Path) -> None:
+    path = tmp_path / "agg.gputrace"
+    with ebpf_capture(path, [tree.pid], threshold_ns=10_000_000_000):
+        got = tree.run()
+    records, _ = read_capture(path)
+    worker = got["worker"]
+    assert not [s for s in of(records, Syscall) if s.name in ("read", "pread64")]
+    aggs = {a.name: a for a in of(records, SyscallAgg) if a.tid == worker}
+    # 128 KiB chunks plus the final empty read that sees EOF.
+    assert aggs["read"].count >= SIZE_A // (128 << 10) + 1
+    assert aggs["pread64"].count >= -(-SIZE_B // (128 << 10)) + 1
+    assert aggs["read"].total_ns > 0

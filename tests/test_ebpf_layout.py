@@ -1,0 +1,70 @@
+"""probes/events.py mirrors probes/bpf/gputrace.h: the compiler's layout and the struct formats agree."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any
+
+import pytest
+from gputrace.probes import ebpf, events
+
+
+@pytest.fixture(scope="module")
+def bpf() -> Any:
+    bcc = ebpf.check_host()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        b = bcc.BPF(src_file=str(ebpf.BPF_DIR / "gputrace.bpf.c"), cflags=[f"-I{ebpf.BPF_DIR}"])
+    yield b
+    b.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("table", "fmt", "first_fields"),
+    [
+        ("layout_sys", events.SYS, ["type", "nr", "pid", "tid", "start_ns", "end_ns", "ret", "a0", "a1", "arg"]),
+        ("layout_block", events.BLOCK, ["type", "dev", "pid", "tid", "sector", "issue_ns", "complete_ns",
+                                        "nbytes", "error", "rwbs", "comm"]),
+        ("layout_offcpu", events.OFFCPU, ["type", "state", "pid", "tid", "start_ns", "end_ns", "wake_ns",
+                                          "waker_pid", "waker_tid", "waker_comm"]),
+        ("layout_proc", events.PROC, ["type", "flags", "pid", "tid", "ts", "child_pid", "child_tid", "comm",
+                                      "filename"]),
+    ],
+)  # fmt: skip
+def test_struct_layout_matches(bpf: Any, table: str, fmt: Any, first_fields: list[str]) -> None:
+    leaf = bpf[table.encode()].Leaf
+    assert ctypes.sizeof(leaf) == fmt.size
+    names = [f[0] for f in leaf._fields_]
+    assert names == first_fields
+    offsets = [getattr(leaf, n).offset for n in names]
+    assert offsets == _format_offsets(fmt.format)
+
+
+def test_path_event_layout(bpf: Any) -> None:
+    leaf = bpf[b"layout_path"].Leaf
+    assert ctypes.sizeof(leaf) == events.PATH.size
+    assert leaf.len.offset == events.SYS.size and leaf.data.offset == events.SYS.size + 8
+
+
+def test_every_event_type_has_a_size() -> None:
+    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7}
+    assert events.SIZES[events.EV_SYS] == 64 and events.SIZES[events.EV_PATH] == 328
+
+
+def _format_offsets(fmt: str) -> list[int]:
+    """Offsets of each field of a little-endian, unpadded struct format like "<IIQ16s"."""
+    import re
+    import struct
+
+    out, off = [], 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", fmt.lstrip("<")):
+        n = int(count or 1)
+        if code == "s":
+            out.append(off)
+            off += n
+        else:
+            for _ in range(n):
+                out.append(off)
+                off += struct.calcsize("<" + code)
+    return out

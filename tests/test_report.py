@@ -1,0 +1,101 @@
+"""`gputrace report`: terminal, --json, --html, and what it says about bad or partial captures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrace.analysis.synth import Builder
+from gputrace.cli import main
+
+TRAINER, WORKER = 100, 200
+HOSTILE = "/data/<script>alert(1)</script>.bin"
+
+
+def storage_capture(path: Path, *, complete: bool = True, obj: str = "/data/shard-7.bin") -> Path:
+    b = Builder().proc(TRAINER, "python").device(TRAINER).proc(WORKER, "worker", TRAINER)
+    b.op(TRAINER, TRAINER, 0, 0, 10, "fwd")
+    b.op(TRAINER, TRAINER, 39.95, 40, 50, "bwd")
+    b.syscall(TRAINER, TRAINER, "read", 9, 39.9, "pipe").offcpu(TRAINER, TRAINER, 9, 39.9, "S", 39.8,
+                                                                (WORKER, WORKER, "worker"))
+    b.syscall(WORKER, WORKER, "pread64", 11, 39, obj, 4 << 20).block(WORKER, WORKER, 11.1, 38.9, 4 << 20)
+    b.nvml(0, 20, 97.0)
+    return b.write(path, complete=complete)
+
+
+def test_json_is_the_contract_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cap = storage_capture(tmp_path / "a.gputrace")
+    assert main(["report", str(cap), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "gputrace.report/1"
+    s = report["stalls"][0]
+    assert (s["cause"], s["culprit"]["object"], s["culprit"]["pid"]) == ("storage", "/data/shard-7.bin", WORKER)
+    assert report["summary"]["by_cause"] == {"storage": s["duration_ns"]}
+    assert report["devices"][0]["nvml_util_pct"] == 97.0
+
+
+def test_terminal_report_names_cause_culprit_and_verdict(tmp_path: Path) -> None:
+    cap = storage_capture(tmp_path / "a.gputrace")
+    out = subprocess.run([sys.executable, "-m", "gputrace", "report", str(cap)], capture_output=True, text=True,
+                         check=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}).stdout
+    for needle in ("Stall budget by cause", "storage", "/data/shard-7.bin", "pid 200 (worker)",
+                   "highly input-bound", "for comparison", "97%", "drops: none"):
+        assert needle in out, needle
+
+
+def test_min_gap_changes_what_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cap = storage_capture(tmp_path / "a.gputrace")
+    main(["report", str(cap), "--json", "--min-gap-ms", "50"])
+    assert json.loads(capsys.readouterr().out)["stalls"] == []
+    assert main(["report", str(cap), "--min-gap-ms", "0"]) == 2
+
+
+def test_html_is_written_safely_and_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cap = storage_capture(tmp_path / "a.gputrace", obj=HOSTILE)
+    out = tmp_path / "r.html"
+    assert main(["report", str(cap), "--html", str(out)]) == 0
+    text = out.read_text()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text and "<script>" not in text
+    assert f"Wrote {out}" in capsys.readouterr().out
+    out.write_text("keep me")
+    assert main(["report", str(cap), "--html", str(out)]) == 2
+    assert out.read_text() == "keep me"
+    assert "--force" in capsys.readouterr().err
+    assert main(["report", str(cap), "--html", str(out), "-f"]) == 0 and "storage" in out.read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".r.html")], "temporary file left behind"
+
+
+def test_truncated_capture_is_reported_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cap = storage_capture(tmp_path / "a.gputrace", complete=False)
+    assert main(["report", str(cap)]) == 0
+    out = capsys.readouterr().out
+    assert "INCOMPLETE CAPTURE" in out and "cut off" in out
+    main(["report", str(cap), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["capture"]["complete"] is False and report["stalls"][0]["overlaps_drops"] is True
+
+
+def test_no_gpu_capture_says_so_and_lists_what_was_captured(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    b = Builder().proc(TRAINER, "python").syscall(TRAINER, TRAINER, "read", 1, 2, "/etc/hosts", 10)
+    cap = b.write(tmp_path / "n.gputrace")
+    assert main(["report", str(cap)]) == 0
+    out = capsys.readouterr().out
+    assert "No GPU activity" in out and "Syscall" in out and "ProcInfo" in out
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.gputrace"
+    junk.write_bytes(b"\x00not a capture")
+    assert main(["report", str(junk)]) == 3
+    assert main(["report", str(tmp_path / "missing.gputrace")]) == 2
+    trace = tmp_path / "x.pftrace"
+    trace.write_bytes(b"")
+    assert main(["report", str(trace)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("gputrace: error: ") for line in err)
+    assert "gputrace view" in err[2]

@@ -1,0 +1,207 @@
+"""libcuda uprobes for real: a shared library named libcuda.so.1, built here, exporting the driver's symbols.
+
+Each exported function sleeps a known time and returns a known CUresult; a child process loads it with
+ctypes and calls the functions from two threads after a ready-handshake. The source attaches real uprobes
+and uretprobes; the CudaApi records must carry the right names, tids, counts and durations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gputrace.probes.uprobes import SYMBOLS, UprobeEvent, UprobeSource, find_library, program_text, visible_path
+
+from gputrace.records import CudaApi, SourceStatus
+
+MS = 1_000_000
+# symbol → (sleep in µs, CUresult returned)
+FUNCS = {
+    "cuLaunchKernel": (2000, 0), "cuLaunchKernelEx": (1000, 0), "cuMemcpyHtoD_v2": (3000, 0),
+    "cuMemcpyDtoH_v2": (4000, 0), "cuMemcpyAsync": (1000, 0), "cuMemcpyHtoDAsync_v2": (1000, 0),
+    "cuMemcpyDtoHAsync_v2": (1000, 0), "cuStreamSynchronize": (20000, 0), "cuCtxSynchronize": (10000, 700),
+    "cuEventSynchronize": (5000, 0),
+}  # fmt: skip
+
+LIB_C = """
+#include <time.h>
+static void pause_us(long us) {
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    while (nanosleep(&ts, &ts) != 0) {}
+}
+"""
+
+CHILD = textwrap.dedent("""
+    import ctypes, json, sys, threading
+    lib_path = sys.argv[1]
+    lib = None if sys.argv[2] == "later" else ctypes.CDLL(lib_path)
+    print("ready", flush=True)
+    tids = {}
+    def sync_twice():
+        tids["worker"] = threading.get_native_id()
+        for _ in range(2):
+            lib.cuStreamSynchronize(None)
+    for line in sys.stdin:
+        if line.strip() == "load":
+            lib = ctypes.CDLL(lib_path)
+            print("loaded", flush=True)
+            continue
+        tids["main"] = threading.get_native_id()
+        t = threading.Thread(target=sync_twice)
+        t.start()
+        for name in json.loads(line):
+            for _ in range(3):
+                getattr(lib, name)(None, None, None)
+        t.join()
+        print(json.dumps(tids), flush=True)
+""")
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self.meta: dict[str, Any] = {}
+
+    def emit(self, records: Sequence[tuple[Any, ...]]) -> None:
+        self.records.extend(records)
+
+    def emit_kernel(self, blob: bytes, nevents: int) -> None:
+        raise AssertionError("the uprobe source emits typed records only")
+
+    def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
+        self.meta[source] = meta
+
+    def of(self, cls: type) -> list[Any]:
+        return [r for r in self.records if type(r) is cls]
+
+
+@pytest.fixture(scope="module")
+def libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("fakecuda")
+    src = d / "libcuda.c"
+    bodies = [f"int {n}(void) {{ pause_us({us}); return {rc}; }}" for n, (us, rc) in FUNCS.items()]
+    src.write_text(LIB_C + "\n".join(bodies) + "\n")
+    lib = d / "libcuda.so.1"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+class Child:
+    def __init__(self, lib: Path, when: str = "now") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(lib), when], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert self.readline() == "ready"
+
+    def readline(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def run(self, names: list[str]) -> dict[str, int]:
+        self.send(json.dumps(names))
+        return json.loads(self.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def child(libcuda: Path) -> Iterator[Child]:
+    c = Child(libcuda)
+    yield c
+    c.close()
+
+
+def test_calls_recorded_with_names_tids_counts_durations(libcuda: Path, child: Child) -> None:
+    sink = ListSink()
+    src = UprobeSource([child.proc.pid])
+    src.start(sink)
+    try:
+        names = [n for n in FUNCS if n != "cuStreamSynchronize"]
+        tids = child.run(names)
+    finally:
+        src.stop()
+    calls = sink.of(CudaApi)
+    by_name: dict[str, list[CudaApi]] = {}
+    for c in calls:
+        by_name.setdefault(c.name, []).append(c)
+    assert {n: len(v) for n, v in by_name.items()} == {**{n: 3 for n in names}, "cuStreamSynchronize": 2}
+    for name, recs in by_name.items():
+        us, rc = FUNCS[name]
+        want_tid = tids["worker"] if name == "cuStreamSynchronize" else tids["main"]
+        for r in recs:
+            got = (r.pid, r.tid, r.api, r.result, r.correlation_id)
+            assert got == (child.proc.pid, want_tid, "enqueue-only", rc, 0)
+            assert us * 1000 <= r.end_ns - r.start_ns < us * 1000 + 100 * MS, (name, r)  # slack: a loaded CI
+    assert src.attached[child.proc.pid][0] == str(libcuda)
+    assert set(src.attached[child.proc.pid][1]) == set(FUNCS)  # the rest of SYMBOLS are not exported
+    assert src.drops() == {"ringbuf": 0, "inflight": 0, "malformed": 0}
+    assert sink.meta["uprobe"]["api"] == "enqueue-only"
+    assert any(s.status == "started" and str(libcuda) in s.detail for s in sink.of(SourceStatus))
+
+
+def test_process_without_libcuda_is_watched_until_it_loads_it(libcuda: Path) -> None:
+    late = Child(libcuda, when="later")
+    sink = ListSink()
+    src = UprobeSource([late.proc.pid], rescan_s=0.05)
+    src.start(sink)
+    try:
+        (status,) = sink.of(SourceStatus)
+        assert status.status == "degraded" and "no libcuda.so* mapped" in status.detail
+        late.send("load")
+        assert late.readline() == "loaded"
+        for _ in range(100):  # the watcher rescans every 50 ms
+            if late.proc.pid in src.attached:
+                break
+            time.sleep(0.05)
+        assert late.proc.pid in src.attached
+        late.run(["cuEventSynchronize"])
+    finally:
+        src.stop()
+        late.close()
+    assert [c.name for c in sink.of(CudaApi)].count("cuEventSynchronize") == 3
+
+
+def test_gone_process_is_reported_and_capture_goes_on(libcuda: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    sink = ListSink()
+    src = UprobeSource([pid])
+    src.start(sink)
+    src.stop()
+    assert [s.detail for s in sink.of(SourceStatus)] == [f"pid {pid} is gone"]
+
+
+def test_event_mirror_and_symbol_table() -> None:
+    assert ctypes.sizeof(UprobeEvent) == 32
+    assert "struct cu_event" in program_text()
+    assert len(SYMBOLS) <= 24 and len(set(SYMBOLS)) == len(SYMBOLS)
+
+
+def test_find_library_in_maps(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "77").mkdir(parents=True)
+    (proc / "77" / "maps").write_text(
+        "7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/libc.so.6\n"
+        "7f20-7f30 r-xp 00000000 08:01 456 /opt/drv/libcuda.so.580.65.06\n"
+        "7f40-7f50 rw-p 00000000 00:00 0 \n"
+    )
+    assert find_library(77, proc=proc) == str(proc / "77" / "root" / "opt/drv/libcuda.so.580.65.06")
+    assert find_library(77, "libnothing", proc=proc) is None
+    with pytest.raises(ProcessLookupError):
+        find_library(78, proc=proc)
+    assert visible_path(1, "/proc") == "/proc"

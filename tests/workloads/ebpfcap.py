@@ -1,0 +1,44 @@
+"""Capture with the eBPF source alone (no session), as the tests do: start, run the workload, stop, read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gputrace.daemon.writer import QueueSink
+from gputrace.probes.ebpf import EbpfSource
+
+from gputrace.capture import CaptureReader, CaptureWriter, host_header
+
+
+@contextmanager
+def ebpf_capture(path: Path, pids: list[int], **options: Any) -> Iterator[EbpfSource]:
+    writer = CaptureWriter(path, host_header(["pytest", *map(str, pids)]))
+    sink = QueueSink(writer)
+    src = EbpfSource(pids, **options)
+    try:
+        src.start(sink)
+    except BaseException:
+        sink.close()
+        writer.abort()
+        raise
+    try:
+        yield src
+    finally:
+        src.stop()
+        sink.close()
+        writer.close({"drops": {f"ebpf.{k}": v for k, v in src.drops().items()}, "complete": True})
+
+
+def read_capture(path: Path) -> tuple[list[Any], CaptureReader]:
+    reader = CaptureReader(path)
+    records = list(reader.records())
+    reader.close()
+    assert reader.problem == "", reader.problem
+    return records, reader
+
+
+def of(records: list[Any], kind: type) -> list[Any]:
+    return [r for r in records if isinstance(r, kind)]

@@ -1,0 +1,80 @@
+"""A real ext4 filesystem on a loop device, for tests that need real block I/O.
+
+Use the ``loopfs`` fixture (``from workloads.loopdev import loopfs``) or ``loop_filesystem(dir)``. Files
+written with ``write_file`` and dropped with ``drop_cache`` are read from the device, not the page cache.
+Needs root (losetup, mount).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class LoopFs:
+    mountpoint: Path
+    device: str  # /dev/loopN
+    name: str  # loopN, as BlockIO.dev names it
+    majmin: str  # "7:N"
+
+
+def _run(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextmanager
+def loop_filesystem(workdir: Path, size_mib: int = 64) -> Iterator[LoopFs]:
+    """Create, mount, yield and then tear down an ext4 filesystem on a fresh loop device."""
+    image = workdir / "disk.img"
+    mnt = workdir / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    _run("mkfs.ext4", "-q", "-F", str(image))
+    device = _run("losetup", "-f", "--show", str(image))
+    try:
+        _run("mount", "-t", "ext4", device, str(mnt))
+        try:
+            name = Path(device).name
+            majmin = Path(f"/sys/class/block/{name}/dev").read_text().strip()
+            yield LoopFs(mnt, device, name, majmin)
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
+
+
+@pytest.fixture
+def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
+    if os.geteuid() != 0:
+        pytest.fail("loop-device tests run as root (losetup, mount)")
+    with loop_filesystem(tmp_path) as fs:
+        yield fs
+
+
+def write_file(path: Path, nbytes: int) -> Path:
+    """A file of ``nbytes`` of non-zero data, synced to the device and dropped from the page cache."""
+    block = bytes(range(1, 256)) * 257  # 65535 bytes, no zero pages
+    with open(path, "wb") as f:
+        left = nbytes
+        while left:
+            left -= f.write(block[: min(left, len(block))])
+    drop_cache(path)
+    return path
+
+
+def drop_cache(path: Path) -> None:
+    """Make the next read of ``path`` go to the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

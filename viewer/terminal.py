@@ -1,0 +1,139 @@
+"""The report on a terminal (rich): devices, stall budget by cause, top culprits, the worst stalls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gputrace.analysis.report import culprit_label
+
+TOP_STALLS = 10
+
+
+def ms(ns: int) -> str:
+    return f"{ns / 1e6:,.1f} ms"
+
+
+def pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def render(report: dict[str, Any], console: Console, capture_name: str = "") -> None:
+    _header(report, console, capture_name)
+    if not report["devices"]:
+        _no_gpu(report, console)
+        return
+    console.print(_devices(report))
+    if report["stalls"]:
+        console.print(_budget(report))
+        console.print(_culprits(report))
+        console.print(_worst(report))
+    else:
+        console.print("No GPU stall of at least the minimum gap: the devices were never idle that long.")
+    _input_bound(report, console)
+
+
+def _header(report: dict[str, Any], console: Console, name: str) -> None:
+    cap = report["capture"]
+    span = cap["end_ns"] - cap["start_ns"]
+    console.print(Text(f"gputrace report {name}".rstrip(), style="bold"))
+    console.print(f"host {cap['host'] or '?'} · {ms(span)} captured · pids {', '.join(map(str, cap['pids'])) or '-'}")
+    if not cap["complete"]:
+        why = cap.get("problem") or "records were lost"
+        console.print(Text(f"INCOMPLETE CAPTURE: {why}. Stalls marked ! overlap missing data.", style="bold red"))
+    lost = {k: v for k, v in cap["drops"].items() if v}
+    if lost:
+        detail = ", ".join(f"{k} {v:,}" for k, v in lost.items())
+        console.print(Text(f"LOST RECORDS: {detail}", style="bold red"))
+    else:
+        console.print("drops: none")
+
+
+def _no_gpu(report: dict[str, Any], console: Console) -> None:
+    console.print(Text("No GPU activity in this capture: no kernel, copy or memset was recorded, so there is no "
+                       "GPU timeline to find stalls in.", style="bold yellow"))
+    console.print("Was the job using the GPU, and was the GPU agent armed (gputrace capture -- CMD)? Captured:")
+    t = Table("record kind", "count", box=None)
+    for kind, n in report["capture"].get("records", {}).items():
+        t.add_row(kind, f"{n:,}")
+    console.print(t)
+
+
+def _devices(report: dict[str, Any]) -> Table:
+    t = Table(title="GPU devices", title_justify="left")
+    for col in ("device", "window", "busy", "stalls", "stall time", "NVML util"):
+        t.add_column(col, justify="right" if col != "device" else "left")
+    for d in report["devices"]:
+        name = f"{d['id']} {d['name']}" + (f" (pid {d['pid']})" if "pid" in d else "")
+        if d["simulated"]:
+            name += " [simulated]"
+        nvml = f"{d['nvml_util_pct']:.0f}% (measured busy {pct(d['busy_ns'], d['window_ns'])})" \
+            if "nvml_util_pct" in d else "not sampled"
+        t.add_row(name, ms(d["window_ns"]), f"{ms(d['busy_ns'])} ({pct(d['busy_ns'], d['window_ns'])})",
+                  str(d["stalls"]), f"{ms(d['stall_ns'])} ({pct(d['stall_ns'], d['window_ns'])})", nvml)
+    return t
+
+
+def _budget(report: dict[str, Any]) -> Table:
+    summ = report["summary"]
+    t = Table(title="Stall budget by cause", title_justify="left")
+    t.add_column("cause")
+    t.add_column("time", justify="right")
+    t.add_column("% of stall time", justify="right")
+    t.add_column("% of GPU window", justify="right")
+    for cause, ns in summ["by_cause"].items():
+        t.add_row(cause, ms(ns), pct(ns, summ["stall_ns"]), pct(ns, summ["window_ns"]))
+    t.add_row("total", ms(summ["stall_ns"]), "100%", pct(summ["stall_ns"], summ["window_ns"]), style="bold")
+    return t
+
+
+def _culprits(report: dict[str, Any]) -> Table:
+    t = Table(title="Top culprits (files, peers, workers)", title_justify="left")
+    for col in ("kind", "culprit", "stall time", "share", "stalls"):
+        t.add_column(col, justify="right" if col in ("stall time", "share", "stalls") else "left")
+    for c in report.get("top_culprits", []):
+        t.add_row(c["kind"], c["culprit"], ms(c["stall_ns"]), f"{c['share_pct']:.1f}%", str(c["stalls"]))
+    return t
+
+
+def describe(s: dict[str, Any]) -> str:
+    """One line saying what a stall waited on, e.g. 'pid 4242 (worker) pread64 /data/x.bin, 3 block requests'."""
+    c = s["culprit"]
+    if s["cause"] == "unknown":
+        return "nothing recorded explains it" + (f" ({s['why']})" if s.get("why") else "")
+    who = f"pid {c['pid']} ({c['comm']})" if c.get("pid") else ""
+    what = " ".join(x for x in (c.get("op", ""), c.get("object", "")) if x)
+    text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
+    if c.get("block_requests"):
+        text += f", {c['block_requests']} block requests on {c['block_device']}, " \
+                f"{ms(c['block_latency_ns'])} device latency"
+    if c.get("filesystem"):
+        text += f" [{c['filesystem']}]"
+    if s.get("late_rank_cause"):
+        late = s["late_rank_cause"]
+        text += f"; late rank was in {late['cause']} {late['culprit'].get('object', '')}".rstrip()
+    return text
+
+
+def _worst(report: dict[str, Any]) -> Table:
+    t = Table(title=f"Longest stalls (top {TOP_STALLS})", title_justify="left")
+    for col in ("at", "dev", "duration", "cause", "via", "what it waited on"):
+        t.add_column(col, justify="right" if col in ("at", "duration") else "left")
+    t0 = report["capture"]["start_ns"]
+    worst = sorted(report["stalls"], key=lambda s: -s["duration_ns"])[:TOP_STALLS]
+    for s in worst:
+        mark = "!" if s.get("overlaps_drops") else ""
+        t.add_row(f"{mark}{(s['start_ns'] - t0) / 1e9:.3f} s", str(s["device"]), ms(s["duration_ns"]), s["cause"],
+                  " → ".join(s["via"]), describe(s))
+    return t
+
+
+def _input_bound(report: dict[str, Any], console: Console) -> None:
+    ib = report["summary"].get("input_bound")
+    if not ib:
+        return
+    console.print(f"Input-bound: {ib['pct']:.1f}% of the GPU window was spent waiting on input (storage, network, "
+                  f"data workers) → {ib['verdict']} (TensorFlow profiler's 5% / 20% thresholds, for comparison).")
