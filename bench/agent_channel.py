@@ -19,11 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from gputrace.daemon.agents import AgentServer
-from gputrace.daemon.writer import QueueSink
-
 from gputrace.agent import arming
 from gputrace.capture import CaptureWriter, host_header
+from gputrace.daemon.agents import AgentServer
+from gputrace.daemon.writer import QueueSink
 
 LAUNCHES = """
 import sys, time
@@ -79,28 +78,32 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
 
 
-def _startup_ms(env: dict[str, str], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+def _one_start_ms(env: dict[str, str]) -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+    return (time.perf_counter() - t) * 1000
 
 
 def bench_startup(tmp: Path, runs: int) -> None:
+    """Modes interleaved run by run, so a change in the machine's load hits them all alike."""
     plain = _clean_env()
-    dormant = {**plain, **arming.environment(None, base=plain), "GPUTRACE_ATTACH_DIR": str(tmp / "none")}
     session = Session(tmp / "s0")
-    live = {**plain, **session.server.child_env(plain)}
-    session.server.authorize = lambda pid: True
-    rows = [("plain", plain), ("armed, dormant", dormant), ("armed, live session", live)]
-    base = None
-    for name, env in rows:
-        ms = _startup_ms(env, runs)
-        base = base or ms
-        print(f"startup  {name:<22} {ms:7.1f} ms  ({ms / base:.2f}x)   median of {runs} `python -c pass`")
+    session.server.authorize = lambda pid: True  # each run is a new pid
+    modes = {
+        "plain": plain,
+        "boot dir only (chain)": {**plain, "PYTHONPATH": arming.boot_dir()},
+        "armed, dormant": {**plain, **arming.environment(None, base=plain), "GPUTRACE_ATTACH_DIR": str(tmp / "no")},
+        "armed, live session": {**plain, **session.server.child_env(plain)},
+    }
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(runs):
+        for name, env in modes.items():
+            times[name].append(_one_start_ms(env))
     session.close()
+    base = statistics.median(times["plain"])
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        print(f"startup  {name:<22} {ms:7.1f} ms  ({ms - base:+5.1f} ms)   median of {runs} `python -c pass`")
 
 
 def bench_launch(tmp: Path, n: int) -> None:
@@ -127,7 +130,7 @@ def bench_throughput(tmp: Path, n: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=10, help="startup runs per mode")
+    p.add_argument("--runs", type=int, default=20, help="startup runs per mode")
     p.add_argument("--launches", type=int, default=5000)
     p.add_argument("--records", type=int, default=500_000)
     args = p.parse_args()

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gputrace.exporters.perfetto import PerfettoExporter
-
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
+from gputrace.exporters.perfetto import PerfettoExporter
 from gputrace.records import BlockIO, CudaApi, GpuKernel, OffCpu, ProcInfo, Syscall, ThreadInfo
 
 US = 1000

@@ -3,9 +3,11 @@
     sudo .venv/bin/python bench/pread_overhead.py [--ops N] [--rounds R]
 
 Prints, from one run, ns per pread for: untraced; traced by gputrace's eBPF source; untraced while the
-source traces another process; the same tgid filter on raw_syscalls instead of per-syscall tracepoints;
-``strace -f -c`` and ``perf trace -s`` (when installed). Rounds are interleaved and the best round of each
-mode is reported, since other work on the machine only ever adds time.
+source traces another process; empty programs on raw_syscalls (the floor of any tracepoint approach);
+the textbook tgid-hash + start-time-hash filter there; ``strace -f -c`` and ``perf trace -s`` (when
+installed). Each round runs every mode once, back to back; the ratio is the median over rounds of each
+mode against the untraced run of the same round (the machine's other load changes between rounds, much
+less within one), and ns/op is the best round.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,10 +25,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from gputrace.capture import CaptureWriter, host_header
 from gputrace.daemon.writer import QueueSink
 from gputrace.probes.ebpf import EbpfSource
-
-from gputrace.capture import CaptureWriter, host_header
 
 LOOP = """
 import os, sys, time
@@ -38,6 +40,11 @@ t0 = time.perf_counter_ns()
 for _ in range(n):
     os.pread(fd, 4096, 0)
 print((time.perf_counter_ns() - t0) / n, flush=True)
+"""
+
+RAW_EMPTY = r"""
+TRACEPOINT_PROBE(raw_syscalls, sys_enter) { return 0; }
+TRACEPOINT_PROBE(raw_syscalls, sys_exit) { return 0; }
 """
 
 RAW_FILTER = r"""
@@ -92,14 +99,16 @@ def gputrace_source(pid: int, out: Path) -> Iterator[None]:
 
 
 @contextmanager
-def raw_syscalls_filter(pid: int) -> Iterator[None]:
+def bcc_program(text: str, pid: int) -> Iterator[None]:
+    """A comparison program, with ``pid`` in its ``targets`` map when it has one."""
     from bcc import BPF
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        b = BPF(text=RAW_FILTER)
-    t = b[b"targets"]
-    t[t.Key(pid)] = t.Leaf(1)
+        b = BPF(text=text)
+    if "targets" in text:
+        t = b[b"targets"]
+        t[t.Key(pid)] = t.Leaf(1)
     try:
         yield
     finally:
@@ -129,37 +138,47 @@ def main() -> None:
     report(best)
 
 
-def measure(data: Path, out: Path, args: argparse.Namespace) -> dict[str, float | None]:
-    best: dict[str, float | None] = {}
-
-    def keep(mode: str, ns: float | None) -> None:
-        old = best.get(mode)
-        best[mode] = ns if old is None or (ns is not None and ns < old) else old
-
+def measure(data: Path, out: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """ns/op of every round, by mode (untraced first)."""
+    runs: dict[str, list[float]] = {}
+    modes: list[tuple[str, Callable[[int], Any] | None]] = [
+        ("untraced", None),
+        ("traced (gputrace eBPF)", lambda pid: gputrace_source(pid, out)),
+        ("untraced, gputrace tracing another", "another"),  # type: ignore[list-item]
+        ("raw_syscalls, empty programs", lambda pid: bcc_program(RAW_EMPTY, pid)),
+        ("raw_syscalls, tgid + start-time hashes", lambda pid: bcc_program(RAW_FILTER, pid)),
+    ]
     for _ in range(args.rounds):
-        keep("untraced", run_loop(data, args.ops, [], None))
-        keep("traced (gputrace eBPF)", run_loop(data, args.ops, [], lambda pid: gputrace_source(pid, out)))
-        with tracing_another(out) as noop:
-            keep("untraced, gputrace tracing another", run_loop(data, args.ops, [], noop))
-        keep("raw_syscalls tgid filter + start hash", run_loop(data, args.ops, [], raw_syscalls_filter))
+        for mode, trace in modes:
+            if trace == "another":
+                with tracing_another(out) as noop:
+                    ns = run_loop(data, args.ops, [], noop)
+            else:
+                ns = run_loop(data, args.ops, [], trace)
+            runs.setdefault(mode, []).append(ns)
     for name, wrap in (("strace -f -c", ["strace", "-f", "-c", "-o", "/dev/null"]),
                        ("perf trace -s", ["perf", "trace", "-s", "-o", "/dev/null"])):  # fmt: skip
-        if shutil.which(wrap[0]) is None:
-            best[name] = None
+        if shutil.which(wrap[0]) is not None:
+            base = run_loop(data, args.slow_ops, [], None)
+            runs[name] = [run_loop(data, args.slow_ops, wrap, None)]
+            runs[f"{name} (its untraced)"] = [base]
         else:
-            keep(name, run_loop(data, args.slow_ops, wrap, None))
-    return best
+            runs[name] = []
+    return runs
 
 
-def report(best: dict[str, float | None]) -> None:
-    base = best["untraced"]
-    assert base is not None
-    print(f"{'mode':40} {'ns/op':>10} {'ratio':>8}")
-    for mode, ns in best.items():
-        if ns is None:
+def report(runs: dict[str, list[float]]) -> None:
+    base = runs["untraced"]
+    print(f"{'mode':40} {'best ns/op':>10} {'ratio':>8}")
+    for mode, ns in runs.items():
+        if mode.endswith("(its untraced)"):
+            continue
+        if not ns:
             print(f"{mode:40} {'not installed':>19}")
-        else:
-            print(f"{mode:40} {ns:10.0f} {ns / base:7.2f}x")
+            continue
+        ref = runs.get(f"{mode} (its untraced)", base)
+        ratio = statistics.median(n / b for n, b in zip(ns, ref, strict=False))
+        print(f"{mode:40} {min(ns):10.0f} {ratio:7.2f}x")
 
 
 if __name__ == "__main__":

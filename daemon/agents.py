@@ -18,14 +18,13 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gputrace import clock
 from gputrace.agent import arming, validate, wire
-from gputrace.errors import UserError
+from gputrace.agent.listen import Forwarder, listen_at, unlink_if_ours
 from gputrace.records import AgentInfo, SourceStatus
 from gputrace.source import Sink
 
@@ -56,46 +55,6 @@ class _Peer:
         return self.records > 0 or bool(self.hello and self.hello["backends"])
 
 
-class _Forwarder:
-    """Bounded hand-off from the socket thread to the sink; overflow is counted, never waited on."""
-
-    def __init__(self, sink: Sink, limit: int) -> None:
-        self.sink, self.limit, self.dropped = sink, limit, 0
-        self._batches: deque[Sequence[tuple[Any, ...]]] = deque()
-        self._queued = 0
-        self._cond = threading.Condition()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="gputrace-agents-fwd", daemon=True)
-        self._thread.start()
-
-    def put(self, records: Sequence[tuple[Any, ...]]) -> None:
-        with self._cond:
-            if self._queued + len(records) > self.limit:
-                self.dropped += len(records)
-                return
-            self._batches.append(records)
-            self._queued += len(records)
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._batches and not self._closing:
-                    self._cond.wait()
-                if not self._batches:
-                    return
-                batch = self._batches.popleft()
-                self._queued -= len(batch)
-            self.sink.emit(batch)
-
-    def close(self) -> None:
-        """Hand everything queued to the sink, then stop."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._thread.join()
-
-
 class AgentServer:
     """A gputrace.source.Source (name "agent") fed by the agents of traced processes."""
 
@@ -123,7 +82,7 @@ class AgentServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._fwd: _Forwarder | None = None
+        self._fwd: Forwarder | None = None
         self._sink: Sink | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -137,8 +96,8 @@ class AgentServer:
 
     def start(self, sink: Sink) -> None:
         self._sink = sink
-        self._listener, self._listener_ino = _listen(self.sock_path)
-        self._fwd = _Forwarder(sink, self.queue_records)
+        self._listener, self._listener_ino = listen_at(self.sock_path)
+        self._fwd = Forwarder(sink, self.queue_records)
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._serve, name="gputrace-agents", daemon=True)
@@ -152,15 +111,22 @@ class AgentServer:
         """
         self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         path = self.attach_dir / f"{int(pid)}.sock"
-        listener, ino = _listen(path)
+        listener, ino = listen_at(path)
         with self._lock:
             self._offers.append((path, listener, ino))
             self._new_listeners.append(listener)
         self._wake()
 
+    def inject(self, pid: int) -> Path:
+        """Load the agent into a running, unarmed Python >= 3.14 (UserError saying why when impossible)."""
+        from gputrace.agent.inject import inject
+
+        return inject(pid, str(self.sock_path))
+
     def stop(self) -> None:
         """Ask every agent to flush and say bye (bounded wait), then close and hand over what came."""
         if self._thread is None:
+            self._withdraw_offers()  # offered, but never started (or already stopped)
             return
         self._stopping.set()
         self._wake()
@@ -188,8 +154,9 @@ class AgentServer:
 
     # ------------------------------------------------------------------------------ event loop ---
     def _live_peers(self) -> int:
+        """Agents still owing a bye (a connection that never said hello owes nothing)."""
         with self._lock:
-            return len(self._peers)
+            return sum(p.hello is not None for p in self._peers.values())
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -210,7 +177,7 @@ class AgentServer:
                 self._drop(peer, f"did not answer stop within {self.stop_timeout_s:g} s", cut=False)
             self._sel.close()
             if self._listener is not None:
-                _unlink_if_ours(self.sock_path, self._listener_ino)
+                unlink_if_ours(self.sock_path, self._listener_ino)
                 self._listener.close()
             self._wake_r.close()
             self._wake_w.close()
@@ -222,7 +189,12 @@ class AgentServer:
             with contextlib.suppress(OSError):
                 self._wake_r.recv(4096)
         else:
-            self._read(key.data)
+            try:
+                self._read(key.data)
+            except Exception as e:  # noqa: BLE001 - one peer's trouble must not end the others' service
+                self.stats["cut_off"] += 1
+                self._reject(key.data, f"cut off: internal error {type(e).__name__}: {e}")
+                self._drop(key.data, f"cut off: internal error {type(e).__name__}", cut=True)
 
     def _register_offers(self) -> None:
         with self._lock:
@@ -318,6 +290,10 @@ class AgentServer:
             raise
         peer.records += len(records)
         self.stats["records"] += len(records)
+        assert peer.hello is not None
+        for r in records:
+            if type(r) is AgentInfo and r.source not in peer.hello["backends"] and len(peer.hello["backends"]) < 16:
+                peer.hello["backends"].append(r.source)  # a backend that started after hello
         self._forward(records)
 
     def _forward(self, records: Sequence[tuple[Any, ...]]) -> None:
@@ -325,13 +301,15 @@ class AgentServer:
             self._fwd.put(records)
 
     def _send(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        """A control message, never waited on. A peer that already hung up is left to the read side,
+        which sees its bye or its EOF; only one that will not take a few bytes is cut off."""
         frame = wire.encode(msg)
         try:
             sent = peer.sock.send(frame)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        except OSError as e:
-            raise wire.FrameError(f"cannot write to peer: {e.strerror}") from None
+        except OSError:
+            return
         if sent != len(frame):
             raise wire.FrameError("peer does not read its socket")
 
@@ -342,7 +320,9 @@ class AgentServer:
                 try:
                     self._send(peer, {"type": "stop"})
                 except wire.FrameError as e:
-                    self._drop(peer, str(e), cut=True)
+                    self.stats["cut_off"] += 1
+                    self._reject(peer, f"cut off: {e}")
+                    self._drop(peer, f"cut off: {e}", cut=True)
 
     # ------------------------------------------------------------------------------- peer ends ---
     def _reject(self, peer: _Peer, reason: str) -> None:
@@ -361,19 +341,20 @@ class AgentServer:
                 self._sel.unregister(peer.sock)
         with contextlib.suppress(OSError):
             peer.sock.close()
-        if cut:
-            self._status("degraded", f"pid {peer.pid}: {reason}")
+        if cut:  # already logged by _reject
+            self._status("degraded", f"pid {peer.pid}: {reason}", log_it=False)
         elif not quiet and not peer.said_bye and peer.active:
             self.stats["ended_early"] += 1
             self._status("ended_early", f"pid {peer.pid}: {reason} without saying bye; its last records may be lost")
 
-    def _status(self, status: str, detail: str) -> None:
-        log.warning("gputrace: agent %s", detail)
+    def _status(self, status: str, detail: str, *, log_it: bool = True) -> None:
+        if log_it:
+            log.warning("gputrace: agent %s", detail)
         self._forward([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
 
     def _withdraw_offers(self) -> None:
         for path, listener, ino in self._offers:
-            _unlink_if_ours(path, ino)
+            unlink_if_ours(path, ino)
             listener.close()
         self._offers.clear()
 
@@ -383,30 +364,6 @@ class AgentServer:
         return {"pid": p.pid, "uid": p.uid, "interpreter": h.get("interpreter", ""),
                 "backends": h.get("backends", []), "unavailable": h.get("unavailable", {}),
                 "records": p.records, "end": p.end}
-
-
-def _listen(path: Path) -> tuple[socket.socket, int]:
-    """A listening socket at ``path`` and the inode it got (so we only ever remove our own)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        if path.is_socket() or path.is_symlink():
-            path.unlink()  # left by a session that died; a live one would own a fresh inode
-        s.bind(str(path))
-        # Anyone may connect; only traced pids (checked by SO_PEERCRED) are listened to.
-        os.chmod(path, 0o666)
-        s.listen(64)
-        ino = os.stat(path).st_ino
-    except OSError as e:
-        s.close()
-        raise UserError(f"agent socket {path}: {e.strerror}") from None
-    s.setblocking(False)
-    return s, ino
-
-
-def _unlink_if_ours(path: Path, ino: int) -> None:
-    with contextlib.suppress(OSError):
-        if os.lstat(path).st_ino == ino:
-            path.unlink()
 
 
 def _is_group(g: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -41,10 +42,8 @@ class HeldChild:
 
     def kill(self) -> None:
         if self.status is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.wait()
 
     def poll(self) -> int | None:

@@ -7,6 +7,7 @@ capture.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -19,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gputrace import clock
-from gputrace.capture import CaptureWriter, check_output_path, host_header
 from gputrace.caps import missing_tracing_caps
+from gputrace.capture import CaptureWriter, check_output_path, host_header
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.records import SourceStatus
 
@@ -290,10 +291,8 @@ class _Session:
         except Exception as e:  # noqa: BLE001 - already failing; report and go on
             self.log(f"gputrace: stopping sources: {e}")
         if self.sink is not None:
-            try:
+            with contextlib.suppress(BaseException):  # the original error matters more
                 self.sink.close()
-            except BaseException:  # noqa: BLE001 - the original error matters more
-                pass
         if self.writer is not None:
             self.writer.abort()
         if self.child is not None and not self.child.released:

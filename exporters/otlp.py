@@ -259,8 +259,8 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
 def _evidence_span(tracer: trace.Tracer, ctx: Any, ev: dict[str, Any], offset: int) -> None:
     kind = str(ev.get("kind", "evidence"))
     what = str(ev.get("what", ""))
-    attrs = {"gputrace.evidence.kind": kind, "gputrace.evidence.what": what,
-             "process.pid": int(ev.get("pid", 0)), "thread.id": int(ev.get("tid", 0))}
+    attrs: dict[str, Any] = {"gputrace.evidence.kind": kind, "gputrace.evidence.what": what,
+                             "process.pid": int(ev.get("pid", 0)), "thread.id": int(ev.get("tid", 0))}
     start = int(ev.get("start_ns", 0))
     span = tracer.start_span(f"{kind} {what}".strip(), context=ctx, attributes=attrs,
                              start_time=clock.to_realtime_ns(start, offset))

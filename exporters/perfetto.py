@@ -50,7 +50,7 @@ from gputrace.records import (
 
 from . import ExportResult
 from . import perfetto_proto as pp
-from .perfetto_args import activity_slice, size_text, stall_args
+from .perfetto_args import activity_slice, header_int, size_text, stall_args, unit_of
 from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
 from .perfetto_tracks import LaneSet, PacketSink, Tracks
 
@@ -58,7 +58,6 @@ _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", 
 # Known kinds with nothing to place on a timeline: fd paths are already on the syscalls, aggregates are in
 # the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
 _NOT_DRAWN = {"FdInfo", "SyscallAgg"}
-_UNITS = (("_pct", "%"), ("_mhz", "MHz"), ("_bytes", "B"), ("_mw", "mW"), ("_bps", "B/s"), ("_c", "C"))
 _COLLECTIVE_CAP = 10_000
 _NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
 
@@ -107,6 +106,7 @@ class _Run:
         self.skipped: dict[str, int] = {}
         self.not_drawn: dict[str, int] = {}
         self.fixed = 0
+        self.malformed = 0
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
@@ -119,16 +119,16 @@ class _Run:
     # -- frame ----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        mono = int(self.header.get("start_ns", 0) or 0)
-        real = mono + int(self.header.get("mono_to_realtime_ns", 0) or 0)
-        boot = mono + int(self.header.get("mono_to_boottime_ns", 0) or 0)
+        mono = header_int(self.header, "start_ns")
+        real = mono + header_int(self.header, "mono_to_realtime_ns")
+        boot = mono + header_int(self.header, "mono_to_boottime_ns")
         self.put(pp.clock_snapshot(mono, real, boot))
         self.put(pp.sequence_start())
 
     def record(self, rec: tuple[Any, ...]) -> None:
         handler = self.handlers.get(type(rec))
         if handler is not None:
-            handler(rec)
+            self.guarded(handler, rec)
             return
         kind = type(rec).__name__
         bucket = self.not_drawn if kind in _NOT_DRAWN else self.skipped
@@ -136,8 +136,16 @@ class _Run:
 
     def finish(self) -> None:
         for rec, flow in self.launches.drain():
-            self._write_gpu(rec, flow)
+            self.guarded(self._write_gpu, rec, flow)
         self._write_stalls()
+
+    def guarded(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except (TypeError, ValueError, AttributeError, OverflowError, IndexError):
+            # Fields of the wrong type (a broken or hostile agent). Handlers encode a record's packets
+            # before writing them, so a record lands whole or not at all.
+            self.malformed += 1
 
     def notes(self, reader: CaptureReader) -> list[str]:
         notes = []
@@ -145,6 +153,8 @@ class _Run:
             notes.append(f"capture incomplete: {reader.problem or 'records were lost'}; exported what was readable")
         notes += [f"skipped {n} {kind} record(s): not known to the Perfetto exporter"
                   for kind, n in sorted(self.skipped.items())]
+        if self.malformed:
+            notes.append(f"skipped {self.malformed} malformed record(s) (fields of the wrong type)")
         if self.fixed:
             notes.append(f"{self.fixed} record(s) ended before they began; drawn with zero duration")
         if self.launches.unmatched:
@@ -235,21 +245,25 @@ class _Run:
         if r.wake_ns and s <= r.wake_ns <= e:
             args.update(waker_pid=r.waker_pid, waker_tid=r.waker_tid, waker_comm=r.waker_comm,
                         wake_ns=r.wake_ns)
-        # tid 0 is every CPU's idle task: a wakeup from interrupt context has no thread to draw an arrow from.
-        woken = bool(r.wake_ns and s <= r.wake_ns <= e and r.waker_tid)
-        if woken:
-            flow = self.flows.new()
-            # The waker's side is written first: at equal timestamps, file order gives the arrow direction.
-            self.instant(self.waker_track(r), r.wake_ns, f"wake tid {r.tid}", _CAT["sched"],
-                         {"wakee_pid": r.pid, "wakee_tid": r.tid}, (flow,))
         flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
-        self.put(pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, name, category=_CAT["sched"],
-                                annots=pp.debug_args(args), flows=flows))
-        if woken:
-            lane.add(r.wake_ns, e)
-            self.slice(lane.uuid, r.wake_ns, e, f"woken by {r.waker_comm or r.waker_tid}", _CAT["sched"],
-                       {"waker_pid": r.waker_pid, "waker_tid": r.waker_tid}, (flow,))
-        self.put(pp.track_event(pp.SLICE_END, e, lane.uuid))
+        packets = [pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, name, category=_CAT["sched"],
+                                  annots=pp.debug_args(args), flows=flows)]
+        # tid 0 is every CPU's idle task: a wakeup from interrupt context has no thread to draw an arrow from.
+        if r.wake_ns and s <= r.wake_ns <= e and r.waker_tid:
+            flow = self.flows.new()
+            wake = pp.clamp_ts(r.wake_ns)
+            # The waker's side goes first: at equal timestamps, file order gives the arrow direction.
+            packets.insert(0, pp.track_event(pp.INSTANT, wake, self.waker_track(r), f"wake tid {r.tid}",
+                                             category=_CAT["sched"], flows=(flow,),
+                                             annots=pp.debug_args({"wakee_pid": r.pid, "wakee_tid": r.tid})))
+            packets += [pp.track_event(pp.SLICE_BEGIN, wake, lane.uuid, f"woken by {r.waker_comm or r.waker_tid}",
+                                       category=_CAT["sched"], flows=(flow,),
+                                       annots=pp.debug_args({"waker_pid": r.waker_pid, "waker_tid": r.waker_tid})),
+                        pp.track_event(pp.SLICE_END, e, lane.uuid)]
+            lane.add(wake, e)
+        packets.append(pp.track_event(pp.SLICE_END, e, lane.uuid))
+        for packet in packets:  # all encoded first: a broken record writes nothing
+            self.put(packet)
 
     def waker_track(self, r: OffCpu) -> int:
         uuid = self.tracks.untraced_thread(r.waker_pid, r.waker_tid, r.waker_comm)
@@ -340,8 +354,8 @@ class _Run:
         self.collectives[(r.pid, r.correlation_id)] = r
 
     def nvml(self, r: NvmlSample) -> None:
-        unit = next((u for suffix, u in _UNITS if r.metric.endswith(suffix)), "")
-        uuid = self.tracks.counter(("nvml", r.device, r.metric), r.metric, self.device_track(r.device), unit)
+        uuid = self.tracks.counter(("nvml", r.device, r.metric), r.metric, self.device_track(r.device),
+                                   unit_of(r.metric))
         self.put(pp.counter_event(r.ts, uuid, r.value))
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -367,7 +381,7 @@ class _Run:
             if isinstance(dev, dict) and isinstance(dev.get("id"), int) and dev["id"] not in self.devices:
                 self.devices[dev["id"]] = (str(dev.get("name", "")), bool(dev.get("simulated")))
         for i, stall in enumerate(self.stall_links.stalls):
-            self._write_stall(stall, self.stall_links.flows_of(i))
+            self.guarded(self._write_stall, stall, self.stall_links.flows_of(i))
 
     def _write_stall(self, st: dict[str, Any], flows: list[int]) -> None:
         dev = st.get("device", 0) if isinstance(st.get("device", 0), int) else 0

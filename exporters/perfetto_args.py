@@ -1,4 +1,4 @@
-"""What the Perfetto exporter calls its slices and which debug annotations they carry."""
+"""What the Perfetto exporter calls its slices and tracks, and which debug annotations they carry."""
 
 from __future__ import annotations
 
@@ -55,3 +55,17 @@ def size_text(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
     return f"{n} B"
+
+
+_UNITS = (("_pct", "%"), ("_mhz", "MHz"), ("_bytes", "B"), ("_mw", "mW"), ("_bps", "B/s"), ("_c", "C"))
+
+
+def unit_of(metric: str) -> str:
+    """An NVML metric's unit, from its name's suffix (gpu_util_pct, sm_clock_mhz, power_mw, ...)."""
+    return next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
+
+
+def header_int(header: dict[str, Any], key: str) -> int:
+    """An integer field of the capture header; a missing or mistyped one counts as 0."""
+    value = header.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

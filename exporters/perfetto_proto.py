@@ -68,6 +68,8 @@ def f_bytes(field: int, data: bytes) -> bytes:
 
 
 def f_str(field: int, text: str) -> bytes:
+    if type(text) is not str:  # a broken record must not stop the export
+        text = str(text)
     return f_bytes(field, text.encode("utf-8", "replace"))
 
 
@@ -93,6 +95,7 @@ _PACKET = _key(1, 2)  # Trace.packet
 
 def clamp_ts(ts: int) -> int:
     """Timestamps are uint64; a hostile or broken record must not wrap around."""
+    ts = int(ts)
     if ts < 0:
         return 0
     return ts if ts <= _I64_MAX else _I64_MAX

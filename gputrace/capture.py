@@ -43,6 +43,7 @@ def host_header(argv: Sequence[str]) -> dict[str, Any]:
         "boot_id": _boot_id(),
         "clock": "CLOCK_MONOTONIC",
         "mono_to_realtime_ns": clock.realtime_offset_ns(),
+        "mono_to_boottime_ns": clock.boottime_offset_ns(),
         "start_ns": clock.monotonic_ns(),
         "argv": list(argv),
         "mounts": mount_table(),
@@ -259,6 +260,8 @@ class CaptureReader:
                 self.drops[f"{rec.source}.{rec.what}"] = rec.count
             elif kind == "FdInfo" and decoder is not None:
                 decoder.note_fd(rec)
+            elif kind == "ProcFork" and decoder is not None:
+                decoder.note_fork(rec)
             yield rec
 
 

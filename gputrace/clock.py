@@ -28,6 +28,14 @@ def realtime_offset_ns(samples: int = 7) -> int:
     return best
 
 
+def boottime_offset_ns() -> int:
+    """boottime - monotonic: the time the host spent suspended (Perfetto's default trace clock is BOOTTIME)."""
+    m0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    b = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    m1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    return b - (m0 + m1) // 2
+
+
 class RealtimeConverter:
     """Converts CLOCK_REALTIME ns to capture-clock ns with an offset re-sampled at most every ``period_s``."""
 

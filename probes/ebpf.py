@@ -11,18 +11,17 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-import subprocess
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gputrace.probes import events, procfs
-from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers, wanted_tracepoints
-
 from gputrace import clock
-from gputrace.errors import PermissionDenied, UserError
+from gputrace.errors import UserError
+from gputrace.probes import events, procfs
+from gputrace.probes.ebpf_host import TRACEFS, check_host
+from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers, wanted_tracepoints
 from gputrace.records import (
     Drops,
     ProcExec,
@@ -35,10 +34,10 @@ from gputrace.source import Sink
 __all__ = ["EbpfSource", "wanted_tracepoints", "check_host", "program_text"]
 
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
-TRACEFS = Path("/sys/kernel/tracing")
-_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
 _BATCH_EVENTS = 4096
 _POLL_MS = 50
+_TARGET_MASK = (1 << 16) - 1  # TARGET_BITS in gputrace.bpf.c
+_SLOT_SHARED = 0xFFFFFFFF
 
 ProcCallback = Callable[[Any], None]
 
@@ -46,58 +45,6 @@ ProcCallback = Callable[[Any], None]
 def program_text() -> str:
     """The kernel program as compiled (header first), for the hidden ``--ebpf`` flag."""
     return (BPF_DIR / "gputrace.h").read_text() + "\n" + (BPF_DIR / "gputrace.bpf.c").read_text()
-
-
-# ------------------------------------------------------------------------------- host checks ---
-
-
-def _effective_caps() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
-
-
-def check_privileges() -> None:
-    caps = _effective_caps()
-    if caps >> _CAP_SYS_ADMIN & 1 or (caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1):
-        return
-    missing = [n for n, bit in (("CAP_BPF", _CAP_BPF), ("CAP_PERFMON", _CAP_PERFMON)) if not caps >> bit & 1]
-    raise PermissionDenied(f"eBPF tracing needs root or {' + '.join(missing)} (missing); run with sudo")
-
-
-def check_tracefs() -> None:
-    if (TRACEFS / "events").is_dir():
-        return
-    if os.geteuid() == 0:
-        r = subprocess.run(["mount", "-t", "tracefs", "tracefs", str(TRACEFS)], capture_output=True, text=True)
-        if r.returncode == 0 and (TRACEFS / "events").is_dir():
-            return
-    raise UserError(f"tracefs is not mounted at {TRACEFS}; run: sudo mount -t tracefs tracefs {TRACEFS}")
-
-
-def check_headers() -> None:
-    mod = Path("/lib/modules") / os.uname().release
-    if any((mod / d / "include/linux/kconfig.h").exists() for d in ("build", "source")):
-        return
-    raise UserError(f"kernel headers for {os.uname().release} are missing (bcc needs them); run ./setup.sh")
-
-
-def import_bcc() -> Any:
-    try:
-        import bcc
-    except ImportError:
-        raise UserError("bcc is not importable (python3-bpfcc, system site packages); run ./setup.sh") from None
-    return bcc
-
-
-def check_host() -> Any:
-    """Everything the source needs before compiling; returns the bcc module."""
-    check_privileges()
-    bcc = import_bcc()
-    check_tracefs()
-    check_headers()
-    return bcc
 
 
 def _format_has(category: str, name: str, field: str) -> bool:
@@ -143,6 +90,9 @@ class EbpfSource:
         self._thread: threading.Thread | None = None
         self._callback_errors = 0
         self._nr_names: dict[int, str] = {}
+        self._final_drops: dict[str, int] | None = None
+        self._on_proc_errors = 0
+        self._poll_error = ""
 
     # ------------------------------------------------------------------------------ lifecycle ---
 
@@ -153,18 +103,28 @@ class EbpfSource:
         bcc = check_host()
         self._sink = sink
         self._bpf = self._compile(bcc)
-        sysinfo = self._fill_sysinfo(bcc)
+        try:
+            self._setup(sink)
+        except BaseException as e:
+            bpf, self._bpf = self._bpf, None
+            _unload(bpf)
+            if isinstance(e, Exception) and not isinstance(e, UserError):
+                raise UserError(f"setting up the eBPF programs failed: {e}") from None
+            raise
+        status = "degraded" if self.missing else "started"
+        detail = f"missing tracepoints: {', '.join(self.missing)}" if self.missing else ""
+        sink.emit([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
+        self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
+        self._thread.start()
+
+    def _setup(self, sink: Sink) -> None:
+        sysinfo = self._fill_sysinfo()
         self._attach_syscalls(sysinfo)
         sink.emit_meta(self.name, self._meta(sysinfo))
         self._bpf[b"events"].open_ring_buffer(self._on_event)
         self._bpf[b"procev"].open_ring_buffer(self._on_proc_event)
         for pid in self.pids:
             self.add_target(pid)
-        status = "degraded" if self.missing else "started"
-        detail = f"missing tracepoints: {', '.join(self.missing)}" if self.missing else ""
-        sink.emit([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
-        self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
         if self._bpf is None or self._sink is None:
@@ -176,14 +136,26 @@ class EbpfSource:
         self._flush()
         now = clock.monotonic_ns()
         records: list[Any] = self._aggregates()
-        records += [Drops(now, self.name, what, n) for what, n in self.drops().items()]
-        records.append(SourceStatus(now, self.name, "stopped", f"{self.events} kernel events"))
+        self._final_drops = self.drops()
+        records += [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
+        records.append(self._final_status(now))
         self._sink.emit(records)
         bpf, self._bpf = self._bpf, None
-        bpf[b"targets"].clear()  # the programs go quiet at once; unhooking them takes a while
+        bpf[b"tslot"].clear()  # the programs go quiet at once; unhooking them takes a while
+        bpf[b"targets"].clear()
         threading.Thread(target=_unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True).start()
 
+    def _final_status(self, now: int) -> SourceStatus:
+        detail = f"{self.events} kernel events"
+        if self._on_proc_errors:
+            detail += f"; the on_proc callback failed {self._on_proc_errors} times"
+        if self._poll_error:
+            return SourceStatus(now, self.name, "ended_early", f"{detail}; polling stopped: {self._poll_error}")
+        return SourceStatus(now, self.name, "stopped", detail)
+
     def drops(self) -> dict[str, int]:
+        if self._final_drops is not None:
+            return dict(self._final_drops)
         out = dict.fromkeys(events.DROP_REASONS, 0)
         if self._bpf is not None:
             table = self._bpf[b"drops"]
@@ -199,15 +171,25 @@ class EbpfSource:
         info = procfs.proc_info(pid)
         if info is None:
             raise UserError(f"no process with pid {pid}")
-        targets = self._bpf[b"targets"]
+        if self._bpf is None:
+            self.pids.append(pid)  # not started yet: start() adds it
+            return
         pids = [pid] + (procfs.descendants(pid) if descendants else [])
         for p in pids:
-            targets[targets.Key(p)] = targets.Leaf(1)
+            self._add_to_target_set(p)
         records: list[Any] = []
         for p in pids:
             records += self._snapshot(p)
         if self._sink is not None:
             self._sink.emit(records)
+
+    def _add_to_target_set(self, pid: int) -> None:
+        """As add_target() in gputrace.bpf.c: the set, then the fast slot."""
+        targets, tslot = self._bpf[b"targets"], self._bpf[b"tslot"]
+        targets[targets.Key(pid)] = targets.Leaf(1)
+        key = tslot.Key(pid & _TARGET_MASK)
+        cur = tslot[key].value
+        tslot[key] = tslot.Leaf(pid if cur in (0, pid) else _SLOT_SHARED)
 
     def is_traced(self, pid: int) -> bool:
         if self._bpf is None:
@@ -251,7 +233,7 @@ class EbpfSource:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"loading the eBPF program failed: {first} (check: gputrace doctor)") from None
 
-    def _fill_sysinfo(self, bcc: Any) -> dict[int, tuple[str, int]]:
+    def _fill_sysinfo(self) -> dict[int, tuple[str, int]]:
         numbers = syscall_numbers()
         table = self._bpf[b"sysinfo"]
         out: dict[int, tuple[str, int]] = {}
@@ -288,14 +270,18 @@ class EbpfSource:
             "attached": self.attached,
             "missing": self.missing,
             "drop_reasons": list(events.DROP_REASONS),
+            "fork_markers": True,
         }
 
     # ---------------------------------------------------------------------------------- drain ---
 
     def _poll(self) -> None:
-        while not self._stop.is_set():
-            self._bpf.ring_buffer_poll(_POLL_MS)
-            self._flush()
+        try:
+            while not self._stop.is_set():
+                self._bpf.ring_buffer_poll(_POLL_MS)
+                self._flush()
+        except Exception as e:  # noqa: BLE001 - reported as the source ending early; the kernel counts the rest
+            self._poll_error = f"{type(e).__name__}: {e}"
 
     def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
         batch = self._batch
@@ -311,14 +297,23 @@ class EbpfSource:
             self._sink.emit_kernel(b"".join(batch), len(batch))
 
     def _on_proc_event(self, _ctx: Any, data: Any, size: int) -> int:
+        # Runs under bcc's poll: it must never raise, so every failure is counted instead.
         try:
             rec = events.proc_record(ctypes.string_at(data, size))
+        except ValueError:
+            self._callback_errors += 1  # a process event lost: counted with the drops
+            return 0
+        try:
             assert self._sink is not None
+            self._flush()  # what the kernel saw before this event goes into the file before it
             self._sink.emit([rec, *self._proc_metadata(rec)])
-            if self.on_proc is not None:
-                self.on_proc(rec)
-        except Exception:  # noqa: BLE001 - a callback must not raise into bcc; counted instead
+        except Exception:  # noqa: BLE001
             self._callback_errors += 1
+        if self.on_proc is not None:
+            try:
+                self.on_proc(rec)
+            except Exception:  # noqa: BLE001 - the caller's bug; reported in the final status
+                self._on_proc_errors += 1
         return 0
 
     def _proc_metadata(self, rec: Any) -> list[Any]:
@@ -339,11 +334,20 @@ class EbpfSource:
         return [info, *procfs.threads(pid), *procfs.fd_snapshot(pid)]
 
     def _aggregates(self) -> list[SyscallAgg]:
+        """Short calls: the folded totals plus what each in-flight slot still holds."""
+        totals: dict[tuple[int, int, int], list[int]] = {}
+        for k, v in self._bpf[b"agg"].items():
+            t = totals.setdefault((k.pid, k.tid, k.nr), [0, 0])
+            t[0] += v.count
+            t[1] += v.total_ns
+        for _, v in self._bpf[b"inflight"].items_lookup_batch():
+            if v.agg_count:
+                t = totals.setdefault((v.agg_pid, v.agg_tid, v.agg_nr), [0, 0])
+                t[0] += v.agg_count
+                t[1] += v.agg_ns
         names = self._nr_names
-        return [
-            SyscallAgg(k.pid, k.tid, names.get(k.nr, f"syscall_{k.nr}"), v.count, v.total_ns)
-            for k, v in self._bpf[b"agg"].items()
-        ]
+        return [SyscallAgg(pid, tid, names.get(nr, f"syscall_{nr}"), n, ns)
+                for (pid, tid, nr), (n, ns) in sorted(totals.items())]  # fmt: skip
 
 
 def _unload(bpf: Any) -> None:

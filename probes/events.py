@@ -93,6 +93,7 @@ class KernelDecoder:
         self._devices: dict[str, str] = {str(k): str(v) for k, v in meta.get("devices", {}).items()}
         self._fds: dict[int, dict[int, str]] = {}
         self._forked: set[int] = set()
+        self._fork_markers = bool(meta.get("fork_markers", False))
 
     # ------------------------------------------------------------------------------ fd tables ---
 
@@ -100,6 +101,13 @@ class KernelDecoder:
         self._fds.setdefault(info.pid, {})[info.fd] = info.obj
 
     def note_fork(self, fork: ProcFork) -> None:
+        """A ProcFork record read from the capture. Sources that put fork markers in the kernel stream
+        (``fork_markers`` in their meta) are followed by those instead: a marker sits at the exact point
+        of the fork among the parent's fd events, where a record may come earlier or later."""
+        if not self._fork_markers:
+            self._inherit(fork)
+
+    def _inherit(self, fork: ProcFork) -> None:
         """A child process starts with a copy of its parent's fd table (once: later calls are no-ops)."""
         if fork.is_thread or fork.child_pid in self._forked:
             return
@@ -133,7 +141,7 @@ class KernelDecoder:
 
     def _decode_one(self, etype: int, blob: bytes, off: int) -> Any:
         if etype == EV_SYS:
-            return self._syscall(SYS.unpack_from(blob, off), "")
+            return self._syscall(SYS.unpack_from(blob, off), b"")
         if etype == EV_PATH:
             f = PATH.unpack_from(blob, off)
             return self._syscall(f[:10], f[12][: min(f[10], 256)])
@@ -205,7 +213,7 @@ class KernelDecoder:
     def _proc(self, f: tuple[Any, ...]) -> None:
         etype, flags, pid, tid, ts, child_pid, child_tid, comm, _filename = f
         if etype == EV_FORK:
-            self.note_fork(ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm)))
+            self._inherit(ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm)))
         elif etype == EV_EXIT and flags:
             self._fds.pop(pid, None)  # the process is gone; its pid may be reused
             self._forked.discard(pid)

@@ -10,9 +10,8 @@ import ipaddress
 import os
 from pathlib import Path
 
-from gputrace.probes.events import AT_FDCWD
-
 from gputrace import clock
+from gputrace.probes.events import AT_FDCWD
 from gputrace.records import FdInfo, ProcInfo, ThreadInfo
 
 PROC = Path("/proc")

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from gputrace.daemon.agents import AgentServer
-from gputrace.daemon.writer import QueueSink
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
+from gputrace.daemon.agents import AgentServer
+from gputrace.daemon.writer import QueueSink
 
 PYTHON = sys.executable
 
@@ -51,11 +51,12 @@ class Harness:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
         return {**env, **self.server.child_env(env), **extra}
 
-    def spawn(self, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    def spawn(self, code: str, *args: str, env: dict[str, str] | None = None,
+              stdin: bool = False) -> subprocess.Popen[str]:
         script = self.tmp / f"w{len(self.procs)}.py"
         script.write_text(code)
         p = subprocess.Popen([PYTHON, str(script), *args], env=env or self.env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None, text=True)
         self.allowed.add(p.pid)
         self.procs.append(p)
         return p

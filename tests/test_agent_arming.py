@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from agent_harness import PYTHON, Harness, of, wait_for
@@ -43,8 +44,10 @@ def test_an_armed_process_without_a_session_runs_exactly_as_before(tmp_path: Pat
     assert plain.returncode == armed.returncode == 0
     assert (armed.stdout, armed.stderr) == (plain.stdout, plain.stderr)
     # A capture's environment whose session is gone: still the same run.
+    t0 = time.monotonic()
     gone = _run(script, {**_clean_env(ZZ_X="1"), **arming.environment(str(tmp_path / "no.sock"), base={})})
     assert (gone.returncode, gone.stdout, gone.stderr) == (0, plain.stdout, plain.stderr)
+    assert time.monotonic() - t0 < 1.0, "no lingering at exit for a session that is gone"
 
 
 def test_without_the_variables_the_boot_hook_loads_nothing(tmp_path: Path) -> None:
@@ -154,3 +157,22 @@ def test_gputrace_env_prints_arming_lines() -> None:
     bad = subprocess.run([sys.executable, "-m", "gputrace", "env", "--unit", "a;b"],
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and bad.stderr.startswith("gputrace: error: ")
+
+
+def test_an_interpreter_without_gputrace_or_msgpack_still_connects(tmp_path: Path) -> None:
+    """The system Python here has neither: the agent loads from GPUTRACE_HOME and speaks its own msgpack."""
+    system_python = "/usr/bin/python3"
+    probe = subprocess.run([system_python, "-c", "import importlib.util as u; print(u.find_spec('gputrace'), "
+                            "u.find_spec('msgpack'))"], capture_output=True, text=True, timeout=30, env=_clean_env())
+    assert probe.stdout.split() == ["None", "None"], "this test needs an interpreter without gputrace and msgpack"
+    h = Harness(tmp_path)
+    env = {**_clean_env(), **h.server.child_env(_clean_env())}
+    p = subprocess.Popen([system_python, "-c", "print('hello from', __import__('sys').version.split()[0])"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    h.allowed.add(p.pid)
+    out, err = p.communicate(timeout=30)
+    assert out.startswith("hello from") and err == ""
+    h.finish()
+    assert h.reader is not None
+    [peer] = h.reader.meta["agent"]["peers"]
+    assert peer["pid"] == p.pid and peer["end"] == "bye" and "/usr/bin/python3" in peer["interpreter"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,36 @@ def test_refuses_a_pid_that_does_not_exist(tmp_path: Path) -> None:
 def test_version_is_read_from_the_interpreter_name_or_libpython() -> None:
     assert inject.python_version(1, "/usr/bin/python3.14") == (3, 14)
     assert inject.python_version(1, "/opt/py/bin/python3.13t") == (3, 13)
+
+
+def test_the_injected_script_attaches_an_unarmed_process(tmp_path: Path) -> None:
+    """What sys.remote_exec would run in the target, run here by the target itself on request."""
+    from agent_harness import Harness, of
+
+    h = Harness(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
+    p = h.spawn("""
+import sys
+from gputrace.sim import Device
+s = Device(0).stream()
+s.launch("before_attach", duration_ms=1)
+s.synchronize()
+print("up", flush=True)
+exec(compile(open(sys.stdin.readline().strip()).read(), "injected", "exec"))
+import time
+from gputrace.agent import arming
+deadline = time.monotonic() + 10
+while not arming.current().connected and time.monotonic() < deadline:
+    time.sleep(0.01)
+s.launch("after_attach", duration_ms=1)
+s.synchronize()
+print("done", flush=True)
+""", env=env, stdin=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "up"
+    script = inject.write_script(p.pid, str(h.server.sock_path))
+    assert script.parent == tmp_path and oct(script.stat().st_mode)[-3:] == "644"
+    out, err = p.communicate(input=f"{script}\n", timeout=20)
+    assert out.strip() == "done", err
+    recs = h.finish()
+    assert [k.name for k in of(recs, "GpuKernel")] == ["after_attach"]
+    assert [d.pid for d in of(recs, "GpuDevice")] == [p.pid]

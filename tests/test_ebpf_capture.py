@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gputrace.probes.syscalls import syscall_numbers
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
+from gputrace.probes.syscalls import syscall_numbers
 from gputrace.records import BlockIO, OffCpu, ProcFork, Syscall, SyscallAgg
 
 WORKLOADS = Path(__file__).parent / "workloads"

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputrace.probes.ebpf import EbpfSource, wanted_tracepoints
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.errors import PermissionDenied, UserError
-from gputrace.records import ProcExit, SourceStatus, Syscall
+from gputrace.probes.ebpf import EbpfSource, wanted_tracepoints
+from gputrace.records import ProcExit, ProcFork, SourceStatus, Syscall
 
 
 def _exited_pid() -> int:
@@ -36,11 +36,7 @@ def test_bad_options() -> None:
 
 
 def test_unprivileged_user_is_told_which_capability(tmp_path: Path) -> None:
-    code = (
-        "import os\n"
-        "from gputrace.probes.ebpf import EbpfSource\n"
-        "EbpfSource([os.getpid()]).start(None)\n"
-    )
+    code = "import os\nfrom gputrace.probes.ebpf import EbpfSource\nEbpfSource([os.getpid()]).start(None)\n"
     r = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
          "--bounding-set=-all", sys.executable, "-c", code],
@@ -87,3 +83,26 @@ def test_wanted_tracepoints_all_exist_here() -> None:
     assert ("sched", "sched_switch", "off-CPU intervals") in wanted
     missing = [f"{c}:{n}" for c, n, _ in wanted if not Path(f"/sys/kernel/tracing/events/{c}/{n}").is_dir()]
     assert missing == []
+
+
+def test_on_proc_gets_live_events_and_its_failures_are_reported(tmp_path: Path) -> None:
+    seen: list[object] = []
+
+    def on_proc(rec: object) -> None:
+        seen.append(rec)
+        raise RuntimeError("caller bug")
+
+    proc = subprocess.Popen([sys.executable, "-c", "import os, sys\nsys.stdin.readline()\nos.system('true')"],
+                            stdin=subprocess.PIPE)  # fmt: skip
+    assert proc.stdin is not None
+    path = tmp_path / "p.gputrace"
+    with ebpf_capture(path, [proc.pid], on_proc=on_proc):
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=10) == 0
+    forks = [r for r in seen if isinstance(r, ProcFork) and r.parent_pid == proc.pid]
+    assert forks, "no live fork event"
+    records, reader = read_capture(path)
+    final = of(records, SourceStatus)[-1]
+    assert final.status == "stopped" and "on_proc callback failed" in final.detail
+    assert reader.drops["ebpf.callback"] == 0

@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import pytest
+
 from gputrace.probes import ebpf, events
 
 

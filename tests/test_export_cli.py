@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputrace.exporters.perfetto_check import check_trace
 
 from gputrace.capture import CaptureWriter, host_header
 from gputrace.cli import main
 from gputrace.cli.export import export_perfetto
 from gputrace.errors import UserError
+from gputrace.exporters.perfetto_check import check_trace
 from gputrace.records import (
     BlockIO,
     CudaApi,
@@ -91,7 +91,7 @@ def test_truncated_capture_exports_with_warning(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "cut.pftrace"
     assert main(["export", str(cut), "--perfetto", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "gputrace: warning: the capture is incomplete (cut off at byte" in captured.err
+    assert "gputrace: warning: the capture is incomplete: cut off at byte" in captured.err
     assert "Wrote" in captured.out
     check = check_trace(out)
     assert check.ok and 0 < len(check.slices_on(check.thread(1))) < 2000

@@ -61,6 +61,7 @@ def capture(tmp_path: Path) -> Iterator[CaptureReader]:
 
 def _value(v: AnyValue) -> Any:
     kind = v.WhichOneof("value")
+    assert kind is not None
     if kind == "array_value":
         return [_value(x) for x in v.array_value.values]
     return getattr(v, kind)

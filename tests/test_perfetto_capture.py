@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gputrace.capture import CaptureReader
 from gputrace.exporters.perfetto_check import check_trace
+from gputrace.records import BlockIO, OffCpu, Syscall
 
 WORKLOAD = r"""
-import os, sys, threading, time
+import mmap, os, sys, threading, time
 from gputrace.sim import Device
 
 data, mib = sys.argv[1], 1 << 20
@@ -21,9 +23,9 @@ def name(comm):
 
 def loader():
     name("loader")
-    fd = os.open(data, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read must reach the disk
-    assert len(os.pread(fd, 2 * mib, 0)) == 2 * mib
+    fd = os.open(data, os.O_RDONLY | os.O_DIRECT)  # the read must reach the disk, whatever is cached
+    buf = mmap.mmap(-1, 2 * mib)  # page-aligned, as O_DIRECT needs
+    assert os.preadv(fd, [buf], 0) == 2 * mib
     os.close(fd)
 
 r, w = os.pipe()
@@ -49,32 +51,43 @@ print("tid", threading.get_native_id(), flush=True)
 def test_captured_workload_trace(tmp_path: Path) -> None:
     data = tmp_path / "shard.bin"
     data.write_bytes(os.urandom(2 << 20))
-    os.sync()
     r = subprocess.run([sys.executable, "-m", "gputrace", "capture", "-o", "run.gputrace", "--",
                         sys.executable, "-c", WORKLOAD, str(data)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     main_tid = int(r.stdout.split()[-1])
+    with CaptureReader(tmp_path / "run.gputrace") as reader:
+        recs = list(reader.records())
     check = check_trace(tmp_path / "run.pftrace")
     assert check.problems == []
 
+    # What the workload did, as the user sees it.
     [loader] = check.tracks_named("loader")
-    reads = [s for s in check.slices_on(loader) if s.name == "pread64"]
+    reads = [s for s in check.slices_on(loader) if s.name in ("preadv", "preadv2")]  # glibc picks
     assert [(s.args["obj"], s.args["nbytes"]) for s in reads] == [(str(data), 2 << 20)]
     disk = [s for t in check.tracks.values() if t.name.startswith("block ")
-            for lane in check.children(t) for s in check.slices_on(lane) if s.args["tid"] == loader.tid]
-    assert sum(s.args["bytes"] for s in disk if "R" in s.args["rwbs"]) >= 2 << 20
-
-    main = check.thread(main_tid)
-    [offcpu] = [t for t in check.children(main) if t.name == "off-CPU"]
-    wakes = [(src, dst) for src, dst in check.flows_into(offcpu) if check.track_of(src).name == "writer"]
-    assert wakes, "the pipe writer's wakeup of the main thread has no flow"
-    src, dst = wakes[0]
-    assert src.name == f"wake tid {main_tid}" and dst.name == "woken by writer" and dst.depth == 1
-
+            for lane in check.children(t) for s in check.slices_on(lane)]
+    mine = [s for s in disk if s.args["tid"] == loader.tid and "R" in s.args["rwbs"]]
+    assert mine and all(reads[0].ts <= s.ts and s.end <= reads[0].end for s in mine)
     gpu = next(t for t in check.tracks.values() if t.name.startswith("GPU 0") and t.name.endswith("(simulated)"))
     kernels = [s for s in check.slices_on(gpu, deep=True) if s.name.startswith("step")]
     assert [k.name for k in kernels] == ["step0", "step1", "step2"]
     assert all(1_800_000 <= k.dur <= 2_200_000 for k in kernels)
-    launched = {dst.name for src, dst in check.flows if src.name == "cudaLaunchKernel"}
-    assert launched >= {"step0", "step1", "step2"}
+    launched = {dst.name: check.track_of(src) for src, dst in check.flows if src.name == "cudaLaunchKernel"}
+    assert set(launched) == {"step0", "step1", "step2"}
+    assert all(t.name == "CUDA API" and t.parent == check.thread(main_tid).uuid for t in launched.values())
+
+    # Everything the capture holds is in the trace.
+    blocks = [x for x in recs if isinstance(x, BlockIO)]
+    assert sorted((s.ts, s.args["sector"], s.args["bytes"], s.args["tid"]) for s in disk) == \
+        sorted((b.issue_ns, b.sector, b.nbytes, b.tid) for b in blocks)
+    woken = [o for o in recs if isinstance(o, OffCpu) and o.waker_tid and o.start_ns <= o.wake_ns <= o.end_ns]
+    wake_flows = [(a, b) for a, b in check.flows if a.name.startswith("wake tid ")]
+    assert len(wake_flows) == len(woken)  # (the unit tests prove the flows themselves)
+    for src, dst in wake_flows:
+        assert dst.name.startswith("woken by ") and check.track_of(dst).name == "off-CPU"
+        assert check.track_of(src).tid == dst.args["waker_tid"] and src.ts == dst.ts
+    syscalls = [x for x in recs if isinstance(x, Syscall)]
+    on_threads = [s for t in check.tracks.values() if t.kind == "thread" for s in check.slices_on(t)
+                  if "syscall" in s.categories]
+    assert len(on_threads) == len(syscalls) > 0

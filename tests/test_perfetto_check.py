@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gputrace.exporters.perfetto_check import check_trace
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
 from gputrace.errors import UserError
+from gputrace.exporters.perfetto_check import check_trace
 
 B, E, INST, C = 1, 2, 3, 4
 

@@ -82,7 +82,7 @@ def test_sim_without_a_session_runs_and_emits_nothing() -> None:
     s.synchronize()
     total = time.monotonic() - t0
     assert launched < 0.01, "launches must not wait for the device"
-    assert 0.098 <= total <= 0.115, total  # 5 x 20 ms, within ~2 % plus scheduling
+    assert 0.099 <= total <= 0.14, total  # 5 x 20 ms back to back, plus the waiter being scheduled
 
 
 def test_streams_run_concurrently_and_sync_blocks() -> None:

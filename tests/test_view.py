@@ -107,3 +107,29 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and r.stderr.strip().endswith("nope.pftrace: no such file")
     assert "Traceback" not in r.stderr
+
+
+def test_capture_without_trace_is_exported_first(tmp_path: Path) -> None:
+    from gputrace.analysis.synth import Builder
+    from gputrace.exporters.perfetto_check import check_trace
+
+    b = Builder().proc(100, "python").device(100)
+    b.op(100, 100, 0.0, 0.0, 10.0, "fwd")
+    b.op(100, 100, 29.9, 30.0, 40.0, "bwd")
+    capture = b.write(tmp_path / "run.gputrace")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrace", "view", "--no-browser", "--port", str(port),
+                             str(capture)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_listening(port)
+        status, _, body = _get(port, "/run.pftrace")
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert status == 200 and proc.returncode == 0
+    assert "is a capture; exporting it to a temporary Perfetto trace first" in err
+    fetched = tmp_path / "fetched.pftrace"
+    fetched.write_bytes(body)
+    check = check_trace(fetched)
+    assert check.ok, check.problems
+    assert not (tmp_path / "run.pftrace").exists(), "the temporary trace is not left beside the capture"

@@ -36,6 +36,7 @@ class TraceServer:
         self.name = path.name
         self.url_path = "/" + quote(self.name)
         self.fetched = threading.Event()
+        self._serving = False
         self.requests: list[str] = []
         try:
             self.httpd = _Server(("127.0.0.1", port), _handler_for(self))
@@ -49,6 +50,7 @@ class TraceServer:
     def serve_until_fetched(self, timeout_s: float | None = None) -> bool:
         """Handle requests until the file was served completely; False on timeout."""
         thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._serving = True
         thread.start()
         try:
             return self.fetched.wait(timeout_s)
@@ -57,7 +59,9 @@ class TraceServer:
             thread.join()
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        if self._serving:  # shutdown() waits for serve_forever() to notice, so only when it runs
+            self._serving = False
+            self.httpd.shutdown()
         self.httpd.server_close()
 
 
@@ -75,8 +79,9 @@ def _handler_for(server: TraceServer) -> type[http.server.BaseHTTPRequestHandler
 
 class _TraceHandler(http.server.BaseHTTPRequestHandler):
     trace: TraceServer
-    server_version = "gputrace-view"
-    sys_version = ""
+
+    def version_string(self) -> str:
+        return "gputrace-view"
 
     def end_headers(self) -> None:
         self.send_header("Access-Control-Allow-Origin", UI_ORIGIN)
@@ -151,4 +156,17 @@ def export_perfetto(capture: Path, out: Path) -> None:
     except ImportError:
         raise UserError("the Perfetto exporter is not available in this installation") from None
     with open_capture(capture) as reader:
-        PerfettoExporter(out).write(reader)
+        report = _report(reader)
+    with open_capture(capture) as reader:
+        PerfettoExporter(out, report=report).write(reader)
+
+
+def _report(reader: Any) -> dict[str, Any] | None:
+    """The stall analysis, so the trace gets its stalls track; without it the trace still opens."""
+    try:
+        from gputrace.analysis import analyze
+
+        result: dict[str, Any] = analyze(reader)
+        return result
+    except (ImportError, UserError):
+        return None

@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputrace.agent import wire
-from gputrace.agent.backend import GpuBackend
-from gputrace.agent.runtime import Agent
+from gputrace.agent.threads import start_thread
 
-log = logging.getLogger("gputrace.agent")
+if TYPE_CHECKING:
+    from gputrace.agent.backend import GpuBackend
+    from gputrace.agent.runtime import Agent
 
 WATCH_PERIOD_S = 1.0
 
+# What a dormant process pays is this module and one thread that stat()s once a second; the agent
+# runtime (sockets, logging, msgpack) is loaded only when a session offers itself.
 _agent: Agent | None = None
 _mode = ""  # "socket", "armed" or "attached"
+_early: list[GpuBackend] = []  # registered while there is no agent (yet)
+_lock = threading.Lock()
+_exiting = threading.Event()
 _hooks_installed = False
 
 
@@ -37,9 +42,14 @@ def current() -> Agent | None:
 
 def register_backend(backend: GpuBackend) -> bool:
     """Give a backend to this process's agent; False when there is none (the backend stays silent)."""
-    if _agent is None:
-        return False
-    _agent.add_backend(backend)
+    with _lock:
+        agent = _agent
+        if agent is None:
+            # Kept for an agent made later: at a dormant process's first offer, or by injection.
+            if not any(b is backend for b in _early):
+                _early.append(backend)
+            return _mode == "armed"
+    agent.add_backend(backend)
     return True
 
 
@@ -57,9 +67,12 @@ def arm(environ: Mapping[str, str] | None = None) -> Agent | None:
 def attach(sock_path: str) -> Agent:
     """Connect to a session now (what an injected process runs)."""
     agent = _agent
-    if agent is not None and agent.connected:
-        return agent
-    return _install("attached", sock_path)  # type: ignore[return-value]
+    if agent is None:
+        return _install("attached", sock_path)  # type: ignore[return-value]
+    if not agent.connected:
+        agent.sock_path = sock_path
+        agent.connect()
+    return agent
 
 
 def attach_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -68,22 +81,36 @@ def attach_dir(environ: Mapping[str, str] | None = None) -> str:
 
 
 def _install(mode: str, sock: str) -> Agent | None:
-    global _agent, _mode
-    if _agent is not None:
+    global _mode
+    if _mode:
         return _agent
-    _agent, _mode = Agent(sock, eager=mode == "socket"), mode
-    _agent.discover = discover_cupti
+    _mode = mode
     _install_hooks()
-    _begin()
-    return _agent
+    if mode == "armed":
+        _start_watcher()
+        return None
+    agent = _create(sock, eager=mode == "socket")
+    agent.connect()
+    return agent
 
 
-def _begin() -> None:
-    assert _agent is not None
-    if _mode == "armed":
-        threading.Thread(target=_watch, args=(_agent,), name="gputrace-agent-watch", daemon=True).start()
-    else:
-        _agent.connect()
+def _create(sock: str, *, eager: bool) -> Agent:
+    global _agent
+    from gputrace.agent.runtime import Agent
+
+    agent = Agent(sock, eager=eager)
+    agent.discover = discover_cupti
+    with _lock:
+        _agent = agent
+        early = _early[:]
+        _early.clear()
+    for backend in early:
+        agent.add_backend(backend)
+    return agent
+
+
+def _start_watcher() -> None:
+    start_thread(_watch)
 
 
 def _install_hooks() -> None:
@@ -95,20 +122,25 @@ def _install_hooks() -> None:
 
 
 def _at_exit() -> None:
+    _exiting.set()
     if _agent is not None:
         _agent.close()
 
 
 # --------------------------------------------------------------------------------- dormant mode ---
-def _watch(agent: Agent) -> None:
-    """Near-zero cost until offered: one stat() a second. Reconnects only to a new offer (new inode)."""
+def _watch() -> None:
+    """Near-zero cost until offered: one stat() a second; the agent itself is built at the first offer.
+
+    Reconnects only to a new offer (a new inode), so a stale path left by a dead session is ignored.
+    """
     path = os.path.join(attach_dir(), f"{os.getpid()}.sock")
     last: tuple[int, int] | None = None
-    while not agent._closing.wait(WATCH_PERIOD_S):
+    while not _exiting.wait(WATCH_PERIOD_S):
         ident = _trusted_offer(path)
         if ident is None or ident == last:
             continue
         last = ident
+        agent = _agent or _create(path, eager=False)
         agent.sock_path = path
         agent.serve(retry_s=0.0)
 
@@ -129,15 +161,20 @@ def _trusted_offer(path: str) -> tuple[int, int] | None:
 # ----------------------------------------------------------------------------------------- fork ---
 def _after_fork_child() -> None:
     """A forked child (a DataLoader worker) speaks for itself: a fresh connection or watcher."""
-    if _agent is None:
-        return
-    was_connected = _agent.connected
-    _agent.reset_after_fork()
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
     if _mode == "armed":
-        _begin()
-    elif was_connected:
-        _agent.connect()
-        _say_bye_in_multiprocessing_children()
+        if _agent is not None:
+            _agent.reset_after_fork()
+        _start_watcher()
+    elif _agent is not None:
+        # A child of a launched command always reports (the session asked for the whole tree, and the
+        # parent may still have been connecting); an injected process's children only if it was live.
+        wanted = _mode == "socket" or _agent.connected
+        _agent.reset_after_fork()
+        if wanted:
+            _agent.connect()
+            _say_bye_in_multiprocessing_children()
 
 
 def _say_bye_in_multiprocessing_children() -> None:
@@ -153,25 +190,38 @@ def _say_bye_in_multiprocessing_children() -> None:
 # -------------------------------------------------------------------------------------- backends ---
 def discover_cupti(agent: Agent) -> None:
     """Start CUPTI when it can work here; otherwise note why once (hello and debug log) and stay out."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupti") is None:  # the common case, decided without loading the backend
+        agent.unavailable["cupti"] = "cupti-python is not installed (pip install cupti-python)"
+        _debug("CUPTI unavailable: %s", agent.unavailable["cupti"])
+        return
     try:
         from gputrace.probes.cupti import CuptiBackend
 
         ok: Any = CuptiBackend.available()
     except Exception as e:  # noqa: BLE001 - ImportError, missing libraries, anything: not our target's problem
         agent.unavailable["cupti"] = f"{type(e).__name__}: {e}"
-        log.debug("gputrace agent: CUPTI unavailable: %s", agent.unavailable["cupti"])
+        _debug("CUPTI unavailable: %s", agent.unavailable["cupti"])
         return
     reason = ""
     if isinstance(ok, tuple):
         ok, reason = bool(ok[0]), str(ok[1]) if len(ok) > 1 else ""
     if not ok:
-        agent.unavailable["cupti"] = reason or str(getattr(CuptiBackend, "unavailable_reason", "")) or "unavailable"
-        log.debug("gputrace agent: CUPTI unavailable: %s", agent.unavailable["cupti"])
+        agent.unavailable["cupti"] = reason or "unavailable"
+        _debug("CUPTI unavailable: %s", agent.unavailable["cupti"])
         return
     try:
         agent.add_backend(CuptiBackend())
     except Exception as e:  # noqa: BLE001
         agent.unavailable["cupti"] = f"{type(e).__name__}: {e}"
+
+
+def _debug(msg: str, *args: Any) -> None:
+    """Debug logging only, and only if the target uses logging: importing it just to discard is not free."""
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        logging.getLogger("gputrace.agent").debug("gputrace agent: " + msg, *args)
 
 
 # ---------------------------------------------------------------------------- what arms a process ---

@@ -9,7 +9,6 @@ what the target does: no output, no exceptions into its threads, no waits longer
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import select
 import socket
@@ -21,11 +20,11 @@ from typing import Any
 
 from gputrace.agent import wire
 from gputrace.agent.backend import GpuBackend
-
-log = logging.getLogger("gputrace.agent")
+from gputrace.agent.threads import start_thread
 
 QUEUE_MAX_RECORDS = 65536
 FLUSH_S = 0.1
+FLUSH_RECORDS = 4096  # or sooner, when this many are waiting
 ROWS_PER_FRAME = 512
 SEND_TIMEOUT_S = 5.0
 EXIT_BUDGET_S = 2.0
@@ -40,7 +39,8 @@ class RecordQueue:
         self._items: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
 
-    def put(self, records: Sequence[tuple[Any, ...]]) -> None:
+    def put(self, records: Sequence[tuple[Any, ...]]) -> int:
+        """Queue what fits; returns how many records are now waiting."""
         with self._lock:
             room = self.limit - len(self._items)
             if room >= len(records):
@@ -48,6 +48,10 @@ class RecordQueue:
             else:
                 self._items.extend(records[: max(room, 0)])
                 self.dropped += len(records) - max(room, 0)
+            return len(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def take(self) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -84,19 +88,26 @@ class Agent:
         self.started = eager
         self._running: set[int] = set()
         self._hello_sent = False
+        self._woken = False
+        self._sent_drops: dict[str, int] = {}
         self.lost = 0  # records that could not be sent (session gone mid-batch, oversized rows)
         self._sock: socket.socket | None = None
         self._closing = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._io: int | None = None  # ident of the thread serving a session
+        self._pending = False  # connect() called, its thread maybe not running yet
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        # Load the codec now, on the creating thread: were the I/O thread importing it when the target
+        # forks, the child would inherit a held import lock and its own agent could never encode.
+        wire.codec()
 
     # ------------------------------------------------------------------------------ backends ---
     def submit(self, records: Sequence[tuple[Any, ...]]) -> None:
         """The emit callback given to backends: any thread, never blocks."""
-        if records:
-            self.queue.put(records)
+        if records and self.queue.put(records) >= FLUSH_RECORDS and not self._woken:
+            self._woken = True
+            self._wake()
 
     def add_backend(self, backend: GpuBackend) -> None:
         """Add a backend; started at once when a session already said start."""
@@ -116,7 +127,7 @@ class Agent:
             backend.start(self.submit)
         except Exception as e:  # noqa: BLE001 - a broken backend must not break the target
             self.unavailable[backend.name] = f"start failed: {e}"
-            log.debug("gputrace agent: backend %s failed to start: %s", backend.name, e)
+            _debug("backend %s failed to start: %s", backend.name, e)
             return
         if announce:
             self.submit([agent_info(backend.name, backend_info(backend))])
@@ -136,7 +147,7 @@ class Agent:
             try:
                 b.stop()  # forced flush into the queue
             except Exception as e:  # noqa: BLE001
-                log.debug("gputrace agent: stopping %s: %s", b.name, e)
+                _debug("stopping %s: %s", b.name, e)
 
     def drop_counts(self) -> dict[str, int]:
         counts = {"queue": self.queue.dropped, "send": self.lost}
@@ -148,15 +159,16 @@ class Agent:
     # ---------------------------------------------------------------------------- connection ---
     def connect(self, retry_s: float = 5.0) -> None:
         """Start the I/O thread; it connects (retrying while the session's socket appears)."""
-        self._thread = threading.Thread(target=self.serve, args=(retry_s,), name="gputrace-agent", daemon=True)
-        self._thread.start()
+        self._done.clear()
+        self._pending = True
+        start_thread(self.serve, retry_s)
 
     def close(self, budget_s: float = EXIT_BUDGET_S) -> None:
         """Flush, say bye and disconnect, waiting at most ``budget_s`` (called at exit)."""
         self._closing.set()
         self._wake()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(budget_s)
+        if (self._pending or self._io is not None) and self._io != threading.get_ident():
+            self._done.wait(budget_s)
 
     @property
     def connected(self) -> bool:
@@ -168,7 +180,7 @@ class Agent:
 
     def serve(self, retry_s: float = 5.0) -> None:
         """One session, start to bye, on the calling thread."""
-        self._thread = threading.current_thread()
+        self._io = threading.get_ident()
         self._done.clear()
         try:
             if self.discover is not None:
@@ -183,12 +195,13 @@ class Agent:
             self._send(greeting)
             self._loop(sock)
         except Exception as e:  # noqa: BLE001 - the session went away or broke the protocol
-            log.debug("gputrace agent: session connection ended: %s", e)
+            _debug("session connection ended: %s", e)
         finally:
             self._hang_up()
 
     def _dial(self, retry_s: float) -> socket.socket | None:
-        # Keeps trying even while closing: an exit right after startup still delivers what it recorded.
+        # One attempt is made even while closing (an exit right after startup still delivers what it
+        # recorded), but no retries: a process must not linger at exit for a session that is gone.
         deadline = time.monotonic() + retry_s
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -198,10 +211,10 @@ class Agent:
                 return s
             except OSError as e:
                 s.close()
-                if time.monotonic() >= deadline:
-                    log.debug("gputrace agent: cannot reach session at %s: %s", self.sock_path, e)
+                if time.monotonic() >= deadline or self._closing.is_set():
+                    _debug("cannot reach session at %s: %s", self.sock_path, e)
                     return None
-                time.sleep(0.05)
+                self._closing.wait(0.05)
 
     def _loop(self, sock: socket.socket) -> None:
         frames = wire.FrameBuffer()
@@ -213,6 +226,7 @@ class Agent:
             if self._wake_r in readable:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
+                self._woken = False
             if sock in readable:
                 data = sock.recv(65536)
                 if not data:
@@ -220,7 +234,7 @@ class Agent:
                 for body in frames.feed(data):
                     if self._handle(wire.decode_body(body)):
                         return
-            if time.monotonic() >= next_flush:
+            if time.monotonic() >= next_flush or len(self.queue) >= FLUSH_RECORDS:
                 self._flush()
                 next_flush = time.monotonic() + self.flush_s
         self._finish()
@@ -247,6 +261,11 @@ class Agent:
         records = self.queue.take()
         for i in range(0, len(records), ROWS_PER_FRAME):
             self._send_rows(records[i : i + ROWS_PER_FRAME])
+        counts = self.drop_counts()
+        if counts != self._sent_drops and any(counts.values()):
+            # Sent as they change, not only at bye: a killed process's losses are still on record.
+            self._send({"type": "drops", "counts": counts})
+            self._sent_drops = counts
 
     def _send_rows(self, records: Sequence[tuple[Any, ...]]) -> None:
         try:
@@ -283,6 +302,7 @@ class Agent:
                 self._sock.close()
             self._sock = None
         self._hello_sent = False
+        self._sent_drops = {}
         self._done.set()
 
     # ------------------------------------------------------------------------------------ fork ---
@@ -294,8 +314,11 @@ class Agent:
             self._sock = None
         self._lock = threading.Lock()
         self.queue.reset_after_fork()
+        self.queue.dropped = 0
+        self._sent_drops = {}
         self.lost = 0
-        self._thread = None
+        self._io = None
+        self._pending = False
         self._closing = threading.Event()
         self._done = threading.Event()
         self.started = self.eager
@@ -310,6 +333,13 @@ class Agent:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+
+def _debug(msg: str, *args: Any) -> None:
+    """Debug logging only, and only if the target uses logging: importing it just to discard is not free."""
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        logging.getLogger("gputrace.agent").debug("gputrace agent: " + msg, *args)
 
 
 # ------------------------------------------------------------------------------------- messages ---
@@ -341,6 +371,7 @@ def hello(agent: Agent) -> dict[str, Any]:
 
 
 def agent_info(source: str, info: dict[str, str]) -> tuple[Any, ...]:
+    """Called on the registering thread (never the I/O thread), so importing here is fork-safe."""
     from gputrace.records import AgentInfo
 
     return AgentInfo(

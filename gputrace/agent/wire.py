@@ -38,7 +38,7 @@ class FrameError(Exception):
 
 
 @functools.cache
-def _codec() -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+def codec() -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
     """msgpack when the interpreter has it; else our own (a target's environment is not ours to extend)."""
     try:
         import msgpack
@@ -53,7 +53,7 @@ def _codec() -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
 
 
 def encode(msg: dict[str, Any]) -> bytes:
-    body = _codec()[0](msg)
+    body = codec()[0](msg)
     if len(body) > MAX_FRAME_BYTES:
         raise FrameError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     return HEADER.pack(len(body)) + body
@@ -62,7 +62,7 @@ def encode(msg: dict[str, Any]) -> bytes:
 def decode_body(body: bytes) -> dict[str, Any]:
     """One frame's body as a message map; anything else is a protocol error."""
     try:
-        msg = _codec()[1](body)
+        msg = codec()[1](body)
     except Exception as e:  # decoders raise many types on garbage
         raise FrameError(f"undecodable frame ({type(e).__name__})") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):

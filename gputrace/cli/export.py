@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         complete, problem = reader.complete, reader.problem
     _print_notes(result)
     if not complete:
-        _warn(f"the capture is incomplete ({problem or 'records were lost'}); the trace has what was readable")
+        _warn(f"the capture is incomplete: {problem or 'records were lost'}; the trace has what was readable")
     print(f"Wrote {out} ({result.items:,} packets)")
     print("Next:")
     print(f"  gputrace view {out}")
@@ -101,7 +101,7 @@ def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
         complete, problem = reader.complete, reader.problem
     _print_notes(result)
     if not complete:
-        _warn(f"the capture is incomplete ({problem or 'records were lost'}); exported what was readable")
+        _warn(f"the capture is incomplete: {problem or 'records were lost'}; exported what was readable")
     dropped = f" ({result.dropped:,} dropped)" if result.dropped else ""
     print(f"Sent {result.items:,} spans to {result.target}{dropped}")
     return 0

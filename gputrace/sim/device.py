@@ -134,8 +134,13 @@ class Stream:
 
     def query(self) -> bool:
         """True when the stream has no unfinished work (cudaStreamQuery)."""
+        t0, cid = _now(), next_correlation_id()
         with self._cond:
-            return self._completed >= self._submitted
+            idle = self._completed >= self._submitted
+        if BACKEND.enabled:
+            BACKEND.emit([CudaApi(os.getpid(), threading.get_native_id(), "cudaStreamQuery", t0, _now(), cid,
+                                  "runtime", 0 if idle else 600)])  # 600: cudaErrorNotReady
+        return idle
 
     # -------------------------------------------------------------------------------- internals ---
     def _enqueue(self, kind: str, api: str, name: str, duration_ms: float, nbytes: int = 0,
@@ -171,12 +176,12 @@ class Stream:
                     self._cond.wait()
                 op = self._ops[0]
             start, end = self._run(op)
+            if BACKEND.enabled:  # before the host is released: what it synchronized on is on record
+                BACKEND.emit([self._record(op, start, end)])
             with self._cond:
                 self._ops.popleft()
                 self._completed += 1
                 self._cond.notify_all()
-            if BACKEND.enabled:
-                BACKEND.emit([self._record(op, start, end)])
 
     def _run(self, op: _Op) -> tuple[int, int]:
         # Queued work runs back to back; work arriving at an idle stream starts when it was enqueued.

@@ -32,9 +32,18 @@
 #ifndef PROC_PAGES
 #define PROC_PAGES 64
 #endif
+#ifndef TARGET_BITS
+#define TARGET_BITS 16
+#endif
+#define TARGET_MASK ((1U << TARGET_BITS) - 1)
+#define GT_SLOT_SHARED 0xFFFFFFFFU
 #define GT_CLONE_THREAD 0x00010000
 
+/* The traced tgids. `targets` is the set; `tslot` answers the common question (is this task traced?)
+ * with an array lookup: slot tgid & TARGET_MASK holds 0 (no target), the one target tgid in it, or
+ * GT_SLOT_SHARED (several: ask `targets`). User space keeps both the same way (probes/ebpf.py). */
 BPF_HASH(targets, u32, u8, MAX_TARGETS);
+BPF_ARRAY(tslot, u32, 1 << TARGET_BITS);
 /* In-flight calls in slots indexed by tid: an array lookup instead of hash update/lookup/delete on every
  * call (the difference between ~1.5x and ~1.2x on a pread loop). Two traced threads whose tids share
  * the low INFLIGHT_BITS and are in a syscall at once collide; the loser is counted in drops. */
@@ -78,7 +87,36 @@ static __always_inline void count_drop(u32 reason)
 
 static __always_inline int is_target(u32 tgid)
 {
+    u32 s = tgid & TARGET_MASK;
+    u32 *v = tslot.lookup(&s);
+    if (!v || *v == 0)
+        return 0;
+    if (*v == tgid)
+        return 1;
+    if (*v != GT_SLOT_SHARED)
+        return 0;
     return targets.lookup(&tgid) != 0;
+}
+
+static __always_inline int add_target(u32 tgid)
+{
+    u8 one = 1;
+    if (targets.update(&tgid, &one))
+        return -1;
+    u32 s = tgid & TARGET_MASK;
+    u32 *v = tslot.lookup(&s);
+    if (v)
+        *v = (*v == 0 || *v == tgid) ? tgid : GT_SLOT_SHARED;
+    return 0;
+}
+
+static __always_inline void remove_target(u32 tgid)
+{
+    targets.delete(&tgid);
+    u32 s = tgid & TARGET_MASK;
+    u32 *v = tslot.lookup(&s);
+    if (v && *v == tgid)
+        *v = 0;
 }
 
 int gt_sys_enter(struct gt_sys_enter_args *ctx)
@@ -274,8 +312,7 @@ TRACEPOINT_PROBE(task, task_newtask)
     ev.child_pid = ev.flags ? ptgid : (u32)args->pid;
     bpf_probe_read_kernel(ev.comm, sizeof(ev.comm), args->comm);
     if (!ev.flags) {
-        u8 one = 1;
-        if (targets.update(&ev.child_pid, &one))
+        if (add_target(ev.child_pid))
             count_drop(GT_DROP_TARGETS);
     }
     emit_proc((void *)1, &ev);
@@ -328,7 +365,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     bpf_get_current_comm(ev.comm, sizeof(ev.comm));
     emit_proc((void *)1, &ev);
     if (ev.flags) {
-        targets.delete(&tgid);
+        remove_target(tgid);
         emit_proc(0, &ev);
     }
     return 0;

@@ -109,8 +109,9 @@ def _loop(workdir: Path, stack: contextlib.ExitStack, rates: list[int], nfiles: 
 
 
 def _storage(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
-    # worker 0 reads at 8 MiB/s, worker 1 (the slow one) at 2 MiB/s: 128 KiB takes ~16 ms / ~62 ms
-    return {"workers": 2, "steps": 10, **_loop(w, st, [8 << 20, 2 << 20], 10, 128 * KIB)}
+    # worker 0 reads at 8 MiB/s, worker 1 (the slow one) at 1 MiB/s. blk-throttle lets a new slice
+    # (100 ms) through at once, so files are larger than the slow group's slice: ~90 ms a file there.
+    return {"workers": 2, "steps": 10, **_loop(w, st, [8 << 20, 1 << 20], 10, 192 * KIB)}
 
 
 def _fuse(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
@@ -125,11 +126,11 @@ def _network(_w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
 
 
 def _collective(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
-    return {"steps": 8, "address": str(w / "pg.sock"), **_loop(w, st, [4 << 20], 8, 128 * KIB)}
+    return {"steps": 6, "address": str(w / "pg.sock"), **_loop(w, st, [1 << 20], 6, 160 * KIB)}
 
 
 def _mixed(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
-    cfg = _loop(w, st, [4 << 20], 6, 128 * KIB)
+    cfg = _loop(w, st, [1 << 20], 6, 160 * KIB)
     return {**cfg, "steps": 12, "port": st.enter_context(fixtures.slow_peer(delay_ms=20)), "sleep_ms": 15,
             "work_ms": 15}
 

@@ -215,8 +215,7 @@ def sync_then_work(cfg: dict[str, Any]) -> None:
 
 
 def contention(cfg: dict[str, Any]) -> None:
-    """More busy processes than cores: everyone here shares CPU 0 with three spinning hogs."""
-    s = Device(0).stream()  # its thread is created before pinning, so it may run on any CPU
+    """More busy processes than cores: the trainer shares CPU 0 with three spinning hogs."""
     hogs = []
     for _ in range(3):
         pid = os.fork()
@@ -225,6 +224,7 @@ def contention(cfg: dict[str, Any]) -> None:
             spin(cfg["hog_ms"])
             os._exit(0)
         hogs.append(pid)
+    s = Device(0).stream()  # its thread starts before the pinning below, so it may run on any CPU
     os.sched_setaffinity(0, {0})
     truth = Truth(cfg["truth"])
     s.launch("warmup", KERNEL_MS)
@@ -239,14 +239,13 @@ def contention(cfg: dict[str, Any]) -> None:
 
 
 def collective(cfg: dict[str, Any]) -> None:
-    """Two ranks; rank 1 reads a throttled file before every all-reduce and so arrives late."""
+    """Two ranks; rank 1 reads a throttled file before every all-reduce and so arrives late. The hosts do
+    not synchronize per step (as with NCCL, the collective itself keeps the ranks together)."""
     pid = os.fork()
-    rank = 1 if pid == 0 else 0
-    try:
-        _rank(cfg, rank)
-    finally:
-        if rank == 1:
-            os._exit(0)
+    if pid == 0:
+        _rank(cfg, 1)
+        sys.exit(0)  # a normal exit, so the agent hands over its last records
+    _rank(cfg, 0)
     os.waitpid(pid, 0)
 
 
@@ -266,7 +265,7 @@ def _rank(cfg: dict[str, Any], rank: int) -> None:
         else:
             truth.label("collective", "all_reduce", late_pid)
         s.all_reduce(group, 1 << 20, duration_ms=1.0)
-        s.synchronize()
+    s.synchronize()
     group.close()
 
 

@@ -7,10 +7,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.daemon.writer import QueueSink
 from gputrace.probes.ebpf import EbpfSource
-
-from gputrace.capture import CaptureReader, CaptureWriter, host_header
 
 
 @contextmanager

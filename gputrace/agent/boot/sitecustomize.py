@@ -25,25 +25,29 @@ def _chain() -> None:
 
 
 def _arm() -> None:
+    try:
+        from gputrace.agent import arming
+    except ModuleNotFoundError as e:
+        if e.name != "gputrace" or not _load_from_home():
+            return
+        from gputrace.agent import arming
+    arming.arm()
+
+
+def _load_from_home() -> bool:
+    """Load only the gputrace package from GPUTRACE_HOME, not its siblings in that directory."""
     import importlib.util
 
-    if importlib.util.find_spec("gputrace") is None:
-        home = os.environ.get("GPUTRACE_HOME", "")
-        init = os.path.join(home, "gputrace", "__init__.py")
-        if not home or not os.path.isfile(init):
-            return
-        # Load only the gputrace package from there, not its siblings in that directory.
-        spec = importlib.util.spec_from_file_location(
-            "gputrace", init, submodule_search_locations=[os.path.dirname(init)]
-        )
-        if spec is None or spec.loader is None:
-            return
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gputrace"] = module
-        spec.loader.exec_module(module)
-    from gputrace.agent import arming
-
-    arming.arm()
+    init = os.path.join(os.environ.get("GPUTRACE_HOME", ""), "gputrace", "__init__.py")
+    if not os.path.isfile(init):
+        return False
+    spec = importlib.util.spec_from_file_location("gputrace", init, submodule_search_locations=[os.path.dirname(init)])
+    if spec is None or spec.loader is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gputrace"] = module
+    spec.loader.exec_module(module)
+    return True
 
 
 if os.environ.get("GPUTRACE_AGENT_SOCK") or os.environ.get("GPUTRACE_AGENT", "0") not in ("", "0"):

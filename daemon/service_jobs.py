@@ -1,0 +1,253 @@
+"""gputraced's captures: one thread per job running the capture session, and the safe hand-over of its files.
+
+A job writes into <state>/.staging/<job>/ (root-only, 0700), so nothing a user controls is ever in the path
+while the session and the Perfetto exporter create files. When it ends, each file is chowned to the caller
+through an O_NOFOLLOW descriptor and hard-linked into <state>/<uid>/ (linkat never replaces an existing name
+and never follows a link), then unlinked from staging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gputrace.errors import UserError
+
+STAGING = ".staging"
+KEEP_FINISHED = 100
+STOP_WAIT_S = 60.0
+
+
+@dataclass
+class Limits:
+    max_duration_s: float = 3600.0
+    max_jobs: int = 4
+    max_jobs_per_user: int = 2
+
+
+@dataclass
+class Job:
+    id: int
+    uid: int
+    gid: int
+    pids: list[int]
+    duration_s: float
+    min_gap_ms: float
+    name: str
+    stage: Path
+    state: str = "running"
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    error: str = ""
+    files: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "uid": self.uid, "pids": self.pids, "name": self.name, "state": self.state,
+                "duration_s": self.duration_s, "started": round(self.started, 3),
+                "ended": round(self.ended, 3) if self.ended else None, "error": self.error, "files": self.files,
+                **self.summary}
+
+
+def prepare_state_dir(state_dir: Path) -> None:
+    """<state> 0755 (users reach their own 0700 directory), <state>/.staging 0700, both ours."""
+    state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    st = state_dir.lstat()
+    if st.st_uid != os.geteuid() or not os.path.isdir(state_dir) or os.path.islink(state_dir):
+        raise UserError(f"{state_dir} must be a directory owned by uid {os.geteuid()}")
+    os.chmod(state_dir, 0o755)
+    staging = state_dir / STAGING
+    staging.mkdir(mode=0o700, exist_ok=True)
+    if staging.is_symlink() or staging.lstat().st_uid != os.geteuid():
+        raise UserError(f"{staging} must be a directory owned by uid {os.geteuid()}")
+    os.chmod(staging, 0o700)
+
+
+class JobTable:
+    def __init__(self, state_dir: Path, limits: Limits, log: Callable[[str], None], *, otlp: str | None = None,
+                 otlp_protocol: str = "grpc") -> None:
+        self.state_dir, self.limits, self.log = state_dir, limits, log
+        self.otlp, self.otlp_protocol = otlp, otlp_protocol
+        self._jobs: dict[int, Job] = {}
+        self._threads: dict[int, threading.Thread] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def start(self, uid: int, gid: int, req: dict[str, Any]) -> Job:
+        if req["duration_s"] > self.limits.max_duration_s:
+            raise UserError(f"duration over this service's limit of {self.limits.max_duration_s:g} s")
+        pids = list(req["pids"])
+        name = req.get("name") or f"gputrace-{pids[0]}-{time.strftime('%Y%m%d-%H%M%S')}.gputrace"
+        for n in (name, _pftrace(name)):
+            if os.path.lexists(self.state_dir / str(uid) / n):
+                raise UserError(f"{n} already exists in your capture directory; choose another name")
+        with self._lock:
+            running = [j for j in self._jobs.values() if j.state == "running"]
+            if len(running) >= self.limits.max_jobs:
+                raise UserError(f"busy: {len(running)} captures running (limit {self.limits.max_jobs})")
+            if sum(j.uid == uid for j in running) >= self.limits.max_jobs_per_user:
+                raise UserError(f"you already run {self.limits.max_jobs_per_user} captures; wait or stop one")
+            job_id = next(self._ids)
+            stage = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self.state_dir / STAGING))
+            job = Job(job_id, uid, gid, pids, req["duration_s"], req["min_gap_ms"], name, stage)
+            self._jobs[job_id] = job
+            self._forget_old()
+        thread = threading.Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
+        self._threads[job_id] = thread
+        thread.start()
+        return job
+
+    def _forget_old(self) -> None:
+        finished = [j.id for j in self._jobs.values() if j.state != "running"]
+        for job_id in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+            self._jobs.pop(job_id)
+            self._threads.pop(job_id, None)
+
+    def _run(self, job: Job) -> None:
+        try:
+            result = self._capture(job)
+            job.summary = _summary(result)
+            if self.otlp and result.report is not None:
+                self._export_otlp(job, result)
+            job.files = [str(p) for p in publish(job, self.state_dir / str(job.uid))]
+            job.state = "done"
+        except UserError as e:
+            job.state, job.error = "failed", str(e)
+        except Exception as e:  # noqa: BLE001 - one job's bug must not take the service down
+            job.state, job.error = "failed", f"internal error: {type(e).__name__}: {e}"
+            self.log("".join(traceback.format_exception(e)).rstrip())
+        finally:
+            shutil.rmtree(job.stage, ignore_errors=True)
+            job.ended = time.time()
+            self.log(f"job {job.id}: {job.state}" + (f": {job.error}" if job.error else f", {len(job.files)} files"))
+            job.done.set()
+
+    def _capture(self, job: Job) -> Any:
+        from gputrace.daemon.session import CaptureOptions, run_capture
+
+        def note(msg: str) -> None:
+            if str(job.stage) in msg or msg.strip() == "Next:":
+                return  # the session's hints name the staging path, which the caller never sees
+            job.log.append(msg)
+            self.log(f"job {job.id}: {msg}")
+
+        opts = CaptureOptions(output=job.stage / job.name, pids=job.pids, duration_s=job.duration_s, force=False,
+                              min_gap_ms=job.min_gap_ms, progress=False,
+                              argv=["gputraced", f"job={job.id}", f"uid={job.uid}", *map(str, job.pids)])
+        return run_capture(opts, stop=job.stop, log=note)
+
+    def _export_otlp(self, job: Job, result: Any) -> None:
+        from gputrace.capture import CaptureReader
+        from gputrace.exporters.otlp import OtlpExporter
+
+        try:
+            with CaptureReader(result.capture_path) as reader:
+                out = OtlpExporter(self.otlp or "", self.otlp_protocol, report=result.report).write(reader)
+            job.summary["otlp"] = {"sent": out.items, "dropped": out.dropped}
+        except UserError as e:
+            job.summary["otlp"] = {"error": str(e)}
+            self.log(f"job {job.id}: OTLP export: {e}")
+
+    def stop(self, job_id: int, uid: int) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None or (uid != 0 and job.uid != uid):
+            raise UserError(f"no job {job_id} of yours")
+        job.stop.set()
+        return job
+
+    def visible_to(self, uid: int) -> list[Job]:
+        with self._lock:
+            return [j for j in self._jobs.values() if uid == 0 or j.uid == uid]
+
+    def files_of(self, uid: int) -> list[dict[str, Any]]:
+        d = self.state_dir / str(uid)
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            return []
+        return [{"name": e.name, "bytes": e.stat(follow_symlinks=False).st_size} for e in entries
+                if e.is_file(follow_symlinks=False)]
+
+    def stop_all(self) -> None:
+        """Ask every running capture to end, and wait (bounded) so each file is closed cleanly."""
+        for job in self.visible_to(0):
+            job.stop.set()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for thread in list(self._threads.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _pftrace(name: str) -> str:
+    return name[: -len(".gputrace")] + ".pftrace"
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    report = result.report or {}
+    stalls = report.get("stalls", [])
+    return {"complete": bool(result.complete), "drops": {k: v for k, v in result.drops.items() if v},
+            "stop_reason": result.stop_reason, "stalls": len(stalls),
+            "stall_ns": int(report.get("summary", {}).get("stall_ns", 0)),
+            "by_cause": report.get("summary", {}).get("by_cause", {})}
+
+
+def user_dir_fd(path: Path, uid: int, gid: int) -> int:
+    """An O_NOFOLLOW descriptor of <state>/<uid>, created 0700 and owned by the caller."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise UserError(f"{path} is not a usable directory ({e.strerror})") from None
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and st.st_uid != uid:  # ours (just made): close it, then hand it over
+        os.fchmod(fd, 0o700)
+        os.fchown(fd, uid, gid)
+    elif st.st_uid != uid:
+        os.close(fd)
+        raise UserError(f"{path} belongs to uid {st.st_uid}, not {uid}")
+    return fd
+
+
+def publish(job: Job, user_dir: Path) -> list[Path]:
+    """Hand the job's files to the caller; returns their final paths."""
+    names = [n for n in (job.name, _pftrace(job.name)) if os.path.lexists(job.stage / n)]
+    dfd = user_dir_fd(user_dir, job.uid, job.gid)
+    sfd = os.open(job.stage, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in names:
+            _hand_over(sfd, dfd, name, job.uid, job.gid)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    return [user_dir / n for n in names]
+
+
+def _hand_over(sfd: int, dfd: int, name: str, uid: int, gid: int) -> None:
+    """Link first, chown after: with fs.protected_hardlinks, linking a file owned by someone else needs
+    CAP_FOWNER, which the service does not keep. Until the chown the file is root's and 0600."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+    try:
+        os.fchmod(fd, 0o600)
+        try:
+            os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+        except FileExistsError:
+            raise UserError(f"{name} appeared in your capture directory during the capture; not overwritten") from None
+        if os.geteuid() == 0:
+            os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
+    os.unlink(name, dir_fd=sfd)

@@ -1,0 +1,148 @@
+"""`gputrace daemon`: run the gputraced service in the foreground, or talk to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gputrace.cli import common
+from gputrace.errors import UserError
+
+HELP = "run the gputraced capture service in the foreground, or ask it for a capture"
+ORDER = 70
+EXAMPLES = """\
+  sudo gputrace daemon                                  run the service (what systemd/gputraced.service runs)
+  sudo gputrace daemon --socket /tmp/g.sock --state-dir /tmp/gstate     a private instance
+  gputrace daemon capture -p 4242 -d 10                 capture your own process 4242 for 10 s, wait for it
+  gputrace daemon capture -p 4242 -d 600 --name run7 --no-wait           start it and return
+  gputrace daemon list                                  your captures (root: everyone's) and your files
+  gputrace daemon status                                the service's version, uptime, running captures
+  gputrace daemon stop 3                                end capture job 3 early (it is still written)
+
+The service listens only on a unix socket (default /run/gputrace/gputraced.sock). Each request is checked
+with the caller's kernel credentials (SO_PEERCRED): you may capture only your own processes; root may
+capture any. Captures land in /var/lib/gputrace/<your uid>/ (mode 0700, owned by you): NAME.gputrace and
+NAME.pftrace. Needs no privileges of its own on the client side.
+"""
+
+
+def _socket_arg(p: argparse.ArgumentParser, default: Any) -> None:
+    from gputrace.daemon.service import DEFAULT_SOCKET
+
+    p.add_argument("--socket", type=Path, default=default, help=f"the service's socket (default {DEFAULT_SOCKET})")
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    from gputrace.daemon.service import add_service_args
+
+    add_service_args(p)
+    sub = p.add_subparsers(dest="daemon_command", metavar="CLIENT-COMMAND")
+    cap = sub.add_parser("capture", help="ask the service to capture processes")
+    common.add_pid(cap)
+    cap.add_argument("-d", "--duration", type=common.positive_float, required=True, metavar="SEC",
+                     help="how long to capture")
+    cap.add_argument("--name", help="file name for the capture (a name, not a path; .gputrace added)")
+    common.add_min_gap(cap)
+    cap.add_argument("--no-wait", action="store_true", help="return once the capture started")
+    stop = sub.add_parser("stop", help="end a running capture job early")
+    stop.add_argument("job", type=int, help="the job id (from `gputrace daemon list`)")
+    sub.add_parser("list", help="list capture jobs and your capture files")
+    sub.add_parser("status", help="show the service's status")
+    for sp in (cap, stop, sub.choices["list"], sub.choices["status"]):
+        _socket_arg(sp, argparse.SUPPRESS)
+        sp.add_argument("--json", action="store_true", help="print the service's reply as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.daemon_command:
+        from gputrace.daemon.service import serve_from_args
+
+        return serve_from_args(args)
+    if args.daemon_command == "capture":
+        return _capture(args)
+    req: dict[str, Any] = {"op": args.daemon_command}
+    if args.daemon_command == "stop":
+        req["job"] = args.job
+    reply = next(request(args.socket, req))
+    _print(reply, args.json)
+    return 0
+
+
+def request(path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> Iterator[dict[str, Any]]:
+    """Send one request; yield the service's reply frames until it closes. A refusal is a UserError."""
+    from gputrace.daemon.service import MAX_REPLY, ProtocolError, recv_frame, send_frame
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(str(path))
+        except OSError as e:
+            raise UserError(f"cannot reach gputraced at {path}: {e.strerror} (is the service running?)") from None
+        send_frame(s, req)
+        while True:
+            try:
+                reply = recv_frame(s, MAX_REPLY)
+            except ProtocolError as e:
+                raise UserError(f"bad reply from gputraced: {e}") from None
+            if reply is None:
+                return
+            if not reply.get("ok") and reply.get("event") != "done":
+                raise UserError(f"gputraced refused: {reply.get('error', 'no reason given')}")
+            yield reply
+
+
+def _capture(args: argparse.Namespace) -> int:
+    if not args.pid:
+        raise UserError("give the processes to capture with -p/--pid PID")
+    req = {"op": "capture", "pids": args.pid, "duration_s": args.duration, "min_gap_ms": args.min_gap_ms,
+           "wait": not args.no_wait, **({"name": args.name} if args.name else {})}
+    replies = request(args.socket, req, timeout_s=None if not args.no_wait else 30.0)
+    started = next(replies)
+    job = started["job"]
+    print(f"gputraced: job {job['id']} capturing pids {job['pids']} for {job['duration_s']:g} s", file=sys.stderr)
+    if args.no_wait:
+        _print(started, args.json)
+        return 0
+    try:
+        final = next(replies)
+    except KeyboardInterrupt:
+        next(request(args.socket, {"op": "stop", "job": job["id"]}))
+        print("gputraced: stopping the capture, it is still written", file=sys.stderr)
+        final = next(replies)
+    _print(final, args.json)
+    return 0 if final.get("ok") else 1
+
+
+def _print(reply: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(reply, indent=2))
+        return
+    if "jobs" in reply:
+        for job in reply["jobs"]:
+            print(_job_line(job))
+        print(f"files in {reply.get('directory', '')}:")
+        for f in reply.get("files", []):
+            print(f"  {f['name']}  {f['bytes']:,} bytes")
+    elif "job" in reply:
+        print(_job_line(reply["job"]))
+        for path in reply["job"].get("files", []):
+            print(f"Wrote {path}")
+        if reply["job"].get("error"):
+            print(f"error: {reply['job']['error']}")
+    else:
+        for key, value in reply.items():
+            if key != "ok":
+                print(f"{key}: {value}")
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    extra = ""
+    if job.get("state") == "done":
+        incomplete = "" if job.get("complete", True) else ", INCOMPLETE"
+        extra = f", {job.get('stalls', 0)} stalls, {job.get('stall_ns', 0) / 1e6:.1f} ms stalled{incomplete}"
+    return f"job {job['id']}: {job['state']}, uid {job['uid']}, pids {job['pids']}, {job['name']}{extra}"

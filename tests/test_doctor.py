@@ -1,0 +1,87 @@
+"""`gputrace doctor` on this real host: everything required is OK as root; an unprivileged user is told why not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gputrace.hostcheck import FAIL, OK, WARN, check_socket_dir, check_tracepoints, failed_required
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _doctor(*args: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*(prefix or []), sys.executable, "-m", "gputrace", "doctor", *args],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+
+
+def test_everything_required_works_here_as_root() -> None:
+    assert os.geteuid() == 0, "the test suite runs as root"
+    r = _doctor("--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "gputrace.doctor/1" and doc["ok"] is True
+    by_name = {c["name"]: c for c in doc["checks"]}
+    for name in ("privileges", "bpf() syscall", "tracefs", "bcc (python3-bpfcc)", "kernel headers",
+                 "bcc program load", "unix socket dir"):
+        assert by_name[name]["status"] == OK and by_name[name]["required"], by_name[name]
+    tracepoints = [c for c in doc["checks"] if c["name"].startswith("tracepoint ")]
+    assert len(tracepoints) > 20 and all(c["status"] == OK for c in tracepoints)
+    assert by_name["tracepoint sched:sched_switch"]["detail"] == "off-CPU intervals"
+    assert by_name["kprobes"]["status"] == "INFO"  # absent on this kernel, and not needed
+    assert by_name["uprobes"]["status"] == OK
+    assert by_name["NVML"]["status"] == "INFO" and "unavailable" in by_name["NVML"]["detail"]
+
+
+def test_table_output_and_exit_code() -> None:
+    r = _doctor("--no-load")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("OK    privileges") for ln in lines)
+    assert any(ln.startswith("OK    tracepoints") and "present" in ln for ln in lines)
+    assert any(ln.startswith("INFO  CUDA driver") for ln in lines)
+    assert any("fix:" in ln for ln in lines)
+    assert lines[-1] == "gputrace capture can run on this host."
+
+
+def test_unprivileged_user_is_told_which_capability_is_missing() -> None:
+    r = _doctor("--json", prefix=NOBODY)
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False
+    by_name = {c["name"]: c for c in doc["checks"]}
+    priv = by_name["privileges"]
+    assert priv["status"] == FAIL and "CAP_BPF" in priv["detail"] and "CAP_PERFMON" in priv["detail"]
+    assert by_name["bpf() syscall"]["status"] == FAIL and "EPERM" in by_name["bpf() syscall"]["detail"]
+    assert by_name["bcc program load"]["status"] == FAIL and "CAP_BPF" in by_name["bcc program load"]["fix"]
+    assert by_name["tracefs"]["status"] == FAIL and "not readable" in by_name["tracefs"]["detail"]
+
+
+def test_unprivileged_table_names_the_fix() -> None:
+    r = _doctor("--no-load", prefix=NOBODY)
+    assert r.returncode == 1
+    assert "FAIL  privileges" in r.stdout and "without CAP_BPF, CAP_PERFMON" in r.stdout
+    assert r.stdout.rstrip().endswith("(see above).")
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_tracepoint_is_reported_as_missing() -> None:
+    checks = check_tracepoints([("sched", "sched_switch", "off-CPU intervals"),
+                                ("nosuchcat", "no_such_tracepoint", "something optional")])
+    assert [c.status for c in checks] == [OK, WARN]
+    assert checks[1].name == "tracepoint nosuchcat:no_such_tracepoint"
+    assert "missing on this kernel" in checks[1].detail and "something optional degraded" in checks[1].detail
+    assert not failed_required(checks), "a missing tracepoint degrades a source, it does not stop the capture"
+
+
+def test_unwritable_socket_dir_fails(tmp_path: Path) -> None:
+    assert check_socket_dir(str(tmp_path)).status == OK
+    r = subprocess.run([*NOBODY, sys.executable, "-c",
+                        "from gputrace.hostcheck import check_socket_dir;"
+                        f"c = check_socket_dir({str(ROOT)!r}); print(c.status, c.detail)"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.stdout.startswith("FAIL cannot bind a unix socket in"), r.stdout + r.stderr

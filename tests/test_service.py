@@ -1,0 +1,319 @@
+"""gputraced for real: a subprocess service on a temporary socket, real clients (root and uid 65534), real captures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gputrace.capture import CaptureReader
+from gputrace.daemon.service import recv_frame, send_frame
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+class Svc:
+    def __init__(self, base: Path, *extra: str) -> None:
+        self.base = base
+        self.sock = base / "run" / "gputraced.sock"
+        self.state = base / "state"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gputrace", "daemon", "--socket", str(self.sock), "--state-dir", str(self.state),
+             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while not self.sock.exists():
+            assert self.proc.poll() is None, self.proc.communicate()
+            assert time.monotonic() < deadline, "service did not start"
+            time.sleep(0.02)
+
+    def raw(self, payload: bytes) -> dict[str, Any]:
+        """Send raw bytes; the reply (a refusal is a reply too)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(self.sock))
+            try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before reading (busy, oversized): the reply is already waiting
+            reply = recv_frame(s, 1 << 20)
+            assert reply is not None, "the service closed without a reply"
+            return reply
+
+    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(self.sock))
+            send_frame(s, req)
+            reply = recv_frame(s, 1 << 20)
+            assert reply is not None
+            return reply
+
+    def client(self, *args: str, user: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*(user or []), sys.executable, "-m", "gputrace", "daemon", *args,
+                               "--socket", str(self.sock)], capture_output=True, text=True, timeout=120, cwd="/")
+
+
+@pytest.fixture(scope="module")
+def svc() -> Iterator[Svc]:
+    base = Path(tempfile.mkdtemp(prefix="gputraced-test-"))
+    os.chmod(base, 0o755)  # uid 65534 must reach the socket
+    service = Svc(base)
+    yield service
+    if service.proc.poll() is None:
+        service.proc.terminate()
+        service.proc.communicate(timeout=90)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _child(user: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """A real target that does some I/O until killed."""
+    code = "import os,time\nwhile True:\n    os.stat('/'); time.sleep(0.01)"
+    return subprocess.Popen([*(user or []), sys.executable, "-c", code])
+
+
+def test_root_captures_a_child_through_the_client(svc: Svc) -> None:
+    child = _child()
+    try:
+        r = svc.client("capture", "-p", str(child.pid), "-d", "1", "--name", "root-run", "--json")
+    finally:
+        child.kill()
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = json.loads(r.stdout)["job"]
+    assert job["state"] == "done" and job["pids"] == [child.pid] and job["complete"] is True
+    cap = svc.state / "0" / "root-run.gputrace"
+    assert job["files"] == [str(cap), str(svc.state / "0" / "root-run.pftrace")]
+    st = cap.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+    with CaptureReader(cap) as reader:
+        kinds = {type(rec).__name__ for rec in reader.records()}
+        assert reader.complete and child.pid in reader.header["targets"]
+    assert "ProcInfo" in kinds
+    assert not list((svc.state / ".staging").iterdir()), "staging left behind"
+
+
+def test_user_captures_own_process_into_own_directory(svc: Svc) -> None:
+    child = _child(NOBODY)
+    try:
+        r = svc.client("capture", "-p", str(child.pid), "-d", "1", "--name", "mine", user=NOBODY)
+    finally:
+        child.kill()
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = svc.state / "65534"
+    st = d.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o700)
+    for name in ("mine.gputrace", "mine.pftrace"):
+        fst = (d / name).stat()
+        assert (fst.st_uid, stat.S_IMODE(fst.st_mode)) == (65534, 0o600)
+    assert f"Wrote {d / 'mine.gputrace'}" in r.stdout
+    listed = svc.client("list", "--json", user=NOBODY)
+    doc = json.loads(listed.stdout)
+    assert {j["uid"] for j in doc["jobs"]} == {65534}, "a user sees only their own jobs"
+    assert [f["name"] for f in doc["files"]] == ["mine.gputrace", "mine.pftrace"]
+
+
+def test_unprivileged_client_refused_for_root_target(svc: Svc) -> None:
+    child = _child()
+    try:
+        r = svc.client("capture", "-p", str(child.pid), "-d", "1", user=NOBODY)
+    finally:
+        child.kill()
+    assert r.returncode == 2
+    assert f"gputraced refused: not allowed: pid {child.pid} is not yours (uid 0)" in r.stderr
+    assert not (svc.state / "65534" / f"gputrace-{child.pid}").exists()
+
+
+def test_missing_pid_and_existing_name_are_refused(svc: Svc) -> None:
+    assert svc.ask({"op": "capture", "pids": [4_000_000], "duration_s": 1})["error"] == "no process with pid 4000000"
+    (svc.state / "65534").mkdir(mode=0o700, exist_ok=True)
+    planted = svc.state / "65534" / "planted.gputrace"
+    planted.unlink(missing_ok=True)
+    planted.symlink_to("/etc/passwd")
+    child = _child(NOBODY)
+    try:
+        r = svc.client("capture", "-p", str(child.pid), "-d", "1", "--name", "planted", user=NOBODY)
+    finally:
+        child.kill()
+    assert r.returncode == 2 and "planted.gputrace already exists" in r.stderr
+    assert planted.is_symlink() and Path("/etc/passwd").read_text().startswith("root:")
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/cron.d/x", "a/b", "..", ".hidden", "x" * 200, "név", ""])
+def test_path_traversal_names_are_refused(svc: Svc, name: str) -> None:
+    reply = svc.ask({"op": "capture", "pids": [os.getpid()], "duration_s": 1, "name": name})
+    assert reply["ok"] is False and "name" in reply["error"]
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+BAD_FRAMES = {
+    "oversized": struct.pack(">I", 0xFFFFFFFF) + b"{}",
+    "not json": _frame(b"\xff\xfe garbage"),
+    "array": _frame(b"[1, 2, 3]"),
+    "deep": _frame(b"[" * 60000 + b"]" * 60000),
+    "nan": _frame(b'{"op": "capture", "pids": [1], "duration_s": NaN}'),
+    "unknown op": _frame(b'{"op": "exec", "cmd": "sh"}'),
+    "extra field": _frame(b'{"op": "capture", "pids": [1], "duration_s": 1, "output": "/etc/x"}'),
+    "bool pid": _frame(b'{"op": "capture", "pids": [true], "duration_s": 1}'),
+    "negative pid": _frame(b'{"op": "capture", "pids": [-1], "duration_s": 1}'),
+    "too many pids": _frame(json.dumps({"op": "capture", "pids": list(range(1, 100)), "duration_s": 1}).encode()),
+    "huge duration": _frame(b'{"op": "capture", "pids": [1], "duration_s": 1e30}'),
+    "cut off": struct.pack(">I", 100) + b'{"op":',
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_FRAMES))
+def test_malformed_frames_are_rejected_and_the_service_lives(svc: Svc, what: str) -> None:
+    reply = svc.raw(BAD_FRAMES[what])
+    assert reply["ok"] is False and reply["error"], what
+    assert svc.ask({"op": "status"})["ok"] is True
+    assert svc.proc.poll() is None
+
+
+def test_stop_ends_a_capture_early(svc: Svc) -> None:
+    child = _child()
+    try:
+        started = svc.ask({"op": "capture", "pids": [child.pid], "duration_s": 60, "name": "stopped"})
+        job_id = started["job"]["id"]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = svc.client("stop", str(job_id))
+        assert r.returncode == 0, r.stderr
+        while svc.ask({"op": "list"})["jobs"][-1]["state"] == "running":
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.1)
+    finally:
+        child.kill()
+    job = next(j for j in svc.ask({"op": "list"})["jobs"] if j["id"] == job_id)
+    assert job["state"] == "done" and job["stop_reason"] == "stopped"
+    assert (svc.state / "0" / "stopped.gputrace").exists()
+    assert "no job" in svc.ask({"op": "stop", "job": 99999})["error"]
+
+
+def test_listens_on_unix_sockets_only(svc: Svc) -> None:
+    fd_dir = Path(f"/proc/{svc.proc.pid}/fd")
+    sockets = []
+    for fd in os.listdir(fd_dir):
+        try:
+            link = os.readlink(fd_dir / fd)
+        except FileNotFoundError:
+            continue  # a client connection closing meanwhile
+        if link.startswith("socket:["):
+            sockets.append(link[8:-1])
+    unix = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    inet = set()
+    for table in ("tcp", "tcp6", "udp", "udp6", "raw", "raw6"):
+        inet |= {line.split()[9] for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]}
+    assert sockets and not inet & set(sockets), "an IP socket is open"
+    assert unix & set(sockets), "the listening unix socket"
+    status = svc.ask({"op": "status"})
+    caps = int(status["capabilities"], 16)
+    assert not caps >> 21 & 1, "CAP_SYS_ADMIN must be dropped after startup"
+    assert caps >> 39 & 1 and caps >> 38 & 1, "CAP_BPF and CAP_PERFMON kept"
+
+
+def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    service = Svc(tmp_path)
+    service.proc.terminate()
+    out, err = service.proc.communicate(timeout=60)
+    assert service.proc.returncode == 0, err
+    assert "gputraced stopped" in err and not service.sock.exists()
+
+
+def test_second_service_on_same_socket_is_refused(svc: Svc) -> None:
+    r = subprocess.run([sys.executable, "-m", "gputrace", "daemon", "--socket", str(svc.sock),
+                        "--state-dir", str(svc.state)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "another gputraced is listening" in r.stderr
+
+
+def test_unit_file_verifies() -> None:
+    systemd_analyze = shutil.which("systemd-analyze")
+    assert systemd_analyze, "apt-get install systemd (for systemd-analyze)"
+    unit = (ROOT / "systemd" / "gputraced.service").read_text()
+    assert "/usr/local/bin/gputraced" in unit
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gputraced.service"
+        path.write_text(unit.replace("/usr/local/bin/gputraced", str(Path(sys.executable).parent / "gputraced")))
+        r = subprocess.run([systemd_analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+        sec = subprocess.run([systemd_analyze, "security", "--offline=yes", str(path)],
+                             capture_output=True, text=True, timeout=60)
+    level = float(sec.stdout.strip().splitlines()[-1].split("level for gputraced.service:")[1].split()[0])
+    assert level <= 3.0, sec.stdout[-2000:]
+    for must in ("ProtectSystem=strict", "NoNewPrivileges=yes", "PrivateTmp=yes", "RestrictAddressFamilies=AF_UNIX"):
+        assert must in unit
+    assert "CAP_SYS_ADMIN" not in unit.split("CapabilityBoundingSet=")[1].splitlines()[0]
+
+
+def test_silent_and_excess_connections_are_cut_off(tmp_path: Path) -> None:
+    service = Svc(tmp_path, "--request-timeout-s", "1")
+    idle = []
+    try:
+        for _ in range(32):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(service.sock))
+            idle.append(s)
+        time.sleep(0.2)
+        assert service.raw(_frame(b'{"op": "status"}'))["error"].startswith("busy")
+        idle[0].settimeout(5)
+        assert (recv_frame(idle[0], 1 << 20) or {}).get("error") == "request not received in time"
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while not service.raw(_frame(b'{"op": "status"}')).get("ok"):
+            assert time.monotonic() < deadline, "slots were not freed"
+            time.sleep(0.1)
+    finally:
+        service.proc.terminate()
+        service.proc.communicate(timeout=60)
+
+
+def test_service_sends_each_capture_to_an_otlp_collector(tmp_path: Path) -> None:
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[str] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+            received.extend(s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    service = Svc(tmp_path, "--otlp", f"127.0.0.1:{port}")
+    child = _child()
+    try:
+        reply = service.ask({"op": "capture", "pids": [child.pid], "duration_s": 1, "wait": True})
+        assert reply["event"] == "started"
+        job_id = reply["job"]["id"]
+        deadline = time.monotonic() + 60
+        while (job := next(j for j in service.ask({"op": "list"})["jobs"] if j["id"] == job_id))["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        child.kill()
+        service.proc.terminate()
+        service.proc.communicate(timeout=60)
+        server.stop(None)
+    assert job["state"] == "done", job
+    assert job["otlp"] == {"sent": len(received), "dropped": 0} and "gputrace capture" in received
