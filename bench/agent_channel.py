@@ -46,7 +46,7 @@ rows = [GpuKernel(pid, 0, 1, 1, i, i + 5, i, "gemm_kernel", (1, 1, 1), (128, 1, 
 t = time.perf_counter()
 for _ in range(n // batch):
     agent.submit(rows)
-    while len(agent.queue._items) > 32768:   # pace like a real producer instead of overflowing at once
+    while len(agent.queue) > 32768:   # pace like a real producer instead of overflowing at once
         time.sleep(0.001)
 print(time.perf_counter() - t)
 """

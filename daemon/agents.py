@@ -117,6 +117,17 @@ class AgentServer:
             self._new_listeners.append(listener)
         self._wake()
 
+    def attach(self, pid: int) -> str:
+        """Reach ``pid``'s agent however it can be done: "offered" to an armed process, else "injected".
+
+        Raises UserError with the reason when neither works (an unarmed Python older than 3.14, ...).
+        """
+        if arming.is_armed(pid):
+            self.offer(pid)
+            return "offered"
+        self.inject(pid)
+        return "injected"
+
     def inject(self, pid: int) -> Path:
         """Load the agent into a running, unarmed Python >= 3.14 (UserError saying why when impossible)."""
         from gputrace.agent.inject import inject

@@ -115,7 +115,7 @@ def train(args: argparse.Namespace, files: list[Path]) -> Result:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150, help="training steps (default: 150, about 3 s)")
-    p.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "gputrace-train-sim",
+    p.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / f"gputrace-train-sim-{os.getuid()}",
                    help="directory of sample files, created when missing (default: %(default)s)")
     p.add_argument("--files", type=int, default=16, help="number of sample files (default: 16)")
     p.add_argument("--workers", type=int, default=2, help="loader worker processes (default: 2)")
@@ -133,7 +133,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    files = make_samples(args.data, args.files)
+    try:
+        files = make_samples(args.data, args.files)
+    except OSError as e:
+        print(f"train_sim: error: cannot prepare sample files in {args.data}: {e.strerror}", file=sys.stderr)
+        return 2
     r = train(args, files)
     slow = f"worker {args.slow_worker} (+{args.slow_ms:g} ms CPU per batch)" if args.slow_worker >= 0 else "none"
     print(f"train_sim: pid {os.getpid()}, {args.steps} steps, {args.workers} loader workers "

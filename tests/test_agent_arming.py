@@ -162,13 +162,14 @@ def test_gputrace_env_prints_arming_lines() -> None:
 def test_an_interpreter_without_gputrace_or_msgpack_still_connects(tmp_path: Path) -> None:
     """The system Python here has neither: the agent loads from GPUTRACE_HOME and speaks its own msgpack."""
     system_python = "/usr/bin/python3"
-    probe = subprocess.run([system_python, "-c", "import importlib.util as u; print(u.find_spec('gputrace'), "
-                            "u.find_spec('msgpack'))"], capture_output=True, text=True, timeout=30, env=_clean_env())
+    probe = subprocess.run(
+        [system_python, "-c", "import importlib.util as u; print(u.find_spec('gputrace'), u.find_spec('msgpack'))"],
+        capture_output=True, text=True, timeout=30, env=_clean_env(), cwd=tmp_path)
     assert probe.stdout.split() == ["None", "None"], "this test needs an interpreter without gputrace and msgpack"
     h = Harness(tmp_path)
     env = {**_clean_env(), **h.server.child_env(_clean_env())}
     p = subprocess.Popen([system_python, "-c", "print('hello from', __import__('sys').version.split()[0])"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     h.allowed.add(p.pid)
     out, err = p.communicate(timeout=30)
     assert out.startswith("hello from") and err == ""

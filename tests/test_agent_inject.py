@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from agent_harness import Harness, of
 
-from gputrace.agent import inject
+from gputrace.agent import arming, inject
 from gputrace.errors import UserError
 
 
@@ -34,6 +35,28 @@ def test_refuses_a_python_older_than_3_14_and_says_why(tmp_path: Path) -> None:
         p.wait()
 
 
+def test_attach_offers_to_an_armed_process_and_explains_an_unarmed_one(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
+    armed_env = {**clean, **arming.environment(None, base=clean), "GPUTRACE_ATTACH_DIR": str(tmp_path / "attach")}
+    code = "import time; print('up', flush=True); time.sleep(60)"
+    armed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=armed_env)
+    plain = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=clean)
+    try:
+        for p in (armed, plain):
+            assert p.stdout is not None and p.stdout.readline()
+        assert arming.is_armed(armed.pid) and not arming.is_armed(plain.pid)
+        assert h.server.attach(armed.pid) == "offered"
+        assert (tmp_path / "attach" / f"{armed.pid}.sock").is_socket()
+        with pytest.raises(UserError, match=">= 3.14"):
+            h.server.attach(plain.pid)
+    finally:
+        for p in (armed, plain):
+            p.kill()
+            p.wait()
+        h.finish()
+
+
 def test_refuses_a_process_that_is_not_python(tmp_path: Path) -> None:
     p = _start(["sh", "-c", "echo up; exec sleep 60"])
     try:
@@ -56,8 +79,6 @@ def test_version_is_read_from_the_interpreter_name_or_libpython() -> None:
 
 def test_the_injected_script_attaches_an_unarmed_process(tmp_path: Path) -> None:
     """What sys.remote_exec would run in the target, run here by the target itself on request."""
-    from agent_harness import Harness, of
-
     h = Harness(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
     p = h.spawn("""

@@ -75,6 +75,16 @@ def attach(sock_path: str) -> Agent:
     return agent
 
 
+def is_armed(pid: int) -> bool:
+    """Whether process ``pid`` was started with arming variables (from its /proc environ)."""
+    try:
+        with open(f"/proc/{int(pid)}/environ", "rb") as f:
+            env = dict(e.partition(b"=")[::2] for e in f.read().split(b"\0") if e)
+    except OSError:
+        return False
+    return bool(env.get(wire.ENV_SOCKET.encode())) or env.get(wire.ENV_ARMED.encode(), b"") not in (b"", b"0")
+
+
 def attach_dir(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     return env.get(wire.ENV_ATTACH_DIR) or wire.DEFAULT_ATTACH_DIR

@@ -413,24 +413,28 @@ TRACEPOINT_PROBE(sched, sched_switch)
     return 0;
 }
 
-/* Interrupt nesting per CPU (0 hard irq, 1 softirq, 2 timer callback). A wakeup from an interrupt names
- * no task: `current` is whoever happened to be interrupted. (The trace_entry flags byte would say so, but
- * it is not filled in on the BPF path.) */
-BPF_PERCPU_ARRAY(irqdepth, u32, 3);
+/* Interrupt context per CPU (0 hard irq, 1 softirq, 2 timer callback): the time the handler was entered,
+ * 0 when not inside one. A wakeup from an interrupt names no task: `current` is whoever happened to be
+ * interrupted. (The trace_entry flags byte would say so, but it is not filled in on the BPF path.)
+ * Timestamps rather than depth counters: an entry seen while its exit program was not yet attached would
+ * leave a counter raised forever and blame every later wakeup on that CPU on an interrupt; a timestamp
+ * goes stale instead (no handler runs for IRQ_STALE_NS). These handlers do not nest within their kind. */
+#define IRQ_STALE_NS 10000000ULL
+BPF_PERCPU_ARRAY(irqdepth, u64, 3);
 
 static __always_inline int irq_enter(u32 kind)
 {
-    u32 *d = irqdepth.lookup(&kind);
-    if (d)
-        (*d)++;
+    u64 *t = irqdepth.lookup(&kind);
+    if (t)
+        *t = bpf_ktime_get_ns();
     return 0;
 }
 
 static __always_inline int irq_leave(u32 kind)
 {
-    u32 *d = irqdepth.lookup(&kind);
-    if (d && *d) /* an exit whose entry came before the program was attached */
-        (*d)--;
+    u64 *t = irqdepth.lookup(&kind);
+    if (t)
+        *t = 0;
     return 0;
 }
 
@@ -441,19 +445,19 @@ TRACEPOINT_PROBE(irq, softirq_exit) { return irq_leave(1); }
 TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { return irq_enter(2); }
 TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { return irq_leave(2); }
 
-static __always_inline int in_irq_kind(u32 kind)
+static __always_inline int in_irq_kind(u32 kind, u64 now)
 {
-    u32 *d = irqdepth.lookup(&kind);
-    return d && *d;
+    u64 *t = irqdepth.lookup(&kind);
+    return t && *t && now - *t < IRQ_STALE_NS;
 }
 
-static __always_inline int irq_kind(void)
+static __always_inline int irq_kind(u64 now)
 {
-    if (in_irq_kind(0))
+    if (in_irq_kind(0, now))
         return 1;
-    if (in_irq_kind(1))
+    if (in_irq_kind(1, now))
         return 2;
-    if (in_irq_kind(2))
+    if (in_irq_kind(2, now))
         return 3;
     return 0;
 }
@@ -467,7 +471,7 @@ TRACEPOINT_PROBE(sched, sched_waking)
     if (!o)
         return 0;
     o->wake_ns = bpf_ktime_get_ns();
-    int kind = irq_kind();
+    int kind = irq_kind(o->wake_ns);
     if (kind) {
         o->waker_pid = 0;
         o->waker_tid = 0;

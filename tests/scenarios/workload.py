@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -62,6 +63,8 @@ class Workers:
             pid = os.fork()
             if pid == 0:
                 os.close(r)
+                if on_demand:
+                    os.close(req_w)  # else this worker would never see EOF on its own request pipe
                 try:
                     body(i, w, req_r)
                 finally:
@@ -74,10 +77,12 @@ class Workers:
             self.pids.append(pid)
             self.pending.append([])
             self.bufs.append(b"")
+        for i in range(n):  # each worker says it is set up, so setup time is not mistaken for a batch's
+            self.get(i, request=False)
 
-    def get(self, k: int) -> dict[str, Any]:
+    def get(self, k: int, *, request: bool = True) -> dict[str, Any]:
         i = k % len(self.pipes)
-        if self.requests:
+        if self.requests and request:
             os.write(self.requests[i], b"1")
         while not self.pending[i]:
             data = os.read(self.pipes[i], 4096)
@@ -120,6 +125,7 @@ def read_uncached(path: str) -> int:
 def storage_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
     def body(i: int, w: int, req: int) -> None:
         join_cgroup(cfg["cgroups"][i % len(cfg["cgroups"])])
+        send(w, "ready")
         for path in cfg["files"][i :: cfg["workers"]]:
             if req >= 0 and not os.read(req, 1):
                 return
@@ -130,6 +136,7 @@ def storage_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
 
 def cpu_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
     def body(_i: int, w: int, _req: int) -> None:
+        send(w, "ready")
         for _ in range(cfg["steps"]):
             spin(cfg["work_ms"])  # "decode and augment" a sample
             send(w, "cpu")
@@ -323,6 +330,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
 if __name__ == "__main__":
     with open(sys.argv[2]) as f:
         config = json.load(f)
+    signal.alarm(60)  # a scenario that hangs must fail, not stall the test suite
     if sys.argv[1] != "contention":
         # other load on a shared machine must not turn constructed CPU work into run-queue waits
         os.setpriority(os.PRIO_PROCESS, 0, -10)

@@ -1,0 +1,42 @@
+"""Who woke whom: a thread-to-thread handoff must name the releasing thread, not an interrupt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from gputrace.capture import CaptureReader
+from gputrace.records import OffCpu
+
+HANDOFF = """
+import threading, time
+sem = threading.Semaphore(0)
+def release():
+    for _ in range(10):
+        time.sleep(0.03)
+        sem.release()
+t = threading.Thread(target=release)
+t.start()
+for _ in range(10):
+    sem.acquire()
+t.join()
+print(threading.get_native_id(), t.native_id)
+"""
+
+
+def test_semaphore_handoffs_name_the_releasing_thread(tmp_path: Path) -> None:
+    # Several captures in a row: each attaches the programs anew, which is when interrupt-context
+    # bookkeeping can go wrong (an entry seen before its exit program is attached).
+    for i in range(3):
+        out = tmp_path / f"h{i}.gputrace"
+        r = subprocess.run([sys.executable, "-m", "gputrace", "capture", "--no-perfetto", "-o", str(out), "--",
+                            sys.executable, "-c", HANDOFF], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        main_tid, releaser_tid = map(int, r.stdout.split())
+        with CaptureReader(out) as reader:
+            waits = [x for x in reader.records() if isinstance(x, OffCpu) and x.tid == main_tid
+                     and x.end_ns - x.start_ns > 20_000_000]
+        assert len(waits) == 10
+        assert {w.waker_tid for w in waits} == {releaser_tid}, [(w.waker_tid, w.waker_comm) for w in waits]
+        assert all(w.start_ns < w.wake_ns <= w.end_ns for w in waits)
