@@ -288,8 +288,11 @@ class AgentServer:
                                  hello["driver_version"], b) for b in hello["backends"]])
         for name, why in hello["unavailable"].items():
             log.debug("agent pid %d: %s unavailable: %s", peer.pid, name, why)
-        self._send(peer, {"type": "stop"} if self._stopping.is_set() else
-                   {"type": "start", "flush_ms": self.flush_ms})
+        if self._stopping.is_set():  # came too late: flush what you have and go
+            peer.sent_stop = True
+            self._send(peer, {"type": "stop"})
+        else:
+            self._send(peer, {"type": "start", "flush_ms": self.flush_ms})
 
     def _batch(self, peer: _Peer, msg: dict[str, Any]) -> None:
         try:

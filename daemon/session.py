@@ -108,6 +108,7 @@ class _Session:
         self.sink: QueueSink | None = None
         self.sources: list[Any] = []
         self.stopped: list[Any] = []
+        self.notes: list[str] = []  # said once tracing has started
         self.ebpf: Any = None
         self.agents: Any = None
         self.sock_dir: Path | None = None
@@ -155,6 +156,8 @@ class _Session:
             f"{p} ({c})" for p, c in self.comms.items()
         )
         self.log(f"gputrace: tracing {what} and descendants; Ctrl-C to stop")
+        for note in self.notes:
+            self.log(note)
 
     def _agent_env(self) -> dict[str, str]:
         """The agent server must exist before the child is forked, so its environment can name it."""
@@ -182,7 +185,7 @@ class _Session:
             self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
         self._try_start(self.agents)
         for pid in pids if not self.opts.command else []:
-            self._offer(pid)
+            self._attach(pid)
         self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
         if not self.opts.command:
             self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids))
@@ -217,6 +220,15 @@ class _Session:
         """Called from the eBPF source's thread for process events: offer new processes to armed agents."""
         if type(record).__name__ == "ProcFork" and not record.is_thread and not self.opts.command:
             self._offer(record.child_pid)
+
+    def _attach(self, pid: int) -> None:
+        """An explicit target: offer the session to its armed agent, or inject one (Python >= 3.14)."""
+        try:
+            how = self.agents.attach(pid)
+            self.notes.append(f"gputrace: GPU agent of pid {pid}: {how}")
+        except UserError as e:
+            self._status("agent", "degraded", f"pid {pid}: {e}")
+            self.notes.append(f"gputrace: pid {pid}: no GPU agent ({e}); its GPU work is not traced")
 
     def _offer(self, pid: int) -> None:
         if self.agents is not None and hasattr(self.agents, "offer"):

@@ -112,6 +112,11 @@ def test_records_for_another_pid_are_rejected_and_counted(tmp_path: Path) -> Non
                "driver_version": "", "backends": [], "unavailable": {}})
     assert liar.closed_by_server()
 
+    future = RawPeer(h.server.sock_path)
+    future.send({"type": "hello", "protocol": 99, "pid": me, "tid": 1, "interpreter": "", "cuda_version": "",
+                 "driver_version": "", "backends": [], "unavailable": {}})
+    assert future.closed_by_server()
+
     kernel_side = RawPeer(h.server.sock_path)
     kernel_side.hello()
     kernel_side.send({"type": "batch", "records": [["Syscall", [[me, me, "read", 1, 2, 0, 3, "", 0, 0]]]]})
@@ -129,6 +134,7 @@ def test_records_for_another_pid_are_rejected_and_counted(tmp_path: Path) -> Non
     reasons = " | ".join(h.server.rejections)
     assert f"claims pid {me + 1}, peer is pid {me}" in reasons
     assert "hello claims pid" in reasons
+    assert "agent speaks protocol 99, this session 1" in reasons
     assert "'Syscall' is not accepted" in reasons
     assert "field start_ns has a bad value" in reasons
 

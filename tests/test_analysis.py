@@ -125,6 +125,16 @@ def test_gpu_sync_is_not_followed_to_the_device_thread(tmp_path: Path) -> None:
     assert s["cause"] == "sync" and s["culprit"]["pid"] == TRAINER
 
 
+def test_sync_api_call_without_a_sync_record_is_sync(tmp_path: Path) -> None:
+    from gputrace.records import CudaApi
+
+    b = trainer().syscall(TRAINER, TRAINER, "ioctl", 10.1, 39.0, "/dev/other")
+    b.offcpu(TRAINER, TRAINER, 10.1, 39.0, "S", 39.0, (0, 0, "[irq]"))
+    b.records.append(CudaApi(TRAINER, TRAINER, "cuCtxSynchronize", ns(10.05), ns(39.1), 999, "enqueue-only", 0))
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "sync" and s["culprit"]["pid"] == TRAINER
+
+
 def test_fuse_read_names_the_filesystem_and_its_server(tmp_path: Path) -> None:
     b = trainer()
     b.syscall(TRAINER, TRAINER, "read", 10.5, 39.5, "/mnt/slowfs/x.bin", 65536)
@@ -240,3 +250,41 @@ def test_breakdown_keeps_the_minor_causes(tmp_path: Path) -> None:
 def test_min_gap_must_be_positive(tmp_path: Path, bad: int) -> None:
     with pytest.raises(ValueError):
         run(trainer(), tmp_path, min_gap_ns=bad)
+
+
+def test_malformed_records_are_counted_and_skipped(tmp_path: Path) -> None:
+    from gputrace.capture import CaptureWriter, host_header
+
+    path = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8).write(tmp_path / "ok.gputrace")
+    w = CaptureWriter(tmp_path / "bad.gputrace", host_header(["t"]), force=True)
+    with open_capture(path) as reader:
+        w.write(list(reader.records()))
+    w.write_rows("Syscall", [[TRAINER, TRAINER, "read", "soon", ns(20), 0, 3, "/x", 0, 0],
+                             [TRAINER, TRAINER, ["read"], ns(20), ns(21), 0, 3, "/x", 0, 0]])
+    w.write_rows("GpuKernel", [[TRAINER, 0, 1, 7, None, ns(60), 99, "k", [1, 1, 1], [1, 1, 1]]])
+    w.write_rows("NvmlSample", [[ns(1), 0, "gpu_util_pct", "high"]])
+    bad = w.close({"end_ns": ns(60), "drops": {}})
+    with open_capture(bad) as reader:
+        r = analyze(reader)
+    assert r["capture"]["malformed_records"] == 3
+    assert only_stall(r)["cause"] == "sleep"
+    assert "SKIPPED 3 malformed records" in summary_lines(r)
+
+
+def test_single_rank_collective_wait_is_measured_against_its_fastest_run(tmp_path: Path) -> None:
+    b = Builder().proc(TRAINER, "rank0").device(TRAINER)
+    b.op(TRAINER, TRAINER, 0.0, 0.0, 10.0, "fwd")
+    c1 = b.op(TRAINER, TRAINER, 9.0, 10.0, 12.0, "ncclDevKernel_AllReduce")  # 2 ms: the transfer
+    c2 = b.op(TRAINER, TRAINER, 11.0, 12.0, 40.0, "ncclDevKernel_AllReduce")  # waited 26 ms for a peer
+    b.op(TRAINER, TRAINER, 39.0, 40.0, 45.0, "next")
+    b.collective(TRAINER, c1, "allreduce", 1, 0, 8).collective(TRAINER, c2, "allreduce", 2, 0, 8)
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["pid"], s["culprit"]["object"]) == ("collective", 0, "allreduce")
+    assert (s["start_ns"], s["end_ns"]) == (ns(12), ns(38))
+
+
+def test_elementwise_broadcast_kernels_are_not_collectives(tmp_path: Path) -> None:
+    b = Builder().proc(TRAINER, "python").device(TRAINER).offcpu(TRAINER, TRAINER, 1, 2, "R")
+    b.op(TRAINER, TRAINER, 0.0, 0.0, 2.0, "broadcast_add_kernel")
+    b.op(TRAINER, TRAINER, 0.0, 2.0, 40.0, "broadcast_add_kernel")
+    assert run(b, tmp_path)["stalls"] == []

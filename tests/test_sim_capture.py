@@ -45,15 +45,15 @@ def test_example_captured_end_to_end(tmp_path: Path) -> None:
     for k in kernels:
         want = {"forward": 4.0, "backward": 7.0, "optimizer_step": 1.5}[k.name]  # type: ignore[attr-defined]
         assert abs((k.end_ns - k.start_ns) / 1e6 - want) <= want * 0.1  # type: ignore[attr-defined]
-    # Each stream sync shows on the trainer's thread as an off-CPU wait, woken by the stream's own thread.
+    # Each stream sync shows on the trainer's thread as an off-CPU wait; where the kernel saw who woke it,
+    # that is one of the trainer's own (stream) threads.
     offcpu = [r for r in recs if type(r).__name__ == "OffCpu" and r.tid == trainer]  # type: ignore[attr-defined]
     syncs = [r for r in recs if type(r).__name__ == "GpuSync" and r.kind == "stream"]  # type: ignore[attr-defined]
-    woken_by_stream = 0
-    for s in syncs:
-        if any(o.start_ns >= s.start_ns and o.end_ns <= s.end_ns + 1_000_000 and o.waker_pid == trainer
-               and o.waker_tid != trainer for o in offcpu):  # type: ignore[attr-defined]
-            woken_by_stream += 1
-    assert woken_by_stream >= len(syncs) // 2, (woken_by_stream, len(syncs))
+    waits = [[o for o in offcpu if s.start_ns <= o.start_ns and o.end_ns <= s.end_ns and o.state == "S"]
+             for s in syncs]  # type: ignore[attr-defined]
+    assert sum(bool(w) for w in waits) >= len(syncs) // 2, (len(syncs), offcpu[:5])
+    wakers = {(o.waker_pid, o.waker_tid) for w in waits for o in w if o.waker_pid}  # type: ignore[attr-defined]
+    assert all(pid == trainer and tid != trainer for pid, tid in wakers), wakers
     statuses = [r for r in recs if type(r).__name__ == "SourceStatus" and r.source == "agent"]  # type: ignore[attr-defined]
     assert not [s for s in statuses if s.status == "ended_early"], statuses  # type: ignore[attr-defined]
 

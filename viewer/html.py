@@ -11,9 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gputrace.viewer.terminal import describe, ms, pct
-
 from gputrace.errors import UserError
+from gputrace.viewer.terminal import describe, ms, pct
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}

@@ -50,6 +50,8 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
         console.print(Text(f"LOST RECORDS: {detail}", style="bold red"))
     else:
         console.print("drops: none")
+    if cap.get("malformed_records"):
+        console.print(Text(f"SKIPPED {cap['malformed_records']:,} malformed records", style="bold red"))
 
 
 def _no_gpu(report: dict[str, Any], console: Console) -> None:

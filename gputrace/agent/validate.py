@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gputrace.agent.wire import FrameError
+from gputrace.agent.wire import PROTOCOL, FrameError
 from gputrace.records import (
     AgentInfo,
     Collective,
@@ -110,6 +110,8 @@ def _short_str(v: Any, limit: int = 4096) -> bool:
 
 def hello_fields(msg: dict[str, Any], pid: int) -> dict[str, Any]:
     """The checked content of a ``hello``; its pid must be the peer's."""
+    if msg.get("protocol", PROTOCOL) != PROTOCOL:
+        raise FrameError(f"agent speaks protocol {str(msg.get('protocol'))[:20]}, this session {PROTOCOL}")
     if msg.get("pid") != pid:
         raise FrameError(f"hello claims pid {str(msg.get('pid'))[:20]}, peer is pid {pid}")
     tid = msg.get("tid")

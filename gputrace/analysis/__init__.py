@@ -38,6 +38,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lost = sum(v for v in cap["drops"].values() if v > 0)
     if lost:
         lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
+    if cap.get("malformed_records"):
+        lines.append(f"SKIPPED {cap['malformed_records']} malformed records")
     if not report["devices"]:
         lines.append("no GPU activity in this capture")
         return lines

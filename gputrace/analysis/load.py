@@ -13,6 +13,7 @@ from typing import Any
 
 from gputrace.capture import CaptureReader
 from gputrace.records import (
+    BlockIO,
     Collective,
     CudaApi,
     Drops,
@@ -20,11 +21,13 @@ from gputrace.records import (
     GpuKernel,
     GpuMemcpy,
     GpuMemset,
+    GpuSync,
     NvmlSample,
     OffCpu,
     ProcExec,
     ProcFork,
     ProcInfo,
+    Syscall,
     ThreadInfo,
 )
 
@@ -77,6 +80,7 @@ class Capture:
     nvml: dict[int, list[float]] = field(default_factory=dict)  # device -> [sum, count] of gpu_util_pct
     drops: list[Drops] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    malformed: int = 0  # records skipped because a field had the wrong type
     first_ns: int = 0
     last_ns: int = 0
     complete: bool = True
@@ -102,8 +106,18 @@ class _Loader:
         counts = self.cap.counts
         counts[kind] = counts.get(kind, 0) + 1
         handler = _HANDLERS.get(kind)
-        if handler is not None:
-            handler(self, r)
+        if handler is None:
+            return
+        ints, strs = _SHAPES.get(kind, ((), ()))
+        for i in ints:
+            if type(r[i]) is not int:
+                self.cap.malformed += 1
+                return
+        for i in strs:
+            if type(r[i]) is not str:
+                self.cap.malformed += 1
+                return
+        handler(self, r)
 
     def _thread(self, pid: int, tid: int) -> None:
         if tid and pid:
@@ -159,7 +173,7 @@ class _Loader:
 
 
 def _nvml(ld: _Loader, r: NvmlSample) -> None:
-    if r.metric == "gpu_util_pct":
+    if r.metric == "gpu_util_pct" and type(r.value) in (int, float):
         acc = ld.cap.nvml.setdefault(r.device, [0.0, 0.0])
         acc[0] += float(r.value)
         acc[1] += 1
@@ -194,11 +208,15 @@ def _exec(ld: _Loader, r: ProcExec) -> None:
 def _api(ld: _Loader, r: CudaApi) -> None:
     ld.cap.launches[(r.pid, r.correlation_id)] = r
     ld._thread(r.pid, r.tid)
+    if "Synchronize" in r.name or r.name.startswith(("cuStreamSynchronize", "cuCtxSynchronize")):
+        # a host wait for the device even where no synchronization activity was recorded (uprobes)
+        ld.raw["sync"].setdefault(r.tid, []).append(r)
 
 
 def _offcpu(ld: _Loader, r: OffCpu) -> None:
     ld.per_tid("off", r, r.start_ns, r.end_ns)
-    if r.waker_tid and r.waker_comm:
+    if r.waker_tid and r.waker_pid > 0:
+        ld.cap.tgid.setdefault(r.waker_tid, r.waker_pid)  # a waker may have no records of its own
         ld.cap.comms.setdefault(r.waker_tid, r.waker_comm)
         ld.cap.comms.setdefault(r.waker_pid, r.waker_comm)
 
@@ -221,6 +239,32 @@ _HANDLERS: dict[str, Any] = {
     "NvmlSample": _nvml,
     "Drops": lambda ld, r: ld.cap.drops.append(r),
     "SyscallAgg": lambda ld, r: ld.cap.kernel_pids.add(r.pid),
+}
+
+
+def _shape(cls: type[Any], ints: str, strs: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    fields = cls._fields
+    return tuple(fields.index(f) for f in ints.split()), tuple(fields.index(f) for f in strs.split())
+
+
+# Fields attribution computes with: a record whose values have other types is counted and skipped.
+_SHAPES = {
+    "GpuKernel": _shape(GpuKernel, "pid device start_ns end_ns correlation_id", "name"),
+    "GpuMemcpy": _shape(GpuMemcpy, "pid device start_ns end_ns correlation_id"),
+    "GpuMemset": _shape(GpuMemset, "pid device start_ns end_ns correlation_id"),
+    "CudaApi": _shape(CudaApi, "pid tid start_ns end_ns correlation_id", "name"),
+    "Collective": _shape(Collective, "pid device correlation_id seq rank", "name"),
+    "Syscall": _shape(Syscall, "pid tid start_ns end_ns nbytes", "name obj"),
+    "OffCpu": _shape(OffCpu, "pid tid start_ns end_ns wake_ns waker_pid waker_tid", "state waker_comm"),
+    "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs"),
+    "GpuSync": _shape(GpuSync, "pid tid start_ns end_ns"),
+    "Drops": _shape(Drops, "ts count", "source what"),
+    "ProcInfo": _shape(ProcInfo, "pid", "comm"),
+    "ThreadInfo": _shape(ThreadInfo, "pid tid", "comm"),
+    "ProcFork": _shape(ProcFork, "child_pid child_tid", "comm"),
+    "ProcExec": _shape(ProcExec, "pid tid", "comm"),
+    "GpuDevice": _shape(GpuDevice, "id pid", "name"),
+    "NvmlSample": _shape(NvmlSample, "device", "metric"),
 }
 
 

@@ -48,6 +48,8 @@ def _capture(cap: Capture) -> dict[str, Any]:
            "records": dict(sorted(cap.counts.items()))}
     if cap.problem:
         out["problem"] = cap.problem
+    if cap.malformed:
+        out["malformed_records"] = cap.malformed
     return out
 
 

@@ -12,8 +12,9 @@ from typing import Any
 from gputrace.analysis.load import Capture, DeviceKey, GpuOp
 from gputrace.records import GpuKernel
 
-_COLLECTIVE_WORDS = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
-                     "reduce_scatter", "alltoall", "broadcast")
+# "broadcast" alone would also match elementwise kernels with broadcasting: not a collective marker
+_COLLECTIVE_WORDS = ("nccl", "rccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
+                     "reduce_scatter", "alltoall", "all_to_all")
 
 
 @dataclass
@@ -56,10 +57,13 @@ def is_collective(cap: Capture, op: GpuOp) -> bool:
     return any(w in lname for w in _COLLECTIVE_WORDS)
 
 
+Member = tuple[GpuKernel, int, int]  # kernel, rank (-1 unknown), bytes (-1 unknown)
+
+
 def collective_waits(cap: Capture, min_gap_ns: int) -> dict[int, CollectiveWait]:
     """Waits by id() of the waiting kernel. Ranks are matched by (name, seq) from Collective records, or by
     (name, n-th occurrence in its process) when only kernel names mark a collective."""
-    groups: dict[tuple[str, int], list[tuple[GpuKernel, int]]] = {}
+    groups: dict[tuple[str, int], list[Member]] = {}
     nth: dict[tuple[int, str], int] = {}
     for ops in cap.ops.values():
         for op in ops:
@@ -68,41 +72,42 @@ def collective_waits(cap: Capture, min_gap_ns: int) -> dict[int, CollectiveWait]
             assert isinstance(op, GpuKernel)
             meta = cap.collectives.get((op.pid, op.correlation_id))
             if meta is not None:
-                key, rank = (meta.name, meta.seq), meta.rank
+                groups.setdefault((meta.name, meta.seq), []).append((op, meta.rank, meta.nbytes))
             else:
                 n = nth.get((op.pid, op.name), 0)
                 nth[(op.pid, op.name)] = n + 1
-                key, rank = (op.name, n), -1
-            groups.setdefault(key, []).append((op, rank))
+                groups.setdefault((op.name, n), []).append((op, -1, -1))
     waits: dict[int, CollectiveWait] = {}
-    single_min = _single_rank_transfer(groups)
+    fastest = _fastest_runs(groups)
     for (name, _), members in groups.items():
         if len(members) == 1:
-            _single(waits, name, members[0][0], single_min, min_gap_ns)
+            _single(waits, name, members[0], fastest, min_gap_ns)
             continue
-        late, late_rank = max(members, key=lambda m: m[0].start_ns)
-        for op, _rank in members:
+        late, late_rank, _ = max(members, key=lambda m: m[0].start_ns)
+        for op, _rank, _n in members:
             if late.start_ns - op.start_ns >= min_gap_ns and op is not late:
                 waits[id(op)] = CollectiveWait(op, name, op.start_ns, min(late.start_ns, op.end_ns), late, late_rank)
     return waits
 
 
-def _single_rank_transfer(groups: dict[tuple[str, int], list[tuple[GpuKernel, int]]]) -> dict[tuple[int, str], int]:
-    """For ranks captured alone: the shortest run of each collective is the best estimate of its transfer."""
-    best: dict[tuple[int, str], int] = {}
+def _fastest_runs(groups: dict[tuple[str, int], list[Member]]) -> dict[tuple[int, str, int], int]:
+    """For a rank captured alone, the fastest run of the same collective over the same bytes is the best
+    estimate of its transfer time. Without a byte count runs are not comparable, so none is estimated."""
+    best: dict[tuple[int, str, int], int] = {}
     for members in groups.values():
-        if len(members) == 1:
-            op = members[0][0]
-            k = (op.pid, op.name)
+        op, _, nbytes = members[0]
+        if len(members) == 1 and nbytes >= 0:
+            k = (op.pid, op.name, nbytes)
             best[k] = min(best.get(k, op.end_ns - op.start_ns), op.end_ns - op.start_ns)
     return best
 
 
-def _single(waits: dict[int, CollectiveWait], name: str, op: GpuKernel, best: dict[tuple[int, str], int],
+def _single(waits: dict[int, CollectiveWait], name: str, member: Member, best: dict[tuple[int, str, int], int],
             min_gap_ns: int) -> None:
-    extra = (op.end_ns - op.start_ns) - best[(op.pid, op.name)]
-    if extra >= min_gap_ns:
-        waits[id(op)] = CollectiveWait(op, name, op.start_ns, op.start_ns + extra, None)
+    op, _, nbytes = member
+    fastest = best.get((op.pid, op.name, nbytes))
+    if fastest is not None and (op.end_ns - op.start_ns) - fastest >= min_gap_ns:
+        waits[id(op)] = CollectiveWait(op, name, op.start_ns, op.start_ns + (op.end_ns - op.start_ns) - fastest, None)
 
 
 def build(cap: Capture, min_gap_ns: int) -> list[DeviceTimeline]:

@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")
+        if html_out is not None:  # stdout is the JSON alone
+            print(f"Wrote {html_out}", file=sys.stderr)
         return 0
     from rich.console import Console
 

@@ -12,31 +12,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # tests/, where the shared `workloads` helpers live
+    sys.path.insert(0, str(HERE.parent))
+
+from workloads import loopdev  # noqa: E402
+
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
-def _run(*cmd: str) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
-
-
 @contextlib.contextmanager
-def loop_filesystem(workdir: Path, size_mb: int = 48) -> Iterator[tuple[Path, str]]:
-    """An ext4 filesystem on a fresh loop device, mounted under ``workdir``: (mount point, "MAJ:MIN")."""
-    image, mnt = workdir / "disk.img", workdir / "mnt"
-    with open(image, "wb") as f:
-        f.truncate(size_mb << 20)
-    mnt.mkdir()
-    dev = _run("losetup", "--find", "--show", str(image))
-    try:
-        _run("mkfs.ext4", "-q", "-F", dev)
-        _run("mount", dev, str(mnt))
-        try:
-            rdev = os.stat(dev).st_rdev
-            yield mnt, f"{os.major(rdev)}:{os.minor(rdev)}"
-        finally:
-            subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
-    finally:
-        subprocess.run(["losetup", "-d", dev], check=False, capture_output=True)
+def loop_filesystem(workdir: Path) -> Iterator[tuple[Path, str]]:
+    """An ext4 filesystem on a fresh loop device (tests/workloads/loopdev.py): (mount point, "MAJ:MIN")."""
+    with loopdev.loop_filesystem(workdir, size_mib=48) as fs:
+        yield fs.mountpoint, fs.majmin
 
 
 def make_files(directory: Path, prefix: str, count: int, size: int) -> list[str]:
