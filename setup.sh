@@ -21,15 +21,18 @@ apt_install() {
     apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
+# bcc and the venv; then what the tests use for real workloads: FUSE (libfuse2 for fusepy), loop devices
+# and ext4 (util-linux, e2fsprogs), privilege drops (setpriv), network namespaces (iproute2),
+# systemd-analyze for the unit; strace and perf for the side-by-side benchmark.
 missing=()
-for pkg in python3-bpfcc python3-venv python3-dev; do
+for pkg in python3-bpfcc python3-venv python3-dev libfuse2 e2fsprogs util-linux iproute2 systemd strace linux-perf; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     say "installing ${missing[*]}"
     apt_install "${missing[@]}"
 else
-    say "python3-bpfcc, python3-venv, python3-dev already installed"
+    say "distribution packages already installed (python3-bpfcc, libfuse2, ...)"
 fi
 
 if [ -e "/lib/modules/$krel/build/include/linux/kconfig.h" ] || [ -e "/lib/modules/$krel/source/include/linux/kconfig.h" ]; then

@@ -53,7 +53,7 @@ def test_example_captured_end_to_end(tmp_path: Path) -> None:
              for s in syncs]  # type: ignore[attr-defined]
     assert sum(bool(w) for w in waits) >= len(syncs) // 2, (len(syncs), offcpu[:5])
     wakers = {(o.waker_pid, o.waker_tid) for w in waits for o in w if o.waker_pid}  # type: ignore[attr-defined]
-    assert all(pid == trainer and tid != trainer for pid, tid in wakers), wakers
+    assert wakers and all(pid == trainer and tid != trainer for pid, tid in wakers), wakers
     statuses = [r for r in recs if type(r).__name__ == "SourceStatus" and r.source == "agent"]  # type: ignore[attr-defined]
     assert not [s for s in statuses if s.status == "ended_early"], statuses  # type: ignore[attr-defined]
 
