@@ -116,7 +116,13 @@ class Explainer:
         ns = (y - x) - runq
         if kind == "wait":
             return parts + self._wait(sc, x, y, blocked, ns, depth)
-        return parts + [self._direct(kind, sc, ns, blocked)]
+        # woken (the disk answered, the sleep ended) but no CPU to run on yet: that part is the run queue's
+        late = [(o, max(o.wake_ns, x), min(o.end_ns, y)) for o in blocked if o.wake_ns]
+        woken = sum(max(b - a, 0) for _, a, b in late)
+        if woken > 0:
+            parts.append(Part("cpu.runqueue", woken, self.culprit(sc.tid, "woken, waiting for a CPU"),
+                              evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE]))
+        return parts + [self._direct(kind, sc, ns - woken, blocked)]
 
     def _in_gpu_sync(self, tid: int, x: int, y: int) -> bool:
         index = self.cap.syncs.get(tid)

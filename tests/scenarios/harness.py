@@ -139,7 +139,7 @@ SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
     "cpu_worker": lambda w, st: {"workers": 1, "steps": 10, "work_ms": 20},
-    "contention": lambda w, st: {"steps": 25, "work_ms": 2, "hog_ms": 30_000},
+    "contention": lambda w, st: {"steps": 25, "work_ms": 1, "hog_ms": 30_000},
     "network": _network,
     "collective": _collective,
     "sync_then_work": lambda w, st: {"steps": 10, "work_ms": 15},

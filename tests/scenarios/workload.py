@@ -231,14 +231,18 @@ def contention(cfg: dict[str, Any]) -> None:
             spin(cfg["hog_ms"])
             os._exit(0)
         hogs.append(pid)
-    s = Device(0).stream()  # its thread starts before the pinning below, so it may run on any CPU
+    # The device's stream thread inherits CPU 1 and keeps it; then this thread moves to the hogs' CPU 0.
+    # (A stream thread starved by the hogs would show up, correctly, as a late completion signal instead.)
+    os.sched_setaffinity(0, {1})
+    s = Device(0).stream()
     os.sched_setaffinity(0, {0})
     truth = Truth(cfg["truth"])
-    s.launch("warmup", KERNEL_MS)
     for k in range(cfg["steps"]):
-        spin(cfg["work_ms"])
-        truth.label("cpu.runqueue", "", os.getpid())
         s.launch(f"train_step_{k}", KERNEL_MS)
+        spin(cfg["work_ms"])
+        s.synchronize()  # woken when the step ends, then waits behind the hogs for CPU 0
+        truth.label("cpu.runqueue", "", os.getpid())
+    s.launch("last", KERNEL_MS)
     s.synchronize()
     for pid in hogs:
         os.kill(pid, 9)
