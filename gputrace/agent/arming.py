@@ -264,9 +264,13 @@ def environment(sock_path: str | None, base: Mapping[str, str] | None = None) ->
 
 
 def _nvtx_injection_path() -> str:
+    """libcupti for NVTX injection, only where CUPTI can run: on a host without the CUDA driver, naming it
+    would make every NVTX-using process load a library that cannot work there."""
     try:
-        from gputrace.probes.cupti import nvtx_injection_path
+        from gputrace.probes.cupti import CuptiBackend, nvtx_injection_path
 
+        if not CuptiBackend.available()[0]:
+            return ""
         return str(nvtx_injection_path() or "")
     except Exception:  # noqa: BLE001 - no CUPTI here: NVTX ranges simply are not collected
         return ""
