@@ -48,6 +48,7 @@ def child(args: argparse.Namespace) -> None:
     backend = None
     if args.child == "on":
         import msgpack
+
         from gputrace.probes.cupti import CuptiBackend
 
         def emit(records: list) -> None:

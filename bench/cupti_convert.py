@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gputrace.probes.cupti_convert import ActivityConverter
-
 from gputrace.clock import RealtimeConverter, monotonic_ns
+from gputrace.probes.cupti_convert import ActivityConverter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import cupti_shapes as shapes  # noqa: E402

@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 from gputrace.probes.uprobes import UprobeSource
-
 from gputrace.records import CudaApi
 
 LIB = "int cuLaunchKernel(void) { return 0; }\n"

@@ -335,7 +335,12 @@ def _catch_signals(stop: threading.Event) -> Callable[[], None]:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
         signal.signal(sig, lambda *_: stop.set())
-    return lambda: [signal.signal(s, h) for s, h in previous.items()] and None
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 class _Progress:

@@ -14,6 +14,7 @@ everything up to the cut and reports the capture incomplete.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -50,8 +51,26 @@ def host_header(argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def mount_table(path: str = "/proc/self/mounts") -> list[list[str]]:
-    """[mount point, filesystem type] of every mount, so analysis can tell a FUSE or NFS path from a disk."""
+def mount_table(mountinfo: str = "/proc/self/mountinfo", mounts: str = "/proc/self/mounts") -> list[list[str]]:
+    """[mount point, filesystem type, source, "MAJ:MIN"] of every mount, so analysis can tell a FUSE or NFS
+    path from a disk and find the block device under a path (source /dev/loop3, device 7:3). Readers must
+    accept the older two-field rows."""
+    try:
+        text = Path(mountinfo).read_text()
+    except OSError:
+        return _mounts_fallback(mounts)
+    out: list[list[str]] = []
+    for line in text.splitlines():
+        f = line.split()
+        if "-" not in f[6:]:
+            continue
+        sep = f.index("-", 6)  # optional fields (shared:N ...) end at a lone "-"
+        if len(f) >= sep + 3:
+            out.append([_unescape(f[4]), f[sep + 1], _unescape(f[sep + 2]), f[2]])
+    return out
+
+
+def _mounts_fallback(path: str) -> list[list[str]]:
     out: list[list[str]] = []
     try:
         text = Path(path).read_text()
@@ -59,9 +78,14 @@ def mount_table(path: str = "/proc/self/mounts") -> list[list[str]]:
         return out
     for line in text.splitlines():
         f = line.split()
-        if len(f) >= 3:  # the kernel escapes blanks in mount points as octal (\040)
-            out.append([f[1].encode().decode("unicode_escape"), f[2]])
+        if len(f) >= 3:
+            out.append([_unescape(f[1]), f[2], _unescape(f[0]), ""])
     return out
+
+
+def _unescape(field: str) -> str:
+    """The kernel writes blanks, tabs, newlines and backslashes in mount fields as octal (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _boot_id() -> str:

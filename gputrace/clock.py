@@ -15,25 +15,30 @@ def monotonic_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
-def realtime_offset_ns(samples: int = 7) -> int:
-    """realtime - monotonic, from the tightest of a few bracketed readings."""
+def _offset_ns(clock_id: int, samples: int) -> int:
+    """clock_id - monotonic, from the tightest of a few bracketed readings."""
     best_width, best = None, 0
     for _ in range(samples):
         m0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        r = time.clock_gettime_ns(time.CLOCK_REALTIME)
+        other = time.clock_gettime_ns(clock_id)
         m1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        width = m1 - m0
-        if best_width is None or width < best_width:
-            best_width, best = width, r - (m0 + m1) // 2
+        if best_width is None or m1 - m0 < best_width:
+            best_width, best = m1 - m0, other - (m0 + m1) // 2
     return best
 
 
-def boottime_offset_ns() -> int:
-    """boottime - monotonic: the time the host spent suspended (Perfetto's default trace clock is BOOTTIME)."""
-    m0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    b = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-    m1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    return b - (m0 + m1) // 2
+def realtime_offset_ns(samples: int = 7) -> int:
+    """realtime - monotonic."""
+    return _offset_ns(time.CLOCK_REALTIME, samples)
+
+
+def boottime_offset_ns(samples: int = 7) -> int:
+    """boottime - monotonic: the time the host spent suspended (Perfetto's default trace clock is BOOTTIME).
+
+    Never negative (BOOTTIME runs ahead of MONOTONIC by the suspended time); a reading a few ns below zero
+    is sampling noise between the two clock reads.
+    """
+    return max(0, _offset_ns(time.CLOCK_BOOTTIME, samples))
 
 
 class RealtimeConverter:

@@ -100,7 +100,7 @@ class SyscallAgg(NamedTuple):
     pid: int
     tid: int
     name: str
-    count: int
+    count: int  # type: ignore[assignment]  # a field, shadowing tuple.count by design
     total_ns: int
 
 
@@ -275,7 +275,7 @@ class Drops(NamedTuple):
     ts: int
     source: str
     what: str
-    count: int
+    count: int  # type: ignore[assignment]  # a field, shadowing tuple.count by design
 
 
 RECORD_TYPES: dict[str, type[Any]] = {

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gputrace.clock import RealtimeConverter, monotonic_ns
 from gputrace.probes.cupti_convert import (
     KIND_CONCURRENT_KERNEL,
     KIND_CONTEXT,
@@ -36,8 +37,6 @@ from gputrace.probes.cupti_convert import (
     ActivityConverter,
     dump_activity,
 )
-
-from gputrace.clock import RealtimeConverter, monotonic_ns
 
 Emit = Callable[[Sequence[tuple[Any, ...]]], None]
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import cupti_shapes as shapes
 import pytest
-from gputrace.probes import cupti as cupti_probe
-from gputrace.probes.cupti import CuptiBackend, CuptiUnavailable, driver_version, find_libcuda, nvtx_injection_path
 
 from gputrace.agent.backend import GpuBackend
 from gputrace.clock import monotonic_ns
+from gputrace.probes import cupti as cupti_probe
+from gputrace.probes.cupti import CuptiBackend, CuptiUnavailable, driver_version, find_libcuda, nvtx_injection_path
 from gputrace.records import CudaApi, GpuKernel, GpuSync
 
 

@@ -6,9 +6,9 @@ import importlib.util
 
 import cupti_shapes as shapes
 import pytest
-from gputrace.probes.cupti_convert import ActivityConverter, format_uuid, memory_of
 
 from gputrace.clock import RealtimeConverter, monotonic_ns
+from gputrace.probes.cupti_convert import ActivityConverter, format_uuid, memory_of
 from gputrace.records import CudaApi, GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, GpuSync, NvtxRange
 
 MS = 1_000_000

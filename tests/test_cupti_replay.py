@@ -10,10 +10,10 @@ from pathlib import Path
 
 import cupti_shapes as shapes
 import pytest
-from gputrace.probes.cupti import BatchRecorder
-from gputrace.probes.cupti_convert import ActivityConverter, replay
 
 from gputrace.clock import RealtimeConverter, monotonic_ns
+from gputrace.probes.cupti import BatchRecorder
+from gputrace.probes.cupti_convert import ActivityConverter, replay
 from gputrace.records import CudaApi, GpuKernel, GpuMemcpy
 
 RECORDINGS = [pytest.param(p, id=p.name) for p in sorted((Path(__file__).parent / "data" / "cupti").glob("*.jsonl"))]

@@ -17,9 +17,9 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from gputrace.probes.cupti import CuptiBackend
 
 from gputrace.capture import CaptureReader
+from gputrace.probes.cupti import CuptiBackend
 from gputrace.records import AgentInfo, CudaApi, GpuKernel, GpuMemcpy, GpuSync, NvmlSample, NvtxRange
 
 pytestmark = pytest.mark.gpu

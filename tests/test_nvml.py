@@ -10,9 +10,9 @@ from typing import Any
 
 import pynvml
 import pytest
-from gputrace.probes.nvml import NvmlSource, _Device, counter_rate, field_reading, sample_value, util_records
 
 from gputrace.clock import RealtimeConverter, monotonic_ns
+from gputrace.probes.nvml import NvmlSource, _Device, counter_rate, field_reading, sample_value, util_records
 from gputrace.records import NvmlSample, SourceStatus
 
 

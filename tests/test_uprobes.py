@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gputrace.probes.uprobes import SYMBOLS, UprobeEvent, UprobeSource, find_library, program_text, visible_path
 
+from gputrace.probes.uprobes import SYMBOLS, UprobeEvent, UprobeSource, find_library, program_text, visible_path
 from gputrace.records import CudaApi, SourceStatus
 
 MS = 1_000_000

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import Capture
 from gputrace.analysis.objects import classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.records import BlockIO, OffCpu, Syscall
@@ -61,6 +62,7 @@ class Explainer:
     def __init__(self, cap: Capture) -> None:
         self.cap = cap
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
+        self.ties = BlockTies(cap, self.mounts)
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -144,14 +146,14 @@ class Explainer:
         return Part("cpu", ns, self.culprit(sc.tid, "cpu"), evidence=ev)
 
     def _storage(self, sc: Syscall, ns: int, blocked: list[OffCpu]) -> Part:
-        blocks = self.cap.blocks[sc.tid].starting_in(sc.start_ns, sc.end_ns) if sc.tid in self.cap.blocks else []
+        tie = self.ties.for_syscall(sc)
         culprit = self.culprit(sc.tid, sc.name, sc.obj, sc.nbytes, sc.end_ns - sc.start_ns)
-        ev = [evidence_syscall(sc)] + [evidence_block(b) for b in blocks[:MAX_EVIDENCE]]
+        ev = [evidence_syscall(sc)]
+        if tie is not None:
+            ev += [evidence_block(b) for b in tie.blocks[:MAX_EVIDENCE]]
+            culprit.update(self._block_fields(tie))
+        blocks = tie.blocks if tie else []
         extra: dict[str, Any] = {}
-        if blocks:
-            culprit["block_requests"] = len(blocks)
-            culprit["block_device"] = blocks[0].dev
-            culprit["block_latency_ns"] = max(b.complete_ns - b.issue_ns for b in blocks)
         fstype = filesystem_of(sc.obj, self.mounts) if sc.obj else ""
         servers = [o for o in blocked if o.waker_pid and o.waker_pid != sc.pid
                    and not is_kernel_task(o.waker_pid, o.waker_comm)]
@@ -165,6 +167,18 @@ class Explainer:
             culprit["filesystem"] = fstype
             extra["remote_fs"] = is_remote_fs(fstype)
         return Part("storage", ns, culprit, evidence=ev, extra=extra)
+
+    def _block_fields(self, tie: Tie) -> dict[str, Any]:
+        blocks = tie.blocks
+        out: dict[str, Any] = {"block_requests": len(blocks), "block_device": blocks[0].dev,
+                               "block_latency_ns": max(b.complete_ns - b.issue_ns for b in blocks),
+                               "block_attribution": tie.how}
+        if tie.how == "dispatched":
+            out["dispatched_by"] = ", ".join(sorted({b.comm for b in blocks}))
+            out["block_shared"] = bool(tie.shared_with)
+            if tie.shared_with:
+                out["block_shared_with"] = sorted({self.cap.pid_of(t) or t for t in tie.shared_with})
+        return out
 
     def _wait(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], ns: int, depth: int) -> list[Part]:
         """Blocked on a futex / pipe / poll: the time belongs to whoever the thread waited for."""

@@ -70,7 +70,9 @@ class Capture:
     collectives: dict[tuple[int, int], Collective] = field(default_factory=dict)
     syscalls: dict[int, Intervals] = field(default_factory=dict)
     offcpu: dict[int, Intervals] = field(default_factory=dict)
-    blocks: dict[int, Intervals] = field(default_factory=dict)
+    blocks: dict[int, Intervals] = field(default_factory=dict)  # by submitting tid
+    blocks_by_dev: dict[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
+    block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta
     syncs: dict[int, Intervals] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
     tgid: dict[int, int] = field(default_factory=dict)  # tid -> pid
@@ -99,6 +101,7 @@ class _Loader:
     def __init__(self, header: dict[str, Any]) -> None:
         self.cap = Capture(header=header)
         self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}}
+        self.by_dev: dict[str, list[BlockIO]] = {}
         self.shared_ids: set[int] = set()
 
     def add(self, r: Any) -> None:
@@ -153,6 +156,7 @@ class _Loader:
         cap.syscalls = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sys"].items()}
         cap.offcpu = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["off"].items()}
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
+        cap.blocks_by_dev = {d: Intervals(v, "issue_ns", "complete_ns") for d, v in self.by_dev.items()}
         cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
         self._merge_shared_devices()
         for ops in cap.ops.values():
@@ -213,6 +217,14 @@ def _api(ld: _Loader, r: CudaApi) -> None:
         ld.raw["sync"].setdefault(r.tid, []).append(r)
 
 
+def _block(ld: _Loader, r: BlockIO) -> None:
+    """Indexed by submitter and by device. The submitter may be a kernel worker or an untraced process
+    (requests dispatched while a traced task waited), so it does not join the traced processes."""
+    ld.raw["blk"].setdefault(r.tid, []).append(r)
+    ld.by_dev.setdefault(r.dev, []).append(r)
+    ld._span(r.issue_ns, r.complete_ns)
+
+
 def _offcpu(ld: _Loader, r: OffCpu) -> None:
     ld.per_tid("off", r, r.start_ns, r.end_ns)
     if r.waker_tid and r.waker_pid > 0:
@@ -230,7 +242,7 @@ _HANDLERS: dict[str, Any] = {
     "Collective": lambda ld, r: ld.cap.collectives.__setitem__((r.pid, r.correlation_id), r),
     "Syscall": lambda ld, r: ld.per_tid("sys", r, r.start_ns, r.end_ns),
     "OffCpu": _offcpu,
-    "BlockIO": lambda ld, r: ld.per_tid("blk", r, r.issue_ns, r.complete_ns),
+    "BlockIO": _block,
     "GpuSync": lambda ld, r: ld.per_tid("sync", r, r.start_ns, r.end_ns),
     "ProcInfo": _proc,
     "ThreadInfo": _threadinfo,
@@ -256,7 +268,7 @@ _SHAPES = {
     "Collective": _shape(Collective, "pid device correlation_id seq rank", "name"),
     "Syscall": _shape(Syscall, "pid tid start_ns end_ns nbytes", "name obj"),
     "OffCpu": _shape(OffCpu, "pid tid start_ns end_ns wake_ns waker_pid waker_tid", "state waker_comm"),
-    "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs"),
+    "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs comm"),
     "GpuSync": _shape(GpuSync, "pid tid start_ns end_ns"),
     "Drops": _shape(Drops, "ts count", "source what"),
     "ProcInfo": _shape(ProcInfo, "pid", "comm"),
@@ -281,4 +293,13 @@ def load(reader: CaptureReader) -> Capture:
     cap.trailer = dict(reader.trailer or {})
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
+    cap.block_names = _block_names(reader.meta.get("ebpf"))
     return cap
+
+
+def _block_names(meta: Any) -> dict[str, str]:
+    """The eBPF source's "MAJ:MIN" -> device name table; anything else in it (hostile input) is ignored."""
+    devices = meta.get("devices") if isinstance(meta, dict) else None
+    if not isinstance(devices, dict):
+        return {}
+    return {k: v for k, v in devices.items() if isinstance(k, str) and isinstance(v, str)}

@@ -66,17 +66,38 @@ def is_kernel_task(pid: int, comm: str) -> bool:
     return pid <= 0 or comm.startswith(_KERNEL_COMMS)
 
 
-def filesystem_of(path: str, mounts: list[Any]) -> str:
-    """The filesystem type of ``path`` from the capture's mount table (longest matching mount point)."""
-    best, fstype = -1, ""
+def mount_of(path: str, mounts: list[Any]) -> list[str]:
+    """The capture's mount-table row holding ``path`` (longest matching mount point) as strings, or []."""
+    best: list[str] = []
+    best_len = -1
     for entry in mounts:
         if not (isinstance(entry, (list, tuple)) and len(entry) >= 2):
             continue
-        point, kind = str(entry[0]), str(entry[1])
+        point = str(entry[0])
         inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best:
-            best, fstype = len(point), kind
-    return fstype
+        if inside and len(point) > best_len:
+            best, best_len = [str(x) for x in entry], len(point)
+    return best
+
+
+def filesystem_of(path: str, mounts: list[Any]) -> str:
+    """The filesystem type of ``path`` from the capture's mount table."""
+    entry = mount_of(path, mounts)
+    return entry[1] if entry else ""
+
+
+def block_device_of(path: str, mounts: list[Any], names: dict[str, str]) -> list[str]:
+    """Names a BlockIO record may give the device under ``path``: the mount source's name (/dev/loop3 ->
+    loop3), the eBPF source's name for the mount's MAJ:MIN, and MAJ:MIN itself (a device it could not
+    name). Rows from captures that predate the source and MAJ:MIN columns give none."""
+    entry = mount_of(path, mounts)
+    if len(entry) < 4:
+        return []
+    source, majmin = entry[2], entry[3]
+    out = [source.removeprefix("/dev/")] if source.startswith("/dev/") else []
+    if majmin and not majmin.startswith("0:"):  # major 0: no block device (tmpfs, FUSE, NFS, btrfs subvols)
+        out += [names.get(majmin, majmin), majmin]
+    return list(dict.fromkeys(out))
 
 
 REMOTE_FS = ("fuse", "nfs", "cifs", "smb3", "ceph", "9p", "glusterfs", "lustre", "gcsfuse", "s3fs")

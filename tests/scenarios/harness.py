@@ -149,21 +149,22 @@ SCENARIOS: dict[str, Setup] = {
 
 
 @contextlib.contextmanager
-def prepared(name: str, workdir: Path) -> Iterator[dict[str, Any]]:
+def prepared(name: str, workdir: Path, setup: Setup | None = None) -> Iterator[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
-        cfg = SCENARIOS[name](workdir, stack)
+        cfg = (setup or SCENARIOS[name])(workdir, stack)
         cfg["truth"] = str(workdir / "truth.jsonl")
         yield cfg
 
 
-def run(name: str, workdir: Path) -> tuple[Score, dict[str, Any]]:
-    """Capture the scenario with `run_capture` (the same path as `gputrace capture -- CMD`) and score it."""
+def run(name: str, workdir: Path, setup: Setup | None = None) -> tuple[Score, dict[str, Any]]:
+    """Capture the scenario with `run_capture` (the same path as `gputrace capture -- CMD`) and score it.
+    ``setup`` replaces the scenario's own configuration (a smaller or differently made variant)."""
     import time
 
     from gputrace.daemon.session import CaptureOptions, run_capture
 
     t0 = time.monotonic()
-    with prepared(name, workdir) as cfg:
+    with prepared(name, workdir, setup) as cfg:
         cfg_path = workdir / "config.json"
         cfg_path.write_text(json.dumps(cfg))
         opts = CaptureOptions(output=workdir / f"{name}.gputrace", command=[sys.executable, str(WORKLOAD), name,

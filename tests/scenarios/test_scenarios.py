@@ -19,11 +19,16 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
     """What each mechanism must leave in the report beyond cause and culprit."""
     stalls = report["stalls"]
     if name == "storage":
-        # blk-throttle dispatches held bios from a kworker, so block requests of throttled reads carry no
-        # submitter and cannot be tied to the read; the read itself, its bytes and the wait chain must be there
         assert all(s["culprit"]["op"] in ("read", "pread64") and s["culprit"]["bytes"] > 0 for s in stalls)
         assert all(s["via"] and s["via"][0].startswith("wait:pid ") for s in stalls)
         assert {"syscall", "wakeup", "gpu"} <= {e["kind"] for e in stalls[0]["evidence"]}
+        # blk-throttle holds the reads' bios and a kworker dispatches them: the requests are still under the
+        # read, on the loop device, tied as dispatched (two workers read the same device at once: some shared)
+        for s in stalls:
+            c = s["culprit"]
+            assert c.get("block_requests", 0) > 0 and c["block_device"].startswith("loop"), c
+            assert c["block_attribution"] == "dispatched" and c["dispatched_by"].startswith("kworker"), c
+            assert any(e["kind"] == "block" for e in s["evidence"]), s["evidence"]
     elif name == "fuse":
         assert all(s["culprit"].get("filesystem", "").startswith("fuse") for s in stalls)
     elif name == "collective":

@@ -1,0 +1,104 @@
+"""Which block requests a storage syscall waited on (DESIGN §5, rule 2).
+
+Requests the calling thread submitted inside the call are its own: ``submitted``. A read whose bios were
+held back by blk-throttle or io.max has none: a kernel worker dispatches them later (the eBPF source
+records requests whoever submits them while a traced task waits in D). Then the candidates are the
+requests on the path's block device, issued inside the call, in the call's direction, by submitters that
+are not traced (kernel workers, other processes): ``dispatched``. A traced submitter's requests are its
+own reads' and never move to another thread. When a candidate also falls inside another traced thread's
+call on the same device, nothing says which of them it served: each keeps it, marked shared.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from gputrace.analysis.load import Capture
+from gputrace.analysis.objects import block_device_of, classify
+from gputrace.records import BlockIO, Syscall
+
+WRITE_OPS = frozenset({
+    "write", "pwrite64", "writev", "pwritev", "pwritev2", "fsync", "fdatasync", "sync_file_range",
+})  # fmt: skip
+
+
+@dataclass
+class Tie:
+    blocks: list[BlockIO]
+    how: str  # "submitted" or "dispatched"
+    shared_with: list[int] = field(default_factory=list)  # tids of other traced calls a request overlaps
+
+
+@dataclass
+class _Calls:
+    """Traced storage calls on one device, by start time."""
+
+    calls: list[Syscall]
+    starts: list[int]
+    longest_ns: int
+
+
+class BlockTies:
+    def __init__(self, cap: Capture, mounts: list[object]) -> None:
+        self.cap = cap
+        self.mounts = mounts
+        self._device: dict[str, str] = {}
+        self._calls: dict[str, _Calls] | None = None
+
+    def for_syscall(self, sc: Syscall) -> Tie | None:
+        index = self.cap.blocks.get(sc.tid)
+        own = index.starting_in(sc.start_ns, sc.end_ns) if index else []
+        if own:
+            return Tie(own, "submitted")
+        dev = self.device(sc.obj)
+        found = self._dispatched(sc, dev) if dev else []
+        if not found:
+            return None
+        return Tie(found, "dispatched", self._sharing(sc, dev, found))
+
+    def device(self, path: str) -> str:
+        """The name BlockIO records use for the device under ``path``; "" when none was seen."""
+        if path not in self._device:
+            names = block_device_of(path, self.mounts, self.cap.block_names) if path.startswith("/") else []
+            self._device[path] = next((n for n in names if n in self.cap.blocks_by_dev), "")
+        return self._device[path]
+
+    def _dispatched(self, sc: Syscall, dev: str) -> list[BlockIO]:
+        want = ("W", "F") if sc.name in WRITE_OPS else ("R",)
+        traced = self.cap.kernel_pids
+        return [b for b in self.cap.blocks_by_dev[dev].starting_in(sc.start_ns, sc.end_ns)
+                if b.tid != sc.tid and b.pid not in traced and any(c in b.rwbs for c in want)]  # fmt: skip
+
+    def _sharing(self, sc: Syscall, dev: str, found: list[BlockIO]) -> list[int]:
+        calls = self._calls_on(dev)
+        if calls is None:
+            return []
+        others: set[int] = set()
+        for b in found:
+            i = bisect_right(calls.starts, b.issue_ns)
+            while i > 0 and calls.starts[i - 1] >= b.issue_ns - calls.longest_ns:
+                i -= 1
+                c = calls.calls[i]
+                if c.tid != sc.tid and c.end_ns >= b.issue_ns:
+                    others.add(c.tid)
+        return sorted(others)
+
+    def _calls_on(self, dev: str) -> _Calls | None:
+        if self._calls is None:
+            self._calls = self._index_calls()
+        return self._calls.get(dev)
+
+    def _index_calls(self) -> dict[str, _Calls]:
+        """Built once, and only when some read has dispatched requests: one pass over the syscalls."""
+        by_dev: dict[str, list[Syscall]] = {}
+        for index in self.cap.syscalls.values():
+            for sc in index.records:
+                if sc.obj.startswith("/") and classify(sc) == "storage" and (dev := self.device(sc.obj)):
+                    by_dev.setdefault(dev, []).append(sc)
+        out: dict[str, _Calls] = {}
+        for dev, calls in by_dev.items():
+            calls.sort(key=lambda c: c.start_ns)
+            longest = max(c.end_ns - c.start_ns for c in calls)
+            out[dev] = _Calls(calls, [c.start_ns for c in calls], longest)
+        return out
