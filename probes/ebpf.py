@@ -201,6 +201,14 @@ class EbpfSource:
             return False
         return True
 
+    def io_waiting(self) -> int:
+        """Traced tasks off CPU in uninterruptible sleep now, as the kernel counts them (block requests
+        are recorded from any submitter while this is above 0)."""
+        if self._bpf is None:
+            return 0
+        table = self._bpf[b"iowait"]
+        return int(table[table.Key(0)].value)
+
     def live_targets(self) -> set[int]:
         """Traced tgids whose process still exists."""
         if self._bpf is None:

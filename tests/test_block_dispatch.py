@@ -15,6 +15,12 @@ import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
+from gputrace.analysis import analyze
+from gputrace.analysis.objects import block_device_of
+from gputrace.analysis.synth import Builder, ns
+from gputrace.capture import open_capture
+from gputrace.exporters.perfetto import PerfettoExporter
+from gputrace.exporters.perfetto_check import check_trace
 from gputrace.records import BlockIO, Syscall
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -27,7 +33,8 @@ KIB = 1024
 SIZE = 320 * KIB
 RATE = 1 << 20  # 1 MiB/s: the read spends ~200 ms held by the throttle
 
-# Joins the throttled cgroup, says ready, reads the (cold) file on "go", reports the bytes read.
+# Joins the throttled cgroup, says ready, reads the (cold) file on "go", reports the bytes read, then
+# sleeps on stdin (state S) until told to exit.
 READER = """
 import os, sys
 with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
@@ -40,6 +47,17 @@ n = 0
 while chunk := os.read(fd, 1 << 20):
     n += len(chunk)
 print("done", n, flush=True)
+sys.stdin.readline()
+"""
+
+# An untraced process reading a cold file: prints its pid when done.
+BYSTANDER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+while os.read(fd, 1 << 20):
+    pass
+print(os.getpid())
 """
 
 
@@ -57,19 +75,33 @@ def _expect(proc: subprocess.Popen[str], word: str) -> list[str]:
     return line[1:]
 
 
+def _say(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
 def test_throttled_read_has_dispatched_block_requests(throttled: tuple[LoopFs, str], tmp_path: Path) -> None:
     fs, group = throttled
     data = write_file(fs.mountpoint / "cold.bin", SIZE)
-    proc = subprocess.Popen([sys.executable, "-c", READER, group, str(data)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    other = write_file(fs.mountpoint / "other.bin", SIZE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", READER, group, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         _expect(proc, "ready")
-        with ebpf_capture(tmp_path / "t.gputrace", [proc.pid], threshold_ns=0):
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+        with ebpf_capture(tmp_path / "t.gputrace", [proc.pid], threshold_ns=0) as src:
+            _say(proc, "go")
             assert _expect(proc, "done") == [str(SIZE)]
+            # the reader now sleeps in S: no traced task waits on I/O, so others' requests stay unrecorded
+            assert src.io_waiting() == 0
+            out = subprocess.run(
+                [sys.executable, "-c", BYSTANDER, str(other)], capture_output=True, text=True, check=True
+            )
+            bystander = int(out.stdout)
+            _say(proc, "exit")
             assert proc.wait(timeout=10) == 0
+            assert src.io_waiting() == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -78,13 +110,14 @@ def test_throttled_read_has_dispatched_block_requests(throttled: tuple[LoopFs, s
     reads = [s for s in of(records, Syscall) if s.pid == proc.pid and s.name == "read" and s.obj == str(data)]
     assert sum(s.nbytes for s in reads) == SIZE
     start, end = min(s.start_ns for s in reads), max(s.end_ns for s in reads)
-    blocks = [b for b in of(records, BlockIO) if b.dev == fs.name and "R" in b.rwbs
-              and start <= b.issue_ns <= end]
+    all_blocks = of(records, BlockIO)
+    blocks = [b for b in all_blocks if b.dev == fs.name and "R" in b.rwbs and start <= b.issue_ns <= end]
     dispatched = [b for b in blocks if b.pid != proc.pid]
     assert dispatched, f"no block request from another submitter during the read: {blocks}"
     assert all(b.comm.startswith("kworker") for b in dispatched), {b.comm for b in dispatched}
     # what the reader submitted itself plus what was dispatched for it: the file, and at most readahead more
     assert SIZE <= sum(b.nbytes for b in blocks) <= SIZE + 256 * KIB, blocks
+    assert not [b for b in all_blocks if b.pid == bystander], "an untraced read recorded outside any I/O wait"
 
 
 def test_stall_on_a_throttled_read_names_the_dispatched_requests(tmp_path: Path) -> None:
@@ -109,3 +142,98 @@ def test_stall_on_a_throttled_read_names_the_dispatched_requests(tmp_path: Path)
         assert c["block_shared"] is False and 0 < c["block_latency_ns"] < c["duration_ns"], c
         blocks = [e for e in s["evidence"] if e["kind"] == "block"]
         assert blocks and all(e["pid"] != c["pid"] for e in blocks), s["evidence"]
+    # Perfetto: an arrow from each dispatched request's slice (on the device's block track) to its stall
+    with open_capture(tmp_path / "storage.gputrace") as reader:
+        PerfettoExporter(tmp_path / "s.pftrace", report=report).write(reader)
+    trace = check_trace(tmp_path / "s.pftrace")
+    linked = [(a, b) for a, b in trace.flows if a.name.startswith("RA ") and trace.track_of(b).name == "stalls"]
+    assert len(linked) >= sum(c["culprit"]["block_requests"] for c in stalls) > 0, trace.flows
+
+
+# ------------------------------------------------------------------- analysis, synthetic captures ---
+
+TRAINER, READER2, KWORKER, OTHER = 100, 300, 42, 77
+DATA = "/data/shard-0042.bin"
+MOUNTS = [["/", "ext4", "/dev/vda", "254:0"], ["/data", "ext4", "/dev/loop3", "7:3"]]
+
+
+def _stall_on_read(b: Builder) -> Builder:
+    """The trainer's GPU idles [10, 40) ms while the trainer reads DATA (12-38 ms), off CPU in D."""
+    b.proc(TRAINER, "python").device(TRAINER)
+    b.op(TRAINER, TRAINER, 0.0, 0.0, 10.0, "fwd")
+    b.op(TRAINER, TRAINER, 39.95, 40.0, 50.0, "bwd")
+    b.syscall(TRAINER, TRAINER, "pread64", 12.0, 38.0, DATA, 256 << 10)
+    return b.offcpu(TRAINER, TRAINER, 12.1, 37.9, "D", waker=(0, 0, "[softirq]"))
+
+
+def _analyze(b: Builder, tmp_path: Path, mounts: list[list[str]] = MOUNTS) -> dict[str, Any]:
+    path = b.write(tmp_path / "s.gputrace", header={"mounts": mounts})
+    with open_capture(path) as reader:
+        report = analyze(reader)
+    assert len(report["stalls"]) == 1, report["stalls"]
+    return report["stalls"][0]
+
+
+def test_requests_a_kworker_dispatched_go_under_the_read(tmp_path: Path) -> None:
+    b = _stall_on_read(Builder())
+    b.block(KWORKER, KWORKER, 30.0, 30.5, 128 << 10, "loop3", "kworker/u4:2")
+    b.block(KWORKER, KWORKER, 36.0, 37.5, 128 << 10, "loop3", "kworker/u4:2")
+    b.block(KWORKER, KWORKER, 20.0, 21.0, 4096, "vda", "kworker/u4:2")  # another device
+    b.block(KWORKER, KWORKER, 25.0, 25.1, 4096, "loop3", "kworker/u4:2", rwbs="WS")  # a write (journal)
+    b.block(KWORKER, KWORKER, 11.0, 13.0, 4096, "loop3", "kworker/u4:2")  # issued before the read began
+    b.proc(OTHER, "other").block(OTHER, OTHER, 31.0, 32.0, 4096, "loop3", "other")  # a traced process's own
+    s = _analyze(b, tmp_path)
+    c = s["culprit"]
+    assert s["cause"] == "storage" and (c["pid"], c["object"]) == (TRAINER, DATA)
+    assert (c["block_requests"], c["block_device"], c["block_latency_ns"]) == (2, "loop3", 1_500_000)
+    assert (c["block_attribution"], c["dispatched_by"], c["block_shared"]) == ("dispatched", "kworker/u4:2", False)
+    blocks = [e for e in s["evidence"] if e["kind"] == "block"]
+    assert [(e["pid"], e["tid"], e["start_ns"]) for e in blocks] == [
+        (KWORKER, KWORKER, ns(30)),
+        (KWORKER, KWORKER, ns(36)),
+    ]
+    assert KWORKER not in analyze_pids(tmp_path), "a kernel worker is not a traced process"
+
+
+def analyze_pids(tmp_path: Path) -> list[int]:
+    with open_capture(tmp_path / "s.gputrace") as reader:
+        return analyze(reader)["capture"]["pids"]
+
+
+def test_own_requests_are_submitted_and_win(tmp_path: Path) -> None:
+    b = _stall_on_read(Builder())
+    b.block(TRAINER, TRAINER, 12.5, 20.0, 128 << 10, "loop3", "python")
+    b.block(KWORKER, KWORKER, 30.0, 30.5, 128 << 10, "loop3", "kworker/u4:2")
+    c = _analyze(b, tmp_path)["culprit"]
+    assert (c["block_requests"], c["block_attribution"]) == (1, "submitted")
+    assert "dispatched_by" not in c and "block_shared" not in c
+
+
+def test_a_request_under_two_traced_reads_is_shared_not_given_to_one(tmp_path: Path) -> None:
+    b = _stall_on_read(Builder())
+    b.proc(READER2, "reader2").syscall(READER2, READER2, "read", 29.0, 45.0, "/data/other.bin", 4096)
+    b.block(KWORKER, KWORKER, 30.0, 30.5, 128 << 10, "loop3", "kworker/u4:2")  # inside both reads
+    b.block(KWORKER, KWORKER, 20.0, 20.5, 128 << 10, "loop3", "kworker/u4:2")  # inside the trainer's only
+    c = _analyze(b, tmp_path)["culprit"]
+    assert (c["pid"], c["object"], c["block_requests"]) == (TRAINER, DATA, 2)
+    assert c["block_shared"] is True and c["block_shared_with"] == [READER2]
+
+
+def test_without_the_mount_source_nothing_is_tied(tmp_path: Path) -> None:
+    b = _stall_on_read(Builder())
+    b.block(KWORKER, KWORKER, 30.0, 30.5, 128 << 10, "loop3", "kworker/u4:2")
+    c = _analyze(b, tmp_path, mounts=[["/", "ext4"], ["/data", "ext4"]])["culprit"]  # an older capture
+    assert c["object"] == DATA and c["bytes"] == 256 << 10 and "block_requests" not in c
+
+
+def test_block_device_names_of_a_path() -> None:
+    mounts = [
+        ["/", "ext4", "/dev/vda", "254:0"],
+        ["/data", "xfs", "/dev/mapper/vg-data", "253:0"],
+        ["/mnt/fuse", "fuse.x", "x", "0:52"],
+        ["/old", "ext4"],
+    ]
+    assert block_device_of("/data/a", mounts, {"253:0": "dm-0"}) == ["mapper/vg-data", "dm-0", "253:0"]
+    assert block_device_of("/etc/passwd", mounts, {}) == ["vda", "254:0"]
+    assert block_device_of("/mnt/fuse/a", mounts, {}) == []
+    assert block_device_of("/old/a", mounts, {}) == []

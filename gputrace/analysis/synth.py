@@ -74,8 +74,8 @@ class Builder:
         return self
 
     def block(self, pid: int, tid: int, issue_ms: float, done_ms: float, nbytes: int, dev: str = "loop0",
-              comm: str = "worker") -> Builder:
-        self.records.append(BlockIO(pid, tid, comm, dev, 2048, nbytes, "R", ns(issue_ms), ns(done_ms)))
+              comm: str = "worker", rwbs: str = "R") -> Builder:
+        self.records.append(BlockIO(pid, tid, comm, dev, 2048, nbytes, rwbs, ns(issue_ms), ns(done_ms)))
         return self
 
     def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
