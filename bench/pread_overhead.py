@@ -2,12 +2,14 @@
 
     sudo .venv/bin/python bench/pread_overhead.py [--ops N] [--rounds R]
 
-Prints, from one run, ns per pread for: untraced; traced by gputrace's eBPF source; untraced while the
-source traces another process; empty programs on raw_syscalls (the floor of any tracepoint approach);
-the textbook tgid-hash + start-time-hash filter there; ``strace -f -c`` and ``perf trace -s`` (when
-installed). Each round runs every mode once, back to back; the ratio is the median over rounds of each
-mode against the untraced run of the same round (the machine's other load changes between rounds, much
-less within one), and ns/op is the best round.
+Prints, from one run, ns per pread for: untraced; traced by gputrace's eBPF source (syscalls through the
+raw tracepoints sys_enter/sys_exit, the default here); the same with its fallback, the classic
+per-syscall tracepoints; untraced while the source traces another process; empty programs on
+raw_syscalls, as classic tracepoint programs and as raw tracepoint programs (the floor of the source's
+design); the textbook tgid-hash + start-time-hash filter there; ``strace -f -c`` and ``perf trace -s``
+(when installed). Each round runs every mode once, back to back; the ratio is the median over rounds of
+each mode against the untraced run of the same round (the machine's other load changes between rounds,
+much less within one), and ns/op is the best round.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ TRACEPOINT_PROBE(raw_syscalls, sys_enter) { return 0; }
 TRACEPOINT_PROBE(raw_syscalls, sys_exit) { return 0; }
 """
 
+# BPF_PROG_TYPE_RAW_TRACEPOINT (what the source uses): no perf trace buffer is filled per call.
+RAW_TP_EMPTY = r"""
+RAW_TRACEPOINT_PROBE(sys_enter) { return 0; }
+RAW_TRACEPOINT_PROBE(sys_exit) { return 0; }
+"""
+
 RAW_FILTER = r"""
 BPF_HASH(targets, u32, u8, 4096);
 BPF_HASH(start, u32, u64, 16384);
@@ -83,11 +91,11 @@ def run_loop(data: Path, ops: int, wrap: list[str], trace: Callable[[int], Any] 
 
 
 @contextmanager
-def gputrace_source(pid: int, out: Path) -> Iterator[None]:
+def gputrace_source(pid: int, out: Path, hook: str = "auto") -> Iterator[None]:
     path = out / f"bench-{pid}.gputrace"
     writer = CaptureWriter(path, host_header(["bench"]))
     sink = QueueSink(writer)
-    src = EbpfSource([pid])
+    src = EbpfSource([pid], syscall_hook=hook)
     src.start(sink)
     try:
         yield
@@ -144,8 +152,10 @@ def measure(data: Path, out: Path, args: argparse.Namespace) -> dict[str, list[f
     modes: list[tuple[str, Callable[[int], Any] | None]] = [
         ("untraced", None),
         ("traced (gputrace eBPF)", lambda pid: gputrace_source(pid, out)),
+        ("traced, classic syscall tracepoints", lambda pid: gputrace_source(pid, out, "classic")),
         ("untraced, gputrace tracing another", "another"),  # type: ignore[list-item]
         ("raw_syscalls, empty programs", lambda pid: bcc_program(RAW_EMPTY, pid)),
+        ("raw tracepoints, empty programs", lambda pid: bcc_program(RAW_TP_EMPTY, pid)),
         ("raw_syscalls, tgid + start-time hashes", lambda pid: bcc_program(RAW_FILTER, pid)),
     ]
     for _ in range(args.rounds):

@@ -21,7 +21,7 @@ from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import events, procfs
 from gputrace.probes.ebpf_host import TRACEFS, check_host
-from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers, wanted_tracepoints
+from gputrace.probes.syscalls import BY_NAME, SPECS, raw_syscalls_supported, syscall_numbers, wanted_tracepoints
 from gputrace.records import (
     Drops,
     ProcExec,
@@ -38,6 +38,9 @@ _BATCH_EVENTS = 4096
 _POLL_MS = 50
 _TARGET_MASK = (1 << 16) - 1  # TARGET_BITS in gputrace.bpf.c
 _SLOT_SHARED = 0xFFFFFFFF
+_NR_MAX = 512  # GT_NR_MAX in gputrace.h
+_F_TRACED = 0x100  # GT_F_TRACED in gputrace.h: kernel-side only, never in the capture's sysflags
+HOOKS = ("auto", "raw", "classic")
 
 ProcCallback = Callable[[Any], None]
 
@@ -70,11 +73,14 @@ class EbpfSource:
         on_proc: ProcCallback | None = None,
         syscalls: Sequence[str] | None = None,
         ring_mib: int = 16,
+        syscall_hook: str = "auto",
     ) -> None:
         if threshold_ns < 0:
             raise UserError("the eBPF threshold must be ≥ 0 ns")
         if ring_mib < 1 or ring_mib & (ring_mib - 1):
             raise UserError("the ring buffer size must be a power of two MiB")
+        if syscall_hook not in HOOKS:
+            raise UserError(f"unknown syscall hook {syscall_hook!r} (one of: {', '.join(HOOKS)})")
         self.pids = list(pids)
         self.threshold_ns = threshold_ns
         self.on_proc = on_proc
@@ -82,6 +88,11 @@ class EbpfSource:
         self.ring_pages = ring_mib * 1024 * 1024 // os.sysconf("SC_PAGE_SIZE")
         self.attached: list[str] = []
         self.missing: list[str] = []
+        self.syscall_hook = syscall_hook
+        # What is in use once started: "raw" (raw_syscalls sys_enter/sys_exit) or "classic" (per-syscall
+        # tracepoints); `hook_note` says why the raw path was not taken when it was wanted.
+        self.hook = ""
+        self.hook_note = ""
         self.events = 0
         self._bpf: Any = None
         self._sink: Sink | None = None
@@ -102,20 +113,43 @@ class EbpfSource:
                 raise UserError(f"no process with pid {pid}")
         bcc = check_host()
         self._sink = sink
+        self.hook = self._choose_hook()
+        try:
+            self._load(bcc, sink)
+        except _RawAttachFailed as e:
+            self.hook, self.hook_note = "classic", f"raw tracepoints failed to attach: {e}"
+            self._load(bcc, sink)
+        sink.emit([SourceStatus(clock.monotonic_ns(), self.name, *self._start_status())])
+        self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
+        self._thread.start()
+
+    def _choose_hook(self) -> str:
+        if self.syscall_hook == "classic":
+            return "classic"
+        if raw_syscalls_supported():
+            return "raw"
+        if self.syscall_hook == "raw":
+            raise UserError("raw tracepoints are unsupported here (x86_64, kernel ≥ 4.17): use classic")
+        self.hook_note = "raw tracepoints unsupported here"
+        return "classic"
+
+    def _load(self, bcc: Any, sink: Sink) -> None:
         self._bpf = self._compile(bcc)
         try:
             self._setup(sink)
         except BaseException as e:
             bpf, self._bpf = self._bpf, None
             _unload(bpf)
-            if isinstance(e, Exception) and not isinstance(e, UserError):
+            if isinstance(e, Exception) and not isinstance(e, (UserError, _RawAttachFailed)):
                 raise UserError(f"setting up the eBPF programs failed: {e}") from None
             raise
-        status = "degraded" if self.missing else "started"
-        detail = f"missing tracepoints: {', '.join(self.missing)}" if self.missing else ""
-        sink.emit([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
-        self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
-        self._thread.start()
+
+    def _start_status(self) -> tuple[str, str]:
+        how = "raw tracepoints sys_enter/sys_exit" if self.hook == "raw" else "classic syscall tracepoints"
+        detail = f"syscalls via {how}" + (f" ({self.hook_note})" if self.hook_note else "")
+        if self.missing:
+            return "degraded", f"missing tracepoints: {', '.join(self.missing)}; {detail}"
+        return "started", detail
 
     def _setup(self, sink: Sink) -> None:
         sysinfo = self._fill_sysinfo()
@@ -225,6 +259,7 @@ class EbpfSource:
             f"-I{BPF_DIR}",
             f"-DTHRESHOLD_NS={self.threshold_ns}ULL",
             f"-DEVENT_PAGES={self.ring_pages}",
+            f"-DGT_RAW_SYSCALLS={int(self.hook == 'raw')}",
         ]
         if _tracepoint_exists("block", "block_io_start"):
             flags.append("-DHAVE_BLOCK_IO_START")
@@ -245,17 +280,37 @@ class EbpfSource:
         numbers = syscall_numbers()
         table = self._bpf[b"sysinfo"]
         out: dict[int, tuple[str, int]] = {}
+        self.missing, self.attached = [], []  # a fallback after a failed raw attach starts over
         for name in self.syscalls:
             spec, nr = BY_NAME.get(name), numbers.get(name)
-            if spec is None or nr is None or nr >= 512:
+            if spec is None or nr is None or nr >= _NR_MAX:
                 self.missing.append(f"syscalls:sys_enter_{name}")
                 continue
-            table[table.Key(nr)] = table.Leaf(spec.flags, spec.arg_idx)
+            table[table.Key(nr)] = table.Leaf(spec.flags | _F_TRACED, spec.arg_idx)
             out[nr] = (name, spec.flags)
         self._nr_names = {nr: name for nr, (name, _) in out.items()}
         return out
 
     def _attach_syscalls(self, sysinfo: dict[int, tuple[str, int]]) -> None:
+        if self.hook == "raw":
+            self._attach_raw(sysinfo)
+        else:
+            self._attach_classic(sysinfo)
+        if not _tracepoint_exists("block", "block_io_start"):
+            self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
+
+    def _attach_raw(self, sysinfo: dict[int, tuple[str, int]]) -> None:
+        """One program pair for all syscalls: the entry program filters by nr (`sysinfo`)."""
+        try:
+            self._bpf.attach_raw_tracepoint(tp=b"sys_enter", fn_name=b"gt_sys_enter")
+            self._bpf.attach_raw_tracepoint(tp=b"sys_exit", fn_name=b"gt_sys_exit")
+        except Exception as e:  # bcc raises bare Exception when the kernel refuses
+            if self.syscall_hook == "raw":
+                raise UserError(f"attaching the raw syscall tracepoints failed: {e}") from None
+            raise _RawAttachFailed(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+        self.attached = [name for _, (name, _) in sorted(sysinfo.items())]
+
+    def _attach_classic(self, sysinfo: dict[int, tuple[str, int]]) -> None:
         for _, (name, _) in sorted(sysinfo.items()):
             enter, exit_ = f"sys_enter_{name}", f"sys_exit_{name}"
             if not (_tracepoint_exists("syscalls", enter) and _tracepoint_exists("syscalls", exit_)):
@@ -264,8 +319,6 @@ class EbpfSource:
             self._bpf.attach_tracepoint(tp=f"syscalls:{enter}".encode(), fn_name=b"gt_sys_enter")
             self._bpf.attach_tracepoint(tp=f"syscalls:{exit_}".encode(), fn_name=b"gt_sys_exit")
             self.attached.append(name)
-        if not _tracepoint_exists("block", "block_io_start"):
-            self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
 
     def _meta(self, sysinfo: dict[int, tuple[str, int]]) -> dict[str, Any]:
         return {
@@ -276,6 +329,8 @@ class EbpfSource:
             "sysflags": {nr: flags for nr, (_, flags) in sysinfo.items()},
             "devices": procfs.block_devices(),
             "attached": self.attached,
+            "syscall_hook": self.hook,
+            "syscall_hook_note": self.hook_note,
             "missing": self.missing,
             "drop_reasons": list(events.DROP_REASONS),
             "fork_markers": True,
@@ -358,6 +413,10 @@ class EbpfSource:
                 for (pid, tid, nr), (n, ns) in sorted(totals.items())]  # fmt: skip
 
 
+class _RawAttachFailed(Exception):
+    """The kernel refused the raw syscall tracepoints: load again with the classic ones."""
+
+
 def _unload(bpf: Any) -> None:
     """Close every tracepoint link at once, then free the rest. Each close waits for an RCU grace period
     (70 ms to seconds on a busy machine); concurrent closes share them."""
@@ -365,8 +424,11 @@ def _unload(bpf: Any) -> None:
 
     atexit.unregister(bpf.cleanup)  # an exiting interpreter drops the links itself; never twice
     fds = list(bpf.tracepoint_fds.values())
+    links = list(bpf.raw_tracepoint_fds.values())  # bpf links, not perf events: a plain close
     bpf.tracepoint_fds.clear()
+    bpf.raw_tracepoint_fds.clear()
     closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,), daemon=True) for fd in fds]
+    closers += [threading.Thread(target=os.close, args=(fd,), daemon=True) for fd in links]
     try:
         for t in closers:
             t.start()

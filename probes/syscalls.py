@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -105,9 +106,33 @@ OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def wanted_tracepoints() -> list[tuple[str, str, str]]:
-    """(category, name, purpose) of every tracepoint the eBPF source uses."""
+RAW_PURPOSE = "every traced syscall, one raw tracepoint program pair (reads, opens, writes, waits, network)"
+
+
+def raw_syscalls_supported() -> bool:
+    """Whether the syscall programs can use the raw tracepoints sys_enter / sys_exit here: they read the
+    arguments from x86_64's pt_regs, and the kernel must support BPF raw tracepoints (bcc asks kallsyms)."""
+    if platform.machine() != "x86_64":
+        return False
+    try:
+        from bcc import BPF
+
+        with warnings.catch_warnings():  # bcc 0.26 passes str symbol names to its own lookup
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(BPF.support_raw_tracepoint())
+    except Exception:  # noqa: BLE001 - no bcc: the classic tracepoints are what doctor should check
+        return False
+
+
+def wanted_tracepoints(hook: str | None = None) -> list[tuple[str, str, str]]:
+    """(category, name, purpose) of every tracepoint the eBPF source attaches with syscall ``hook``
+    ("raw" or "classic"; None: what this machine would use)."""
+    if hook is None:
+        hook = "raw" if raw_syscalls_supported() else "classic"
     out = list(OTHER_TRACEPOINTS)
+    if hook == "raw":
+        out += [("raw_syscalls", "sys_enter", RAW_PURPOSE), ("raw_syscalls", "sys_exit", RAW_PURPOSE)]
+        return out
     for s in SPECS:
         out.append(("syscalls", f"sys_enter_{s.name}", s.purpose))
         out.append(("syscalls", f"sys_exit_{s.name}", s.purpose))

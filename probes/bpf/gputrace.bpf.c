@@ -1,11 +1,24 @@
 /* gputrace kernel side: follows a process tree and records what can make a GPU wait.
  *
- * Tracepoints only. Everything a non-target pays is one hash lookup: syscall entry checks the tgid in
- * `targets`, syscall exit looks up its tid in `inflight` (only targets ever get an entry). Calls shorter
+ * Tracepoints only. Syscalls come through the raw tracepoints sys_enter / sys_exit (GT_RAW_SYSCALLS=1,
+ * one program pair for every syscall, no perf trace buffer to fill), or on kernels where those cannot be
+ * attached through the classic syscalls:sys_enter_X / sys_exit_X tracepoints of each traced syscall
+ * (GT_RAW_SYSCALLS=0). Everything a non-target pays is a few array lookups: syscall entry checks the nr
+ * in `sysinfo` (raw path) and the tgid in `tslot`, syscall exit looks up its tid in `inflight` (only
+ * targets ever get an entry). Calls shorter
  * than THRESHOLD_NS are summed per (tid, syscall) in `agg`, not emitted. Every lost record is counted in
  * `drops` by reason (see gputrace.h). Build-time settings come in as -D flags from probes/ebpf.py. */
 #include <linux/sched.h>
+#include <linux/ptrace.h>
 #include "gputrace.h"
+
+#ifndef offsetof
+#define offsetof(t, m) __builtin_offsetof(t, m)
+#endif
+
+#ifndef GT_RAW_SYSCALLS
+#define GT_RAW_SYSCALLS 1
+#endif
 
 #ifndef THRESHOLD_NS
 #define THRESHOLD_NS 100000
@@ -66,21 +79,6 @@ BPF_ARRAY(layout_block, struct gt_block_event, 1);
 BPF_ARRAY(layout_offcpu, struct gt_offcpu_event, 1);
 BPF_ARRAY(layout_proc, struct gt_proc_event, 1);
 
-/* The common layout of every syscalls:sys_enter_X / sys_exit_X tracepoint. */
-struct gt_sys_enter_args {
-    u64 common;
-    s32 nr;
-    u32 pad;
-    u64 args[6];
-};
-
-struct gt_sys_exit_args {
-    u64 common;
-    s32 nr;
-    u32 pad;
-    s64 ret;
-};
-
 static __always_inline void count_drop(u32 reason)
 {
     u64 *n = drops.lookup(&reason);
@@ -122,11 +120,9 @@ static __always_inline void remove_target(u32 tgid)
         *v = 0;
 }
 
-int gt_sys_enter(struct gt_sys_enter_args *ctx)
+/* Claim the calling thread's in-flight slot for a traced call. */
+static __always_inline struct gt_inflight *sys_enter_slot(u64 id, u32 nr)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (!is_target(id >> 32))
-        return 0;
     u32 tid = (u32)id;
     u32 slot = tid & INFLIGHT_MASK;
     struct gt_inflight *v = inflight.lookup(&slot);
@@ -136,12 +132,97 @@ int gt_sys_enter(struct gt_sys_enter_args *ctx)
         count_drop(GT_DROP_INFLIGHT);
     v->tid = tid;
     v->ts = bpf_ktime_get_ns();
-    v->nr = (u32)ctx->nr;
+    v->nr = nr;
+    return v;
+}
+
+#if GT_RAW_SYSCALLS
+/* x86_64 pt_regs (stable ABI): r10 r9 r8 ax cx dx si di orig_ax ip cs, one word each, in that order.
+ * The syscall arguments are di, si, dx, r10 (r8, r9 after them are not used); Python selects this path
+ * on x86_64 only. A 32-bit task (code segment __USER32_CS) numbers its calls and passes its arguments
+ * differently; the classic tracepoints skip its calls, and so does this path. */
+#define GT_REG_R10 0
+#define GT_REG_DX 5
+#define GT_REG_SI 6
+#define GT_REG_DI 7
+#define GT_REG_ORIG_AX 8
+#define GT_REG_CS 10
+#define GT_USER32_CS 0x23
+_Static_assert(offsetof(struct pt_regs, orig_ax) - offsetof(struct pt_regs, r10) == 8 * GT_REG_ORIG_AX,
+               "unexpected pt_regs layout");
+_Static_assert(offsetof(struct pt_regs, cs) - offsetof(struct pt_regs, r10) == 8 * GT_REG_CS,
+               "unexpected pt_regs layout");
+
+/* ctx->args: (struct pt_regs *regs, long id). Every syscall of every task comes here: the nr test
+ * (an array lookup) goes first, so untraced calls pay nothing else. */
+int gt_sys_enter(struct bpf_raw_tracepoint_args *ctx)
+{
+    u32 nr = (u32)ctx->args[1];
+    struct gt_sysinfo *si = sysinfo.lookup(&nr);
+    if (!si || !(si->flags & GT_F_TRACED))
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    u64 r[GT_REG_CS + 1] = {};
+    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+    bpf_probe_read_kernel(r, sizeof(r), (void *)regs + offsetof(struct pt_regs, r10));
+    if (r[GT_REG_CS] == GT_USER32_CS)
+        return 0;
+    struct gt_inflight *v = sys_enter_slot(id, nr);
+    if (!v)
+        return 0;
+    v->args[0] = r[GT_REG_DI];
+    v->args[1] = r[GT_REG_SI];
+    v->args[2] = r[GT_REG_DX];
+    v->args[3] = r[GT_REG_R10];
+    return 0;
+}
+
+/* The nr of the call now returning, to match it with the one its slot holds. */
+static __always_inline u32 exit_nr(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 nr = (u64)-1;
+    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+    bpf_probe_read_kernel(&nr, sizeof(nr), (void *)regs + offsetof(struct pt_regs, orig_ax));
+    return (u32)nr;
+}
+#define GT_EXIT_CTX struct bpf_raw_tracepoint_args
+#define GT_EXIT_RET(ctx) ((s64)(ctx)->args[1])
+#else
+/* The common layout of every syscalls:sys_enter_X / sys_exit_X tracepoint. */
+struct gt_sys_enter_args {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    u64 args[6];
+};
+
+struct gt_sys_exit_args {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    s64 ret;
+};
+
+int gt_sys_enter(struct gt_sys_enter_args *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    struct gt_inflight *v = sys_enter_slot(id, (u32)ctx->nr);
+    if (!v)
+        return 0;
     /* Copied, not loaded from ctx: a direct load past a call's last argument would make the kernel
      * refuse to attach the shared program to tracepoints with fewer arguments. Extra slots hold junk. */
     bpf_probe_read_kernel(v->args, sizeof(v->args), ctx->args);
     return 0;
 }
+
+#define exit_nr(ctx) ((u32)(ctx)->nr)
+#define GT_EXIT_CTX struct gt_sys_exit_args
+#define GT_EXIT_RET(ctx) ((ctx)->ret)
+#endif
 
 static __always_inline void fold_agg(struct gt_inflight *v)
 {
@@ -248,7 +329,7 @@ static __always_inline void emit_sys(struct gt_inflight *c, u64 id, u64 now, s64
     events.ringbuf_submit(e, 0);
 }
 
-int gt_sys_exit(struct gt_sys_exit_args *ctx)
+int gt_sys_exit(GT_EXIT_CTX *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
@@ -258,7 +339,7 @@ int gt_sys_exit(struct gt_sys_exit_args *ctx)
         return 0;
     struct gt_inflight c = *v;
     v->tid = 0;
-    if (c.nr != (u32)ctx->nr)
+    if (c.nr != exit_nr(ctx))
         return 0; /* entry of another call (its exit was missed): no trustworthy duration */
     u64 now = bpf_ktime_get_ns();
     u64 dur = now - c.ts;
@@ -272,9 +353,9 @@ int gt_sys_exit(struct gt_sys_exit_args *ctx)
     if (!always && dur < THRESHOLD_NS)
         return 0;
     if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
-        emit_path(&c, id, now, ctx->ret, si);
+        emit_path(&c, id, now, GT_EXIT_RET(ctx), si);
     else
-        emit_sys(&c, id, now, ctx->ret, si);
+        emit_sys(&c, id, now, GT_EXIT_RET(ctx), si);
     return 0;
 }
 

@@ -38,6 +38,7 @@
 #define GT_F_FDTABLE 0x20       /* changes the fd table: always emitted, whatever its duration */
 #define GT_F_PIPE 0x40          /* args[0] points to int[2], filled on return */
 #define GT_F_TIMESPEC 0x80      /* the main argument points to a struct timespec */
+#define GT_F_TRACED 0x100       /* set in the kernel's copy only: the raw entry program's "trace this nr" */
 
 struct gt_sysinfo {
     u32 flags;
