@@ -22,6 +22,7 @@ from gputrace.capture import open_capture
 from gputrace.exporters.perfetto import PerfettoExporter
 from gputrace.exporters.perfetto_check import check_trace
 from gputrace.records import BlockIO, Syscall
+from gputrace.viewer.terminal import describe
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 sys.path.insert(0, str(SCENARIOS))
@@ -193,6 +194,8 @@ def test_requests_a_kworker_dispatched_go_under_the_read(tmp_path: Path) -> None
         (KWORKER, KWORKER, ns(36)),
     ]
     assert KWORKER not in analyze_pids(tmp_path), "a kernel worker is not a traced process"
+    assert describe(s) == ("pid 100 (python) pread64 /data/shard-0042.bin, 2 block requests on loop3, "
+                           "1.5 ms device latency (dispatched by kworker/u4:2) [ext4]")
 
 
 def analyze_pids(tmp_path: Path) -> list[int]:

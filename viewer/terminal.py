@@ -112,6 +112,10 @@ def describe(s: dict[str, Any]) -> str:
     if c.get("block_requests"):
         text += f", {c['block_requests']} block requests on {c['block_device']}, " \
                 f"{ms(c['block_latency_ns'])} device latency"
+        if c.get("dispatched_by"):  # throttled I/O: a kernel worker issued the requests the read waited on
+            text += f" (dispatched by {c['dispatched_by']})"
+        if c.get("block_shared"):
+            text += ", shared with pids " + ", ".join(str(p) for p in c.get("block_shared_with", []))
     if c.get("filesystem"):
         text += f" [{c['filesystem']}]"
     if s.get("late_rank_cause"):
