@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import otlp_receiver
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from otlp_receiver import Receiver
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.errors import UserError
@@ -82,24 +84,10 @@ def _attrs(span: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in span.attributes}
 
 
-class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
-
-    def Export(self, request: Any, context: Any) -> trace_service_pb2.ExportTraceServiceResponse:  # noqa: N802
-        self.requests.append(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 @pytest.fixture
-def grpc_receiver() -> Iterator[tuple[_Receiver, int]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    receiver = _Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield receiver, port
-    server.stop(None)
+def grpc_receiver() -> Iterator[tuple[Receiver, int]]:
+    with otlp_receiver.grpc_receiver() as served:
+        yield served
 
 
 class _HttpHandler(http.server.BaseHTTPRequestHandler):
@@ -163,7 +151,7 @@ def _check_delivery(requests: list[Any]) -> None:
 
 
 def test_grpc_delivers_stalls_with_times_and_attributes(
-        capture: CaptureReader, grpc_receiver: tuple[_Receiver, int]) -> None:
+        capture: CaptureReader, grpc_receiver: tuple[Receiver, int]) -> None:
     receiver, port = grpc_receiver
     result = OtlpExporter(f"127.0.0.1:{port}", "grpc", report=_report(), batch_size=2).write(capture)
     assert (result.items, result.dropped) == (5, 0)

@@ -5,13 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from otlp_receiver import Receiver, grpc_receiver
 
 from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
@@ -20,24 +17,10 @@ TRAINER, WORKER = 100, 200
 PATH = "/data/shard-0042.bin"
 
 
-class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.requests: list[Any] = []
-
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self.requests.append(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 @pytest.fixture
-def receiver() -> Iterator[tuple[_Receiver, int]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    rec = _Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield rec, port
-    server.stop(None)
+def receiver() -> Iterator[tuple[Receiver, int]]:
+    with grpc_receiver() as served:
+        yield served
 
 
 def _capture(tmp_path: Path) -> Path:
@@ -54,7 +37,7 @@ def _capture(tmp_path: Path) -> Path:
     return b.write(tmp_path / "run.gputrace")
 
 
-def test_export_cli_sends_analysed_stalls(tmp_path: Path, receiver: tuple[_Receiver, int]) -> None:
+def test_export_cli_sends_analysed_stalls(tmp_path: Path, receiver: tuple[Receiver, int]) -> None:
     rec, port = receiver
     path = _capture(tmp_path)
     r = subprocess.run([sys.executable, "-m", "gputrace", "export", str(path), "--otlp", f"127.0.0.1:{port}"],

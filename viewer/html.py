@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gputrace.capture import check_output_path
 from gputrace.errors import UserError
 from gputrace.viewer.terminal import describe, ms, pct
 
@@ -79,13 +80,8 @@ def _wrap(title: str, parts: list[str]) -> str:
 
 def write(report: dict[str, Any], out: Path, *, title: str = "", force: bool = False) -> Path:
     """Write the page beside ``out`` and rename it into place: never a half-written page under that name."""
-    if out.is_dir():
-        raise UserError(f"{out} is a directory")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists; use --force to overwrite it")
+    check_output_path(out, force=force)
     parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"directory {parent} does not exist")
     data = page(report, title).encode()
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
