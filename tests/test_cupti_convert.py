@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import cupti_shapes as shapes
 import pytest
 
@@ -139,7 +137,6 @@ def test_bounded_state_under_a_flood(clock: RealtimeConverter) -> None:
     assert len(conv.finish()) == 8 and conv.skipped["sync_without_thread"] == 20
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupti") is None, reason="cupti-python is not installed")
 def test_real_cupti_python_record_objects(clock: RealtimeConverter) -> None:
     """The same conversion on cupti-python's own record classes, filled through their numpy dtypes."""
     import ctypes

@@ -70,8 +70,7 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict, Capt
     why = gpu_missing()
     if why:
         pytest.skip(f"needs a real NVIDIA GPU with CUDA, torch and cupti-python: {why}")
-    if os.geteuid() != 0:
-        pytest.skip("needs root for the capture's eBPF sources")
+    assert os.geteuid() == 0, "run the tests as root: the capture loads eBPF programs"
     d = tmp_path_factory.mktemp("gpu")
     script = d / "loop.py"
     script.write_text(WORKLOAD)
