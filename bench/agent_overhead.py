@@ -15,7 +15,6 @@ Needs an NVIDIA GPU with CUDA, torch and cupti-python; refuses with the reason o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -25,18 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def gpu_missing() -> str:
-    if not Path("/dev/nvidiactl").exists():
-        return "no NVIDIA GPU on this host (/dev/nvidiactl absent)"
-    for module, dist in (("torch", "torch"), ("cupti", "cupti-python")):
-        if importlib.util.find_spec(module) is None:
-            return f"{dist} is not installed"
-    from gputrace.probes.cupti import CuptiBackend
-
-    ok, why = CuptiBackend.available()
-    return "" if ok else why
-
+from gputrace.probes.cupti import real_gpu_missing
 
 # ------------------------------------------------------------------------------------------- child ---
 
@@ -114,7 +102,7 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
-    why = gpu_missing()
+    why = real_gpu_missing()
     if why:
         print(f"agent_overhead: needs an NVIDIA GPU with CUDA, torch and cupti-python: {why}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,17 +276,25 @@ class CaptureReader:
         cls = RECORD_TYPES[kind]
         nfields = len(cls._fields)
         make = cls._make
+        note = self._observer(kind, decoder)
         for row in rows:
             if len(row) < nfields:
                 raise ValueError(f"{kind} row has {len(row)} fields, expected {nfields}")
             rec = make(row[:nfields]) if len(row) > nfields else make(row)
-            if kind == "Drops":
-                self.drops[f"{rec.source}.{rec.what}"] = rec.count
-            elif kind == "FdInfo" and decoder is not None:
-                decoder.note_fd(rec)
-            elif kind == "ProcFork" and decoder is not None:
-                decoder.note_fork(rec)
+            if note is not None:
+                note(rec)
             yield rec
+
+    def _observer(self, kind: str, decoder: Any) -> Callable[[Any], None] | None:
+        """What reading a row of ``kind`` must also do: keep drop counts, feed the kernel decoder's fd tables."""
+        if kind == "Drops":
+            return self._note_drops
+        if decoder is None:
+            return None
+        return {"FdInfo": decoder.note_fd, "ProcFork": decoder.note_fork}.get(kind)
+
+    def _note_drops(self, rec: Any) -> None:
+        self.drops[f"{rec.source}.{rec.what}"] = rec.count
 
 
 def open_capture(path: str | os.PathLike[str]) -> CaptureReader:

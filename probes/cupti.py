@@ -147,6 +147,17 @@ def cuda_driver_api_version() -> str:
     return f"{v.value // 1000}.{(v.value % 1000) // 10}"
 
 
+def real_gpu_missing() -> str:
+    """Why this host cannot run the real GPU path with torch ("" when it can), found without loading CUDA."""
+    if not Path("/dev/nvidiactl").exists():
+        return "no NVIDIA GPU on this host (/dev/nvidiactl absent)"
+    for module, dist in (("torch", "torch"), ("cupti", "cupti-python")):
+        if importlib.util.find_spec(module) is None:
+            return f"{dist} is not installed"
+    ok, why = CuptiBackend.available()
+    return "" if ok else why
+
+
 class CuptiBackend:
     """GpuBackend (gputrace.agent.backend) recording CUPTI activity of this process."""
 

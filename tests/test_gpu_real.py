@@ -6,7 +6,6 @@ machine as root:  .venv/bin/python -m pytest -q tests/test_gpu_real.py
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,12 +13,11 @@ import sys
 import textwrap
 from collections import Counter
 from functools import cache
-from pathlib import Path
 
 import pytest
 
 from gputrace.capture import CaptureReader
-from gputrace.probes.cupti import CuptiBackend
+from gputrace.probes.cupti import real_gpu_missing
 from gputrace.records import AgentInfo, CudaApi, GpuKernel, GpuMemcpy, GpuSync, NvmlSample, NvtxRange
 
 pytestmark = pytest.mark.gpu
@@ -50,13 +48,8 @@ WORKLOAD = textwrap.dedent(f"""
 @cache
 def gpu_missing() -> str:
     """Why this host cannot run the real path ("" when it can)."""
-    if not Path("/dev/nvidiactl").exists():
-        return "no NVIDIA GPU on this host (/dev/nvidiactl absent)"
-    for module, dist in (("torch", "torch"), ("cupti", "cupti-python")):
-        if importlib.util.find_spec(module) is None:
-            return f"{dist} is not installed"
-    ok, why = CuptiBackend.available()
-    if not ok:
+    why = real_gpu_missing()
+    if why:
         return why
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
