@@ -39,6 +39,7 @@ from gputrace.records import (
     NvmlSample,
     NvtxRange,
     OffCpu,
+    PageFault,
     ProcExec,
     ProcExit,
     ProcFork,
@@ -57,7 +58,7 @@ from .perfetto_tracks import LaneSet, PacketSink, Tracks
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
 # Known kinds with nothing to place on a timeline: fd paths are already on the syscalls, aggregates are in
 # the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
-_NOT_DRAWN = {"FdInfo", "SyscallAgg"}
+_NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap"}
 _COLLECTIVE_CAP = 10_000
 _NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
 
@@ -110,6 +111,7 @@ class _Run:
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
+            PageFault: self.page_fault,
             GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
@@ -236,6 +238,15 @@ class _Run:
         args.update(nbytes=r.nbytes, ret=r.ret, fd=r.fd, arg=r.arg)
         flows = self.stall_links.take(evidence_key("syscall", r.pid, r.tid, r.start_ns))
         self.slice(lane.uuid, s, e, r.name, _CAT["syscall"], args, flows)
+
+    def page_fault(self, r: PageFault) -> None:
+        """On the syscall lane: the thread is in the kernel, waiting for a mapped file's page."""
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "").place(s, e)
+        args: dict[str, Any] = {"obj": r.obj or f"inode {r.ino} on {r.dev}", "offset": r.offset, "wait_ns": r.wait_ns}
+        # the report names a fault's wait as offcpu evidence starting where the fault does
+        flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
+        self.slice(lane.uuid, s, e, "page fault", _CAT["syscall"], args, flows)
 
     def offcpu(self, r: OffCpu) -> None:
         s, e = self.span(r.start_ns, r.end_ns)

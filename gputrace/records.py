@@ -137,6 +137,37 @@ class OffCpu(NamedTuple):
     waker_comm: str
 
 
+class PageFault(NamedTuple):
+    """A traced thread waited in a page fault on a file mapping (an mmap'd file read from its device).
+
+    One record per wait of at least the threshold; the waits of one fault share its ``start_ns`` (when the
+    fault reached the file). ``end_ns``: when the thread came back from this wait (the fault completes
+    microseconds after its last); ``wait_ns``: the time off CPU in this wait.
+    ``obj``: the mapped file's path ("" when it could not be resolved); ``offset``: the faulting page's
+    byte offset in the file; ``dev`` ("MAJ:MIN") and ``ino`` identify the file either way.
+    """
+
+    pid: int
+    tid: int
+    start_ns: int
+    end_ns: int
+    wait_ns: int
+    obj: str
+    offset: int
+    dev: str
+    ino: int
+
+
+class FileMap(NamedTuple):
+    """The path of a file mapped by ``pid``, read from /proc/PID/maps when one of its pages was waited for."""
+
+    ts: int
+    pid: int
+    dev: str
+    ino: int
+    path: str
+
+
 # ------------------------------------------------------------------------------------------- GPU -----
 
 
@@ -282,7 +313,7 @@ RECORD_TYPES: dict[str, type[Any]] = {
     cls.__name__: cls
     for cls in (
         ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo,
-        Syscall, SyscallAgg, BlockIO, OffCpu,
+        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap,
         GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
         AgentInfo, SourceStatus, Drops,
     )

@@ -8,9 +8,9 @@ happen, and new processes' /proc metadata must be read while they exist).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
+import platform
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,20 +20,21 @@ from typing import Any
 from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import events, procfs
-from gputrace.probes.ebpf_host import TRACEFS, check_host
+from gputrace.probes.ebpf_host import BPF_DIR, check_host, format_has, program_text, tracepoint_exists, unload
+from gputrace.probes.filemaps import Key, MappedFiles
 from gputrace.probes.syscalls import BY_NAME, SPECS, raw_syscalls_supported, syscall_numbers, wanted_tracepoints
 from gputrace.records import (
     Drops,
     ProcExec,
+    ProcExit,
     ProcFork,
     SourceStatus,
     SyscallAgg,
 )
 from gputrace.source import Sink
 
-__all__ = ["EbpfSource", "wanted_tracepoints", "check_host", "program_text"]
+__all__ = ["EbpfSource", "wanted_tracepoints", "check_host", "program_text", "BPF_DIR"]
 
-BPF_DIR = Path(__file__).resolve().parent / "bpf"
 _BATCH_EVENTS = 4096
 _POLL_MS = 50
 _TARGET_MASK = (1 << 16) - 1  # TARGET_BITS in gputrace.bpf.c
@@ -43,18 +44,6 @@ _F_TRACED = 0x100  # GT_F_TRACED in gputrace.h: kernel-side only, never in the c
 HOOKS = ("auto", "raw", "classic")
 
 ProcCallback = Callable[[Any], None]
-
-
-def program_text() -> str:
-    """The kernel program as compiled (header first), for the hidden ``--ebpf`` flag."""
-    return (BPF_DIR / "gputrace.h").read_text() + "\n" + (BPF_DIR / "gputrace.bpf.c").read_text()
-
-
-def _format_has(category: str, name: str, field: str) -> bool:
-    try:
-        return f" {field};" in (TRACEFS / "events" / category / name / "format").read_text()
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------------------------ source ---
@@ -104,6 +93,7 @@ class EbpfSource:
         self._final_drops: dict[str, int] | None = None
         self._on_proc_errors = 0
         self._poll_error = ""
+        self._files = MappedFiles(self._emit_in_order, self._forget_file)
 
     # ------------------------------------------------------------------------------ lifecycle ---
 
@@ -139,7 +129,7 @@ class EbpfSource:
             self._setup(sink)
         except BaseException as e:
             bpf, self._bpf = self._bpf, None
-            _unload(bpf)
+            unload(bpf)
             if isinstance(e, Exception) and not isinstance(e, (UserError, _RawAttachFailed)):
                 raise UserError(f"setting up the eBPF programs failed: {e}") from None
             raise
@@ -177,7 +167,7 @@ class EbpfSource:
         bpf, self._bpf = self._bpf, None
         bpf[b"tslot"].clear()  # the programs go quiet at once; unhooking them takes a while
         bpf[b"targets"].clear()
-        threading.Thread(target=_unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True).start()
+        threading.Thread(target=unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True).start()
 
     def _final_status(self, now: int) -> SourceStatus:
         detail = f"{self.events} kernel events"
@@ -261,10 +251,12 @@ class EbpfSource:
             f"-DEVENT_PAGES={self.ring_pages}",
             f"-DGT_RAW_SYSCALLS={int(self.hook == 'raw')}",
         ]
-        if _tracepoint_exists("block", "block_io_start"):
+        if tracepoint_exists("block", "block_io_start"):
             flags.append("-DHAVE_BLOCK_IO_START")
-        if _format_has("sched", "sched_process_exit", "group_dead"):
+        if format_has("sched", "sched_process_exit", "group_dead"):
             flags.append("-DHAVE_GROUP_DEAD")
+        if _file_faults_supported():
+            flags.append("-DHAVE_FILEMAP_FAULT")
         return flags
 
     def _compile(self, bcc: Any) -> Any:
@@ -296,8 +288,11 @@ class EbpfSource:
             self._attach_raw(sysinfo)
         else:
             self._attach_classic(sysinfo)
-        if not _tracepoint_exists("block", "block_io_start"):
+        if not tracepoint_exists("block", "block_io_start"):
             self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
+        if not _file_faults_supported():
+            self.missing.append("filemap:mm_filemap_fault (needs Linux 6.11+, x86_64 and BTF: waits in page "
+                                "faults on file mappings are not named)")
 
     def _attach_raw(self, sysinfo: dict[int, tuple[str, int]]) -> None:
         """One program pair for all syscalls: the entry program filters by nr (`sysinfo`)."""
@@ -313,7 +308,7 @@ class EbpfSource:
     def _attach_classic(self, sysinfo: dict[int, tuple[str, int]]) -> None:
         for _, (name, _) in sorted(sysinfo.items()):
             enter, exit_ = f"sys_enter_{name}", f"sys_exit_{name}"
-            if not (_tracepoint_exists("syscalls", enter) and _tracepoint_exists("syscalls", exit_)):
+            if not (tracepoint_exists("syscalls", enter) and tracepoint_exists("syscalls", exit_)):
                 self.missing.append(f"syscalls:{enter}")
                 continue
             self._bpf.attach_tracepoint(tp=f"syscalls:{enter}".encode(), fn_name=b"gt_sys_enter")
@@ -324,6 +319,7 @@ class EbpfSource:
         return {
             "layout": events.LAYOUT,
             "threshold_ns": self.threshold_ns,
+            "page_size": os.sysconf("SC_PAGE_SIZE"),
             "clock": "CLOCK_MONOTONIC",
             "syscalls": {nr: name for nr, (name, _) in sysinfo.items()},
             "sysflags": {nr: flags for nr, (_, flags) in sysinfo.items()},
@@ -347,8 +343,14 @@ class EbpfSource:
             self._poll_error = f"{type(e).__name__}: {e}"
 
     def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
+        raw = ctypes.string_at(data, size)
+        if size == events.FAULT.size:  # no other event has this size
+            try:
+                self._files.fault(raw)
+            except Exception:  # noqa: BLE001 - runs under bcc's poll: counted, never raised
+                self._callback_errors += 1
         batch = self._batch
-        batch.append(ctypes.string_at(data, size))
+        batch.append(raw)
         if len(batch) >= _BATCH_EVENTS:
             self._flush()
         return 0
@@ -359,17 +361,34 @@ class EbpfSource:
             self.events += len(batch)
             self._sink.emit_kernel(b"".join(batch), len(batch))
 
+    def _emit_in_order(self, records: list[Any]) -> None:
+        """Records that must follow what the kernel saw before them (and precede what it saw after)."""
+        self._flush()
+        assert self._sink is not None
+        self._sink.emit(records)
+
+    def _forget_file(self, key: Key) -> None:
+        if self._bpf is not None:
+            table = self._bpf[b"mapfiles"]
+            pid, dev, ino = key
+            major, minor = map(int, dev.split(":"))
+            table.pop(table.Key(pid, major << 20 | minor, ino), None)
+
     def _on_proc_event(self, _ctx: Any, data: Any, size: int) -> int:
         # Runs under bcc's poll: it must never raise, so every failure is counted instead.
         try:
-            rec = events.proc_record(ctypes.string_at(data, size))
-        except ValueError:
+            raw = ctypes.string_at(data, size)
+            if size == events.MAPFILE.size:
+                self._files.announced(raw)
+                return 0
+            rec = events.proc_record(raw)
+        except Exception:  # noqa: BLE001
             self._callback_errors += 1  # a process event lost: counted with the drops
             return 0
         try:
-            assert self._sink is not None
-            self._flush()  # what the kernel saw before this event goes into the file before it
-            self._sink.emit([rec, *self._proc_metadata(rec)])
+            self._emit_in_order([rec, *self._proc_metadata(rec)])
+            if isinstance(rec, ProcExit) and rec.tid == rec.pid:
+                self._files.process_gone(rec.pid)
         except Exception:  # noqa: BLE001
             self._callback_errors += 1
         if self.on_proc is not None:
@@ -417,31 +436,8 @@ class _RawAttachFailed(Exception):
     """The kernel refused the raw syscall tracepoints: load again with the classic ones."""
 
 
-def _unload(bpf: Any) -> None:
-    """Close every tracepoint link at once, then free the rest. Each close waits for an RCU grace period
-    (70 ms to seconds on a busy machine); concurrent closes share them."""
-    from bcc.libbcc import lib
-
-    atexit.unregister(bpf.cleanup)  # an exiting interpreter drops the links itself; never twice
-    fds = list(bpf.tracepoint_fds.values())
-    links = list(bpf.raw_tracepoint_fds.values())  # bpf links, not perf events: a plain close
-    bpf.tracepoint_fds.clear()
-    bpf.raw_tracepoint_fds.clear()
-    closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,), daemon=True) for fd in fds]
-    closers += [threading.Thread(target=os.close, args=(fd,), daemon=True) for fd in links]
-    try:
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join()
-        bpf.cleanup()
-    except Exception:  # noqa: BLE001 - interpreter shutting down: the kernel closes what is left
-        pass
-
-
-def _tracepoint_exists(category: str, name: str) -> bool:
-    from bcc import BPF
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return bool(BPF.tracepoint_exists(category, name))
+def _file_faults_supported() -> bool:
+    """filemap:mm_filemap_fault exists, and the program can read the fault's registers: x86_64 (orig_ax) and a
+    kernel with BTF (bpf_task_pt_regs takes a BTF task pointer)."""
+    return (platform.machine() == "x86_64" and Path("/sys/kernel/btf/vmlinux").exists()
+            and tracepoint_exists("filemap", "mm_filemap_fault"))

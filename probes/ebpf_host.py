@@ -1,15 +1,20 @@
-"""Can this host run the eBPF source? Each check fails with one line saying how to fix it."""
+"""Can this host run the eBPF source? Each check fails with one line saying how to fix it. Also what the
+source asks of the host: its program text, which tracepoints exist, and unloading programs quickly."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
 from gputrace.errors import PermissionDenied, UserError
 
 TRACEFS = Path("/sys/kernel/tracing")
+BPF_DIR = Path(__file__).resolve().parent / "bpf"
 _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
 
 
@@ -60,3 +65,45 @@ def check_host() -> Any:
     check_tracefs()
     check_headers()
     return bcc
+
+
+def program_text() -> str:
+    """The kernel program as compiled (header first), for the hidden ``--ebpf`` flag."""
+    return (BPF_DIR / "gputrace.h").read_text() + "\n" + (BPF_DIR / "gputrace.bpf.c").read_text()
+
+
+def format_has(category: str, name: str, field: str) -> bool:
+    try:
+        return f" {field};" in (TRACEFS / "events" / category / name / "format").read_text()
+    except OSError:
+        return False
+
+
+def tracepoint_exists(category: str, name: str) -> bool:
+    from bcc import BPF
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(BPF.tracepoint_exists(category, name))
+
+
+def unload(bpf: Any) -> None:
+    """Close every tracepoint link at once, then free the rest. Each close waits for an RCU grace period
+    (70 ms to seconds on a busy machine); concurrent closes share them."""
+    from bcc.libbcc import lib
+
+    atexit.unregister(bpf.cleanup)  # an exiting interpreter drops the links itself; never twice
+    fds = list(bpf.tracepoint_fds.values())
+    links = list(bpf.raw_tracepoint_fds.values())  # bpf links, not perf events: a plain close
+    bpf.tracepoint_fds.clear()
+    bpf.raw_tracepoint_fds.clear()
+    closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,), daemon=True) for fd in fds]
+    closers += [threading.Thread(target=os.close, args=(fd,), daemon=True) for fd in links]
+    try:
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
+        bpf.cleanup()
+    except Exception:  # noqa: BLE001 - interpreter shutting down: the kernel closes what is left
+        pass

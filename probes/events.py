@@ -15,12 +15,13 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-from gputrace.records import BlockIO, FdInfo, OffCpu, ProcFork, Syscall
+from gputrace.records import BlockIO, FdInfo, FileMap, OffCpu, PageFault, ProcFork, Syscall
 
-LAYOUT = 1
+LAYOUT = 2
+KNOWN_LAYOUTS = (1, 2)  # 2 added EV_FAULT; a layout-1 capture has none
 AT_FDCWD = -100
 
-EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
+EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT, EV_FAULT = 1, 2, 3, 4, 5, 6, 7, 8
 
 F_FD = 0x1
 F_XFER = 0x2
@@ -31,16 +32,20 @@ F_FDTABLE = 0x20
 F_PIPE = 0x40
 F_TIMESPEC = 0x80
 
-DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets")
+DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault")
 
 SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event
 PATH = struct.Struct("<IIIIQQqQQQII256s")  # gt_path_event
 BLOCK = struct.Struct("<IIIIQQQIi8s16s")  # gt_block_event
 OFFCPU = struct.Struct("<IIIIQQQII16s")  # gt_offcpu_event
 PROC = struct.Struct("<IIIIQII16s128s")  # gt_proc_event
+FAULT = struct.Struct("<IIIIQQQQQ")  # gt_fault_event
+MAPFILE = struct.Struct("<IIIIQQ")  # gt_mapfile_event (process-event ring only)
+EV_MAPFILE = 9
 
 SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
-         EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size}  # fmt: skip
+         EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size}  # fmt: skip
+
 
 # sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
 _STATES = "SDTtXZPI"
@@ -59,9 +64,28 @@ def task_state(raw: int) -> str:
     return _STATES[low] if low < len(_STATES) else "?"
 
 
+def majmin(devt: int) -> str:
+    """A kernel dev_t (MAJ << 20 | MIN) as "MAJ:MIN"."""
+    return f"{devt >> 20}:{devt & 0xFFFFF}"
+
+
 def dev_name(devt: int, names: dict[str, str]) -> str:
-    key = f"{devt >> 20}:{devt & 0xFFFFF}"
+    key = majmin(devt)
     return names.get(key, key)
+
+
+def fault_key(raw: bytes) -> tuple[int, str, int]:
+    """(pid, "MAJ:MIN", inode) of a raw fault event: the live reader resolves these to paths."""
+    _, dev, pid, _tid, *_rest, ino, _index = FAULT.unpack_from(raw)
+    return pid, majmin(dev), ino
+
+
+def mapfile_key(raw: bytes) -> tuple[int, str, int]:
+    """(pid, "MAJ:MIN", inode) of a mapped-file announcement from the process-event ring."""
+    etype, dev, pid, _tid, _ts, ino = MAPFILE.unpack_from(raw)
+    if etype != EV_MAPFILE:
+        raise ValueError(f"bad mapped-file event type {etype}")
+    return pid, majmin(dev), ino
 
 
 def sockaddr_str(data: bytes) -> str:
@@ -85,13 +109,15 @@ class KernelDecoder:
     """Turns raw event blobs into Syscall, BlockIO and OffCpu records, resolving fds as it goes."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
-        if meta.get("layout") != LAYOUT:
-            raise ValueError(f"eBPF event layout {meta.get('layout')!r}, this reader knows {LAYOUT}")
+        if meta.get("layout") not in KNOWN_LAYOUTS:
+            raise ValueError(f"eBPF event layout {meta.get('layout')!r}, this reader knows {KNOWN_LAYOUTS}")
         self.threshold_ns = int(meta.get("threshold_ns", 0))
+        self.page_size = int(meta.get("page_size", 4096))
         self._names: dict[int, str] = {int(k): str(v) for k, v in meta.get("syscalls", {}).items()}
         self._flags: dict[int, int] = {int(k): int(v) for k, v in meta.get("sysflags", {}).items()}
         self._devices: dict[str, str] = {str(k): str(v) for k, v in meta.get("devices", {}).items()}
         self._fds: dict[int, dict[int, str]] = {}
+        self._maps: dict[tuple[int, str, int], str] = {}  # (pid, "MAJ:MIN", inode) -> path
         self._forked: set[int] = set()
         self._fork_markers = bool(meta.get("fork_markers", False))
 
@@ -99,6 +125,9 @@ class KernelDecoder:
 
     def note_fd(self, info: FdInfo) -> None:
         self._fds.setdefault(info.pid, {})[info.fd] = info.obj
+
+    def note_map(self, m: FileMap) -> None:
+        self._maps[(m.pid, m.dev, m.ino)] = m.path
 
     def note_fork(self, fork: ProcFork) -> None:
         """A ProcFork record read from the capture. Sources that put fork markers in the kernel stream
@@ -149,6 +178,8 @@ class KernelDecoder:
             return self._block(BLOCK.unpack_from(blob, off))
         if etype == EV_OFFCPU:
             return self._offcpu(OFFCPU.unpack_from(blob, off))
+        if etype == EV_FAULT:
+            return self._fault(FAULT.unpack_from(blob, off))
         self._proc(PROC.unpack_from(blob, off))
         return None
 
@@ -210,12 +241,20 @@ class KernelDecoder:
         _, state, pid, tid, start, end, wake, wpid, wtid, wcomm = f
         return OffCpu(pid, tid, start, end, task_state(state), wake, wpid, wtid, cstr(wcomm))
 
+    def _fault(self, f: tuple[Any, ...]) -> PageFault:
+        _, dev, pid, tid, fault_ns, start, end, ino, index = f
+        key = majmin(dev)
+        return PageFault(pid, tid, fault_ns, end, end - start, self._maps.get((pid, key, ino), ""),
+                         index * self.page_size, key, ino)  # fmt: skip
+
     def _proc(self, f: tuple[Any, ...]) -> None:
         etype, flags, pid, tid, ts, child_pid, child_tid, comm, _filename = f
         if etype == EV_FORK:
             self._inherit(ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm)))
         elif etype == EV_EXIT and flags:
             self._fds.pop(pid, None)  # the process is gone; its pid may be reused
+            for key in [k for k in self._maps if k[0] == pid]:
+                del self._maps[key]
             self._forked.discard(pid)
 
 

@@ -163,3 +163,29 @@ def block_devices() -> dict[str, str]:
             if line.startswith("DEVNAME="):
                 out[majmin] = line[8:]
     return out
+
+
+_MAX_MAPS = 32 << 20
+
+
+def mapped_files(pid: int) -> dict[tuple[str, int], str]:
+    """("MAJ:MIN", inode) → path of every file ``pid`` has mapped, from /proc/PID/maps.
+
+    A maps line is ``start-end perms offset MAJ:MIN inode path`` with MAJ and MIN in hex; the kernel
+    escapes a newline in a path as ``\\012`` and appends `` (deleted)`` to unlinked files. Anonymous
+    mappings (inode 0) and pseudo-files (``[heap]``) are left out.
+    """
+    out: dict[tuple[str, int], str] = {}
+    for line in _text(_read(PROC / str(pid) / "maps", _MAX_MAPS)).splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        dev, inode = parts[3], parts[4]
+        major, _, minor = dev.partition(":")
+        try:
+            key = (f"{int(major, 16)}:{int(minor, 16)}", int(inode))
+        except ValueError:
+            continue
+        if key[1]:
+            out.setdefault(key, parts[5])
+    return out

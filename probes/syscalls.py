@@ -103,6 +103,7 @@ OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("timer", "hrtimer_expire_exit", "wakeups by timers (sleeps, timeouts)"),
     ("block", "block_io_start", "block requests, in the submitter's context (else block_rq_issue)"),
     ("block", "block_rq_complete", "block request completion"),
+    ("filemap", "mm_filemap_fault", "waits in page faults on file mappings (mmap'd datasets; Linux 6.11+)"),
 )
 
 

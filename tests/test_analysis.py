@@ -288,3 +288,35 @@ def test_elementwise_broadcast_kernels_are_not_collectives(tmp_path: Path) -> No
     b.op(TRAINER, TRAINER, 0.0, 0.0, 2.0, "broadcast_add_kernel")
     b.op(TRAINER, TRAINER, 0.0, 2.0, 40.0, "broadcast_add_kernel")
     assert run(b, tmp_path)["stalls"] == []
+
+
+def test_page_fault_on_a_mapped_file_is_storage(tmp_path: Path) -> None:
+    """The trainer reads a shard through a mapping: two waits in one fault make one storage stall on the file,
+    with the block requests it submitted inside and what they read as its bytes."""
+    b = trainer()
+    b.fault(TRAINER, TRAINER, 10.5, 10.6, 25.0, PATH, offset=8192)
+    b.fault(TRAINER, TRAINER, 10.5, 25.2, 39.5, PATH, offset=8192)  # the same fault, waiting again
+    b.block(TRAINER, TRAINER, 10.55, 24.9, 128 << 10).block(TRAINER, TRAINER, 25.3, 39.4, 64 << 10)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and s["via"] == []
+    c = s["culprit"]
+    assert (c["op"], c["object"], c["offset"], c["pid"]) == ("page_fault", PATH, 8192, TRAINER)
+    assert c["bytes"] == 192 << 10 and c["block_requests"] == 2 and c["block_attribution"] == "submitted"
+    assert c["duration_ns"] == ns(39.5) - ns(10.5)
+    fault_ev = [e for e in s["evidence"] if e["what"].startswith("page fault on ")]
+    assert [(e["kind"], e["start_ns"]) for e in fault_ev] == [("offcpu", ns(10.5))]
+    # the stall's time: storage, but for the bits where the trainer ran or was woken and waited for a CPU
+    by_cause = run(b, tmp_path)["summary"]["by_cause"]
+    assert by_cause["storage"] >= 0.9 * (ns(40) - ns(10)), by_cause
+
+
+def test_page_fault_through_a_worker_and_an_unnamed_file(tmp_path: Path) -> None:
+    """A worker's fault on a file whose path was not found: storage, named by inode and device."""
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,
+                                                           (WORKER, WORKER, "pt_data_worker"))
+    b.proc(WORKER, "pt_data_worker", TRAINER).fault(WORKER, WORKER, 12.0, 12.1, 39.7, "", dev="7:3", ino=77)
+    s = only_stall(run(b, tmp_path, header={}))
+    assert s["cause"] == "storage" and s["via"] == [f"wait:pid {WORKER}"]
+    c = s["culprit"]
+    assert (c["pid"], c["op"], c["object"]) == (WORKER, "page_fault", "inode 77 on 7:3")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import socket
 import struct
+from pathlib import Path
 
 import pytest
 
 from gputrace.probes import events, procfs
 from gputrace.probes.events import KernelDecoder, sockaddr_str, task_state
-from gputrace.records import FdInfo, ProcFork
+from gputrace.records import FdInfo, FileMap, PageFault, ProcFork
 
 META = {"layout": events.LAYOUT, "threshold_ns": 0, "syscalls": {0: "read", 42: "connect"},
         "sysflags": {0: events.F_FD | events.F_XFER, 42: events.F_FD | events.F_SOCKADDR | events.F_FDTABLE},
@@ -73,3 +74,35 @@ def test_garbage_is_refused(blob: bytes) -> None:
 def test_foreign_layout_is_refused() -> None:
     with pytest.raises(ValueError, match="layout"):
         KernelDecoder({**META, "layout": 99})
+
+
+def _fault(pid: int, dev: int = 7 << 20 | 3, ino: int = 12, index: int = 5) -> bytes:
+    return events.FAULT.pack(events.EV_FAULT, dev, pid, pid + 1, 100, 150, 400, ino, index)
+
+
+def test_fault_event_names_its_file_from_the_mapping_record() -> None:
+    d = KernelDecoder({**META, "page_size": 4096})
+    d.note_map(FileMap(1, 9, "7:3", 12, "/data/shard.bin"))
+    named, other = d.decode(_fault(9) + _fault(9, ino=13))
+    assert named == PageFault(9, 10, 100, 400, 250, "/data/shard.bin", 5 * 4096, "7:3", 12)
+    assert (other.obj, other.ino, other.dev) == ("", 13, "7:3")  # no mapping record: unnamed, not guessed
+    assert events.fault_key(_fault(9)) == (9, "7:3", 12)
+
+
+def test_a_layout_1_capture_still_decodes() -> None:
+    assert [r.obj for r in KernelDecoder({**META, "layout": 1}).decode(_sys(0, 1, 0, 0))] == [""]
+
+
+def test_mapped_files_parses_proc_maps(tmp_path: Path) -> None:
+    import mmap
+    import os
+
+    f = tmp_path / "with space\nand newline.bin"
+    f.write_bytes(b"x" * 8192)
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ):
+        st = os.stat(f)
+        got = procfs.mapped_files(os.getpid())
+    key = (f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", st.st_ino)
+    assert got[key] == str(f).replace("\n", "\\012")  # the kernel escapes a newline; the rest is verbatim
+    assert all(p.startswith("/") for p in got.values())
+    assert procfs.mapped_files(2**22 + 1) == {}  # no such process

@@ -31,6 +31,8 @@ def bpf() -> Any:
                                           "waker_pid", "waker_tid", "waker_comm"]),
         ("layout_proc", events.PROC, ["type", "flags", "pid", "tid", "ts", "child_pid", "child_tid", "comm",
                                       "filename"]),
+        ("layout_fault", events.FAULT, ["type", "dev", "pid", "tid", "fault_ns", "start_ns", "end_ns", "ino",
+                                        "index"]),
     ],
 )  # fmt: skip
 def test_struct_layout_matches(bpf: Any, table: str, fmt: Any, first_fields: list[str]) -> None:
@@ -49,8 +51,10 @@ def test_path_event_layout(bpf: Any) -> None:
 
 
 def test_every_event_type_has_a_size() -> None:
-    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7}
+    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7, 8}
     assert events.SIZES[events.EV_SYS] == 64 and events.SIZES[events.EV_PATH] == 328
+    # the live reader picks fault events out by size alone
+    assert [t for t, n in events.SIZES.items() if n == events.FAULT.size] == [events.EV_FAULT]
 
 
 def _format_offsets(fmt: str) -> list[int]:

@@ -372,3 +372,27 @@ def test_records_with_broken_fields_are_skipped_whole(tmp_path: Path) -> None:
     assert "skipped 3 malformed record(s) (fields of the wrong type)" in result.notes
     assert [s.name for s in check.slices_on(check.thread(1))] == ["read"]
     assert check.process(1).name == "x"
+
+
+def test_page_fault_slice_is_the_evidence_of_its_stall(tmp_path: Path) -> None:
+    from gputrace.analysis import analyze
+    from gputrace.analysis.synth import Builder
+
+    b = Builder().proc(100, "trainer").device(100)
+    b.op(100, 100, 0.0, 0.0, 10.0, "fwd")
+    b.op(100, 100, 39.9, 40.0, 50.0, "bwd")
+    b.fault(100, 100, 10.5, 10.6, 39.5, "/data/shard.bin", offset=4096)
+    cap = b.write(tmp_path / "f.gputrace")
+    with CaptureReader(cap) as reader:
+        report = analyze(reader)
+    assert report["stalls"][0]["culprit"]["op"] == "page_fault"
+    out = tmp_path / "f.pftrace"
+    with CaptureReader(cap) as reader:
+        result = PerfettoExporter(out, report=report).write(reader)
+    check = check_trace(out)
+    assert check.problems == [] and result.items == check.packets
+    [fault] = [s for s in check.all_slices() if s.name == "page fault"]
+    assert check.track_of(fault).name == "trainer"
+    assert (fault.args["obj"], fault.args["offset"]) == ("/data/shard.bin", 4096)
+    stalls = check.track("stalls", parent="GPU 0: sim-gpu (simulated)")
+    assert "page fault" in {src.name for src, _ in check.flows_into(stalls)}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace.analysis.blocks import BlockTies, Tie
-from gputrace.analysis.load import Capture
+from gputrace.analysis.load import FAULT_OP, Capture
 from gputrace.analysis.objects import classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.records import BlockIO, OffCpu, Syscall
 
@@ -37,6 +37,9 @@ def empty_culprit() -> dict[str, Any]:
 
 
 def evidence_syscall(sc: Syscall) -> dict[str, Any]:
+    if sc.name == FAULT_OP:  # not a syscall: the thread waited off CPU inside a page fault
+        return {"pid": sc.pid, "tid": sc.tid, "kind": "offcpu", "what": f"page fault on {sc.obj} at offset {sc.arg}",
+                "start_ns": sc.start_ns, "end_ns": sc.end_ns}
     what = f"{sc.name}({sc.obj})" if sc.obj else sc.name
     if sc.nbytes:
         what += f" {sc.nbytes} B"
@@ -152,6 +155,8 @@ class Explainer:
         if tie is not None:
             ev += [evidence_block(b) for b in tie.blocks[:MAX_EVIDENCE]]
             culprit.update(self._block_fields(tie))
+        if sc.name == FAULT_OP:  # what the fault brought in is what its requests read
+            culprit.update(offset=sc.arg, bytes=sum(b.nbytes for b in tie.blocks) if tie else 0)
         blocks = tie.blocks if tie else []
         extra: dict[str, Any] = {}
         fstype = filesystem_of(sc.obj, self.mounts) if sc.obj else ""

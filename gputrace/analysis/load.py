@@ -24,6 +24,7 @@ from gputrace.records import (
     GpuSync,
     NvmlSample,
     OffCpu,
+    PageFault,
     ProcExec,
     ProcFork,
     ProcInfo,
@@ -32,6 +33,7 @@ from gputrace.records import (
 )
 
 GpuOp = GpuKernel | GpuMemcpy | GpuMemset
+FAULT_OP = "page_fault"  # the name a PageFault takes among a thread's blocking calls
 DeviceKey = tuple[int, int]  # (owning pid or -1 for a shared physical device, device id)
 
 
@@ -103,6 +105,7 @@ class _Loader:
         self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}}
         self.by_dev: dict[str, list[BlockIO]] = {}
         self.shared_ids: set[int] = set()
+        self.faults: dict[tuple[int, int], Syscall] = {}  # (tid, start_ns) -> the fault as a blocking call
 
     def add(self, r: Any) -> None:
         kind = type(r).__name__
@@ -151,8 +154,29 @@ class _Loader:
         if not r.simulated:
             self.shared_ids.add(r.id)
 
+    def fault(self, r: PageFault) -> None:
+        """A wait in a page fault on a file mapping is explained as a blocking call named "page_fault" (its
+        ``arg`` the page's offset); the waits of one fault (same thread and start) make one call."""
+        if r.end_ns < r.start_ns:
+            return
+        key = (r.tid, r.start_ns)
+        prev = self.faults.get(key)
+        if prev is None:
+            obj = r.obj or f"inode {r.ino} on {r.dev}"  # the device's name goes in when the meta is read
+            self.faults[key] = Syscall(r.pid, r.tid, FAULT_OP, r.start_ns, r.end_ns, 0, -1, obj, 0, r.offset)
+        elif r.end_ns > prev.end_ns:
+            self.faults[key] = prev._replace(end_ns=r.end_ns)
+        self._thread(r.pid, r.tid)
+        self.cap.kernel_pids.add(r.pid)
+        self._span(r.start_ns, r.end_ns)
+
     def finish(self) -> Capture:
         cap, raw = self.cap, self.raw
+        for f in self.faults.values():
+            if f.obj.startswith("inode "):
+                ino, _, dev = f.obj.partition(" on ")
+                f = f._replace(obj=f"{ino} on {cap.block_names.get(dev, dev)}")
+            raw["sys"].setdefault(f.tid, []).append(f)
         cap.syscalls = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sys"].items()}
         cap.offcpu = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["off"].items()}
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
@@ -243,6 +267,7 @@ _HANDLERS: dict[str, Any] = {
     "Syscall": lambda ld, r: ld.per_tid("sys", r, r.start_ns, r.end_ns),
     "OffCpu": _offcpu,
     "BlockIO": _block,
+    "PageFault": _Loader.fault,
     "GpuSync": lambda ld, r: ld.per_tid("sync", r, r.start_ns, r.end_ns),
     "ProcInfo": _proc,
     "ThreadInfo": _threadinfo,
@@ -269,6 +294,7 @@ _SHAPES = {
     "Syscall": _shape(Syscall, "pid tid start_ns end_ns nbytes", "name obj"),
     "OffCpu": _shape(OffCpu, "pid tid start_ns end_ns wake_ns waker_pid waker_tid", "state waker_comm"),
     "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs comm"),
+    "PageFault": _shape(PageFault, "pid tid start_ns end_ns offset ino", "obj dev"),
     "GpuSync": _shape(GpuSync, "pid tid start_ns end_ns"),
     "Drops": _shape(Drops, "ts count", "source what"),
     "ProcInfo": _shape(ProcInfo, "pid", "comm"),
@@ -286,14 +312,14 @@ def load(reader: CaptureReader) -> Capture:
     add = ld.add
     for r in reader.records():
         add(r)
+    ld.cap.block_names = _block_names(reader.meta.get("ebpf"))
     cap = ld.finish()
     cap.complete = reader.complete
     cap.problem = reader.problem
     cap.reader_drops = dict(reader.drops)
     cap.trailer = dict(reader.trailer or {})
-    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO")
+    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
-    cap.block_names = _block_names(reader.meta.get("ebpf"))
     return cap
 
 

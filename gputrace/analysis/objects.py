@@ -46,6 +46,8 @@ def object_kind(obj: str) -> str:
 def classify(sc: Any) -> str:
     """storage, network, sleep, wait (for another task), gpu (a driver call), or other."""
     name, kind = sc.name, object_kind(sc.obj)
+    if name == "page_fault":  # a wait for a file mapping's page: the file's I/O, named or not
+        return "storage"
     if name in SLEEP:
         return "sleep"
     if name in WAIT:

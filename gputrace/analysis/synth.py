@@ -20,6 +20,7 @@ from gputrace.records import (
     GpuSync,
     NvmlSample,
     OffCpu,
+    PageFault,
     ProcInfo,
     Syscall,
     ThreadInfo,
@@ -77,6 +78,13 @@ class Builder:
               comm: str = "worker", rwbs: str = "R") -> Builder:
         self.records.append(BlockIO(pid, tid, comm, dev, 2048, nbytes, rwbs, ns(issue_ms), ns(done_ms)))
         return self
+
+    def fault(self, pid: int, tid: int, start_ms: float, wait_from_ms: float, end_ms: float, obj: str = "",
+              offset: int = 0, dev: str = "7:0", ino: int = 12) -> Builder:
+        """A wait in a page fault on a file mapping, with the off-CPU span it is made of."""
+        self.records.append(PageFault(pid, tid, ns(start_ms), ns(end_ms), ns(end_ms) - ns(wait_from_ms), obj, offset,
+                                      dev, ino))  # fmt: skip
+        return self.offcpu(pid, tid, wait_from_ms, end_ms, "D", waker=(0, 0, "[irq]"))
 
     def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
                wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, "")) -> Builder:

@@ -70,6 +70,11 @@ BPF_HASH(offcpu, u32, struct gt_offcpu_val, MAX_OFFCPU);
  * state D. While it is above 0, block requests are recorded whoever submits them (see block_submit). */
 BPF_ARRAY(iowait, s64, 1);
 BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
+#ifdef HAVE_FILEMAP_FAULT
+BPF_HASH(faults, u32, struct gt_fault_val, MAX_OFFCPU); /* by tid: the thread's last file fault */
+/* (tgid, file) pairs announced to user space; an evicted pair is announced again, which is harmless. */
+BPF_TABLE("lru_hash", struct gt_mapfile_key, u8, mapfiles, MAX_OFFCPU);
+#endif
 BPF_RINGBUF_OUTPUT(procev, PROC_PAGES);
 
 /* Never read, never updated: they let user space see the compiler's layout of the shared events. */
@@ -78,6 +83,8 @@ BPF_ARRAY(layout_path, struct gt_path_event, 1);
 BPF_ARRAY(layout_block, struct gt_block_event, 1);
 BPF_ARRAY(layout_offcpu, struct gt_offcpu_event, 1);
 BPF_ARRAY(layout_proc, struct gt_proc_event, 1);
+BPF_ARRAY(layout_fault, struct gt_fault_event, 1);
+BPF_ARRAY(layout_mapfile, struct gt_mapfile_event, 1);
 
 static __always_inline void count_drop(u32 reason)
 {
@@ -464,6 +471,9 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     struct gt_offcpu_val *o = offcpu.lookup(&tid);
     if (o)
         offcpu_forget(tid, o);
+#ifdef HAVE_FILEMAP_FAULT
+    faults.delete(&tid);
+#endif
     struct gt_proc_event ev = {};
     ev.type = GT_EV_EXIT;
 #ifdef HAVE_GROUP_DEAD
@@ -483,6 +493,112 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     return 0;
 }
 
+/* ------------------------------------------------------------------------------ page faults ---- */
+
+/* A read through a file mapping (np.memmap, Arrow, safetensors) waits in a page fault, not a syscall.
+ * filemap:mm_filemap_fault (Linux 6.11+) fires when a fault on a file mapping needs the page cache, i.e.
+ * not for pages already mapped by fault-around, and names the file (dev, inode) and page. There is no
+ * "fault done" tracepoint: a sleep of the thread counts as inside the fault while its saved user
+ * registers (ip, sp, and orig_ax, which holds the fault's error code) are still the fault's, no recorded
+ * syscall is in flight, and the fault showed signs of life within FAULT_GAP_NS. x86_64 only (orig_ax). */
+#ifndef FAULT_GAP_NS
+#define FAULT_GAP_NS 10000000ULL
+#endif
+#ifdef HAVE_FILEMAP_FAULT
+/* The user registers the calling task entered the kernel with. */
+static __always_inline void user_regs(u64 *ip, u64 *sp, u64 *entry)
+{
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+    bpf_probe_read_kernel(ip, sizeof(*ip), &PT_REGS_IP(regs));
+    bpf_probe_read_kernel(sp, sizeof(*sp), &PT_REGS_SP(regs));
+    bpf_probe_read_kernel(entry, sizeof(*entry), &regs->orig_ax);
+}
+
+TRACEPOINT_PROBE(filemap, mm_filemap_fault)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    u64 now = bpf_ktime_get_ns();
+    struct gt_fault_val v = {};
+    user_regs(&v.ip, &v.sp, &v.entry);
+    struct gt_fault_val *f = faults.lookup(&tid);
+    if (f && f->ip == v.ip && f->sp == v.sp && f->entry == v.entry && f->dev == args->s_dev &&
+        f->ino == args->i_ino && f->index == args->index && now - f->last < FAULT_GAP_NS) {
+        f->last = now; /* the same fault, retried after it waited (VM_FAULT_RETRY) */
+        return 0;
+    }
+    v.ts = now;
+    v.last = now;
+    v.ino = args->i_ino;
+    v.index = args->index;
+    v.dev = args->s_dev;
+    v.pid = id >> 32;
+    if (faults.update(&tid, &v))
+        count_drop(GT_DROP_FAULT);
+    struct gt_mapfile_key k = {.pid = v.pid, .dev = v.dev, .ino = v.ino};
+    u8 one = 1;
+    if (mapfiles.lookup(&k) || mapfiles.update(&k, &one))
+        return 0;
+    struct gt_mapfile_event *e = procev.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_PROCBUF);
+        mapfiles.delete(&k); /* announce it on the next fault */
+        return 0;
+    }
+    e->type = GT_EV_MAPFILE;
+    e->dev = v.dev;
+    e->pid = v.pid;
+    e->tid = tid;
+    e->ts = now;
+    e->ino = v.ino;
+    procev.ringbuf_submit(e, 0);
+    return 0;
+}
+
+/* In sched_switch, for the traced task leaving the CPU: the ts of the file fault it is inside, or 0. */
+static __always_inline u64 in_file_fault(u32 tid, u64 now)
+{
+    struct gt_fault_val *f = faults.lookup(&tid);
+    if (!f || now - f->last >= FAULT_GAP_NS)
+        return 0;
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *c = inflight.lookup(&slot);
+    if (c && c->tid == tid)
+        return 0; /* inside a recorded syscall: the wait is the call's */
+    u64 ip = 0, sp = 0, entry = 0;
+    user_regs(&ip, &sp, &entry);
+    return (ip == f->ip && sp == f->sp && entry == f->entry) ? f->ts : 0;
+}
+
+/* In sched_switch, for a task coming back whose off-CPU span was inside a file fault. */
+static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now)
+{
+    struct gt_fault_val *f = faults.lookup(&tid);
+    if (!f || f->ts != o->fault_ns)
+        return;
+    f->last = now;
+    if (!(o->state & GT_STATE_D) || now - o->ts < OFFCPU_THRESHOLD_NS)
+        return;
+    struct gt_fault_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return;
+    }
+    e->type = GT_EV_FAULT;
+    e->dev = f->dev;
+    e->pid = f->pid;
+    e->tid = tid;
+    e->fault_ns = f->ts;
+    e->start_ns = o->ts;
+    e->end_ns = now;
+    e->ino = f->ino;
+    e->index = f->index;
+    events.ringbuf_submit(e, 0);
+}
+#endif
+
 /* ------------------------------------------------------------------------------- scheduling ---- */
 
 /* `current` is prev here, so its tgid is at hand; next is known only by tid, hence `offcpu` by tid. */
@@ -496,6 +612,9 @@ TRACEPOINT_PROBE(sched, sched_switch)
         v.ts = now;
         v.pid = id >> 32;
         v.state = (u32)args->prev_state;
+#ifdef HAVE_FILEMAP_FAULT
+        v.fault_ns = in_file_fault(prev, now);
+#endif
         struct gt_offcpu_val *old = offcpu.lookup(&prev);
         if (old && (old->state & GT_STATE_D))
             iowait_add(-1); /* its switch back in was never seen */
@@ -526,6 +645,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
             count_drop(GT_DROP_RINGBUF);
         }
     }
+#ifdef HAVE_FILEMAP_FAULT
+    if (o->fault_ns)
+        fault_wait(next, o, now);
+#endif
     offcpu_forget(next, o);
     return 0;
 }

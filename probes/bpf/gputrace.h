@@ -3,7 +3,7 @@
 #ifndef GPUTRACE_H
 #define GPUTRACE_H
 
-#define GT_LAYOUT 1
+#define GT_LAYOUT 2 /* 2: adds GT_EV_FAULT; the other events are as in 1 */
 #define GT_COMM_LEN 16
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
@@ -18,6 +18,8 @@
 #define GT_EV_FORK 5   /* struct gt_proc_event */
 #define GT_EV_EXEC 6
 #define GT_EV_EXIT 7
+#define GT_EV_FAULT 8 /* struct gt_fault_event */
+#define GT_EV_MAPFILE 9 /* struct gt_mapfile_event, in the process-event ring */
 
 /* Where records were lost: indexes of the per-CPU `drops` array. */
 #define GT_DROP_RINGBUF 0  /* events ring buffer full */
@@ -27,6 +29,7 @@
 #define GT_DROP_BLOCK 4    /* block request map full */
 #define GT_DROP_OFFCPU 5   /* off-CPU map full */
 #define GT_DROP_TARGETS 6  /* target set full: a child is not followed */
+#define GT_DROP_FAULT 7    /* file-fault map full: a thread's wait in a page fault is not named */
 #define GT_DROP_MAX 8
 
 /* Per-syscall flags (the `sysinfo` array, filled from probes/syscalls.py). */
@@ -131,6 +134,52 @@ struct gt_proc_event { /* 176 bytes */
     char filename[GT_FILENAME_LEN];
 };
 
+/* A traced thread waited (off CPU, uninterruptible) inside a page fault on a file mapping: emitted when it
+ * is switched back in, once per wait of at least the off-CPU threshold. One fault can wait several times;
+ * all its events share fault_ns. */
+struct gt_fault_event { /* 56 bytes */
+    u32 type;
+    u32 dev; /* the file's s_dev (MAJ << 20 | MIN) */
+    u32 pid;
+    u32 tid;
+    u64 fault_ns; /* when the fault reached the file (filemap_fault) */
+    u64 start_ns; /* this wait: off CPU from start_ns to end_ns */
+    u64 end_ns;
+    u64 ino;
+    u64 index; /* page index in the file */
+};
+
+/* A traced process's first fault on a file mapping: user space reads the file's path from /proc/PID/maps
+ * while the faulting thread still holds the mapping. */
+struct gt_mapfile_event { /* 32 bytes */
+    u32 type;
+    u32 dev;
+    u32 pid;
+    u32 tid;
+    u64 ts;
+    u64 ino;
+};
+
+struct gt_mapfile_key {
+    u32 pid;
+    u32 dev;
+    u64 ino;
+};
+
+/* The last file-backed fault of a traced thread, keyed by tid. ip, sp and entry are the user registers at
+ * the fault: while they are unchanged the thread has not returned to user space, so a sleep is inside it. */
+struct gt_fault_val {
+    u64 ts;
+    u64 last; /* the fault's latest sign of life (a retry, a switch back in) */
+    u64 ip;
+    u64 sp;
+    u64 entry; /* orig_ax: the fault's error code (a syscall's number when it entered by a syscall) */
+    u64 ino;
+    u64 index;
+    u32 dev;
+    u32 pid;
+};
+
 struct gt_blk_key {
     u32 dev;
     u32 pad;
@@ -147,6 +196,7 @@ struct gt_blk_val {
 struct gt_offcpu_val {
     u64 ts;
     u64 wake_ns;
+    u64 fault_ns; /* the sleep is inside this thread's file fault of that time (gt_fault_val.ts), or 0 */
     u32 pid;
     u32 state;
     u32 waker_pid;

@@ -135,6 +135,11 @@ def _mixed(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
             "work_ms": 15}
 
 
+def _mapped(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # 8 shards of 256 KiB at 2 MiB/s: each is a few read-around faults of up to 128 KiB
+    return {"steps": 8, **_loop(w, st, [2 << 20], 8, 256 * KIB)}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -145,6 +150,7 @@ SCENARIOS: dict[str, Setup] = {
     "sync_then_work": lambda w, st: {"steps": 10, "work_ms": 15},
     "sleep": lambda w, st: {"steps": 10, "sleep_ms": 15},
     "mixed": _mixed,
+    "mapped": _mapped,
 }
 
 

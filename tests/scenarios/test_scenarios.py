@@ -35,6 +35,11 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
         waits = [s for s in stalls if s["cause"] == "collective"]
         assert waits and all(s.get("late_rank_cause", {}).get("cause") == "storage" for s in waits)
         assert all(d["collective_wait_ns"] >= 0 for d in report["devices"])
+    elif name == "mapped":
+        # no read() at all: the waits are page faults on the mapped shards, with the device's requests
+        assert all(s["culprit"]["op"] == "page_fault" and s["culprit"]["bytes"] > 0 for s in stalls), stalls
+        assert all(s["culprit"].get("block_requests", 0) > 0 for s in stalls)
+        assert any(s["via"] for s in stalls) and any(not s["via"] for s in stalls)  # the worker's and the trainer's
     elif name == "network":
         assert all(s["culprit"]["object"].startswith("127.0.0.1:") for s in stalls)
 

@@ -11,6 +11,7 @@ so the only GPU gaps are the ones constructed here.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import socket
@@ -122,6 +123,21 @@ def read_uncached(path: str) -> int:
         os.close(fd)
 
 
+def touch_mapped(path: str) -> int:
+    """Read a file through a read-only mapping (as np.memmap or Arrow do), after dropping it from the page
+    cache: the reads are page faults that wait for the device, with no read() at all."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        return sum(m[off] for off in range(0, len(m), mmap.PAGESIZE))
+    finally:
+        m.close()
+
+
 def storage_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
     def body(i: int, w: int, req: int) -> None:
         join_cgroup(cfg["cgroups"][i % len(cfg["cgroups"])])
@@ -129,7 +145,7 @@ def storage_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
         for path in cfg["files"][i :: cfg["workers"]]:
             if req >= 0 and not os.read(req, 1):
                 return
-            read_uncached(path)
+            (touch_mapped if cfg.get("mapped") else read_uncached)(path)
             send(w, "storage", path)
     return body
 
@@ -294,6 +310,24 @@ def _exchange_pids(cfg: dict[str, Any], rank: int) -> int:
         return int(f.read())
 
 
+def mapped(cfg: dict[str, Any]) -> None:
+    """Shards read through memory mappings: by the trainer itself on even steps, by a worker on odd ones."""
+    join_cgroup(cfg["cgroups"][0])
+    own, theirs = cfg["files"][0::2], cfg["files"][1::2]
+    workers = Workers(1, storage_body({**cfg, "workers": 1, "files": theirs, "mapped": True}), on_demand=True)
+
+    def wait(k: int) -> tuple[str, str, int]:
+        if k % 2 == 0:
+            path = own[k // 2]
+            touch_mapped(path)
+            return "storage", path, os.getpid()
+        msg = workers.get(k // 2)
+        return "storage", msg["object"], msg["pid"]
+
+    trainer_loop(cfg, wait)
+    workers.join()
+
+
 def mixed(cfg: dict[str, Any]) -> None:
     """Storage through a worker, a slow peer, a sleep and host work, in turn."""
     workers = Workers(1, storage_body({**cfg, "workers": 1}), on_demand=True)
@@ -329,6 +363,7 @@ def mixed(cfg: dict[str, Any]) -> None:
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
+    "mapped": mapped,
 }  # fmt: skip
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""Waits in page faults on file mappings, traced for real: a file read through a mapping on a loop-device
+ext4, next to a pread() of another file and a sync() right after a file fault that did not wait."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.loopdev import LoopFs, loop_filesystem, write_file
+
+from gputrace.probes.ebpf import _file_faults_supported
+from gputrace.records import BlockIO, FileMap, OffCpu, PageFault, Syscall
+
+WORKLOADS = Path(__file__).parent / "workloads"
+MAPPED_SIZE, PLAIN_SIZE = 2 << 20, 1 << 20
+
+pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="file faults are traced on x86_64 only")
+
+
+def inside(t: int, a: int, b: int) -> bool:
+    return a <= t <= b
+
+
+def test_mapped_reads_are_page_faults_on_the_file(tmp_path: Path) -> None:
+    assert _file_faults_supported(), "filemap:mm_filemap_fault is missing on this kernel"
+    with loop_filesystem(tmp_path) as fs:
+        mapped = write_file(fs.mountpoint / "mapped.bin", MAPPED_SIZE)
+        plain = write_file(fs.mountpoint / "plain.bin", PLAIN_SIZE)
+        scratch = fs.mountpoint / "scratch"
+        scratch.mkdir()
+        records, tid = _run(tmp_path / "f.gputrace", fs, mapped, plain, scratch)
+    pid = next(m.pid for m in of(records, FileMap))
+    maps = {(m.dev, m.ino): m.path for m in of(records, FileMap) if m.pid == pid}
+    assert (fs.majmin, _inode(records, mapped)) in maps
+
+    faults = [f for f in of(records, PageFault) if f.tid == tid]
+    assert faults, "no page fault recorded"
+    # every recorded wait is on the mapped file, at a page of it; none on the sync() after the shared write
+    assert {f.obj for f in faults} == {str(mapped)}, {f.obj for f in faults}
+    assert all(0 <= f.offset < MAPPED_SIZE and f.offset % 4096 == 0 for f in faults)
+    assert all(f.start_ns < f.end_ns and 0 < f.wait_ns <= f.end_ns - f.start_ns for f in faults)
+    # each is a real off-CPU wait in D of that thread, ending where the fault's record ends
+    waits = [o for o in of(records, OffCpu) if o.tid == tid and o.state == "D"]
+    for f in faults:
+        assert any(o.end_ns == f.end_ns and f.start_ns <= o.start_ns for o in waits), f
+    # faults never overlap the thread's syscalls (the pread() waits are the syscall's)
+    calls = [s for s in of(records, Syscall) if s.tid == tid]
+    preads = [s for s in calls if s.name == "pread64" and s.obj == str(plain)]
+    assert preads
+    for f in faults:
+        assert not any(s.start_ns < f.end_ns and f.start_ns < s.end_ns for s in calls), f
+    # the device's read requests: the mapped file's under the faults, the plain file's under the preads
+    reads = [b for b in of(records, BlockIO) if b.dev == fs.name and "R" in b.rwbs and b.tid == tid]
+    under_faults = sum(b.nbytes for b in reads if any(inside(b.issue_ns, f.start_ns, f.end_ns) for f in faults))
+    under_preads = sum(b.nbytes for b in reads if any(inside(b.issue_ns, s.start_ns, s.end_ns) for s in preads))
+    assert MAPPED_SIZE <= under_faults <= MAPPED_SIZE + (64 << 10), under_faults
+    assert PLAIN_SIZE <= under_preads <= PLAIN_SIZE + (64 << 10), under_preads
+    # sync() waited in D right after a file fault, outside any traced syscall: still not a fault's wait
+    last = max(f.end_ns for f in faults)
+    assert any(o.start_ns > last for o in waits), "sync() did not wait in D: the check proves nothing"
+
+
+def _inode(records: list[object], path: Path) -> int:
+    return next(m.ino for m in of(records, FileMap) if m.path == str(path))
+
+
+def _run(out: Path, fs: LoopFs, mapped: Path, plain: Path, scratch: Path) -> tuple[list[object], int]:
+    proc = subprocess.Popen([sys.executable, str(WORKLOADS / "mmap_reader.py"), str(mapped), str(plain),
+                             str(scratch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        pid = int(proc.stdout.readline().split()[1])
+        with ebpf_capture(out, [pid], threshold_ns=0) as src:
+            assert not [m for m in src.missing if "filemap" in m]
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            tid = int(proc.stdout.readline().split()[1])
+            assert proc.stdout.readline().startswith("read ")
+            assert proc.stdout.readline().strip() == "synced"
+            assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    records, reader = read_capture(out)
+    assert reader.complete
+    assert reader.drops["ebpf.fault"] == 0 and reader.drops["ebpf.ringbuf"] == 0
+    return records, tid
