@@ -46,6 +46,7 @@ class CaptureOptions:
     threshold_us: float = 100.0
     perfetto: bool = True
     progress: bool = True
+    sample_hz: int = 499  # CPU stack samples per second of the traced processes (0: no sampling)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -110,6 +111,7 @@ class _Session:
         self.stopped: list[Any] = []
         self.notes: list[str] = []  # said once tracing has started
         self.ebpf: Any = None
+        self.sampler: Any = None
         self.agents: Any = None
         self.sock_dir: Path | None = None
         self.statuses: list[SourceStatus] = []
@@ -187,13 +189,24 @@ class _Session:
         for pid in pids if not self.opts.command else []:
             self._attach(pid)
         self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
+        self._start_sampler()
         if not self.opts.command:
             self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids))
 
-    def _optional_source(self, module: str, name: str, *args: Any) -> Any:
+    def _start_sampler(self) -> None:
+        """CPU stack samples of every process traced so far; children forked later come through _on_proc."""
+        if self.opts.sample_hz <= 0:
+            return
+        pids = sorted(self.ebpf.live_targets())
+        sampler = self._optional_source("gputrace.probes.sampler", "StackSampler", pids, hz=self.opts.sample_hz)
+        self._try_start(sampler)
+        if sampler is not None and sampler in self.sources:
+            self.sampler = sampler
+
+    def _optional_source(self, module: str, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
             mod = __import__(module, fromlist=[name])
-            return getattr(mod, name)(*args)
+            return getattr(mod, name)(*args, **kwargs)
         except (ImportError, AttributeError) as e:
             self._status(name.lower(), "missing", f"not available: {e}")
             return None
@@ -217,8 +230,13 @@ class _Session:
             self.sink.emit([rec])
 
     def _on_proc(self, record: Any) -> None:
-        """Called from the eBPF source's thread for process events: offer new processes to armed agents."""
-        if type(record).__name__ == "ProcFork" and not record.is_thread and not self.opts.command:
+        """Called from the eBPF source's thread for process events: offer new processes to armed agents and
+        have them sampled."""
+        if type(record).__name__ != "ProcFork" or record.is_thread:
+            return
+        if self.sampler is not None:
+            self.sampler.add_target(record.child_pid)
+        if not self.opts.command:
             self._offer(record.child_pid)
 
     def _attach(self, pid: int) -> None:
@@ -295,7 +313,12 @@ class _Session:
         while self.sources:
             source = self.sources.pop()
             self.stopped.append(source)
-            source.stop()
+            try:
+                source.stop()
+            except Exception as e:  # noqa: BLE001 - one source's failure must not cost the others' records
+                name = getattr(source, "name", type(source).__name__)
+                self._status(name, "ended_early", f"stopping failed: {type(e).__name__}: {e}")
+                self.log(f"gputrace: {name}: stopping failed: {e}")
 
     def _abort(self) -> None:
         try:

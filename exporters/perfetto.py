@@ -36,6 +36,7 @@ from gputrace.records import (
     GpuMemcpy,
     GpuMemset,
     GpuSync,
+    InProgress,
     NvmlSample,
     NvtxRange,
     OffCpu,
@@ -56,9 +57,10 @@ from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
 from .perfetto_tracks import LaneSet, PacketSink, Tracks
 
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
-# Known kinds with nothing to place on a timeline: fd paths are already on the syscalls, aggregates are in
-# the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
-_NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap"}
+# Known kinds not placed on the timeline: fd and mapped-file paths are already on the syscalls and faults,
+# aggregates are in the report, CPU samples are summed into the report's cpu culprits (their frames).
+# Counted in ``not_drawn`` but not noted: they are expected in every capture.
+_NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap", "StackSample", "StackFrames"}
 _COLLECTIVE_CAP = 10_000
 _NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
 
@@ -111,7 +113,7 @@ class _Run:
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
-            PageFault: self.page_fault,
+            PageFault: self.page_fault, InProgress: self.in_progress,
             GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
@@ -247,6 +249,15 @@ class _Run:
         # the report names a fault's wait as offcpu evidence starting where the fault does
         flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
         self.slice(lane.uuid, s, e, "page fault", _CAT["syscall"], args, flows)
+
+    def in_progress(self, r: InProgress) -> None:
+        """A wait the capture stopped in the middle of: drawn up to the stop, on the syscall lane."""
+        s, e = self.span(r.start_ns, r.at_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "").place(s, e)
+        args: dict[str, Any] = {"state": r.state, "since_before_capture": bool(r.before)}
+        if r.obj:
+            args["obj"] = r.obj
+        self.slice(lane.uuid, s, e, f"{r.name or 'off-CPU'} (still waiting at stop)", _CAT["syscall"], args)
 
     def offcpu(self, r: OffCpu) -> None:
         s, e = self.span(r.start_ns, r.end_ns)

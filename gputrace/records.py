@@ -158,6 +158,27 @@ class PageFault(NamedTuple):
     ino: int
 
 
+class InProgress(NamedTuple):
+    """A traced thread caught waiting when the capture stopped: the syscall it was in and/or its off-CPU state.
+
+    ``name``: the syscall ("syscall_N" for one gputrace does not trace, "" when in none); ``start_ns``: when
+    that call (else the off-CPU span)
+    began; ``at_ns``: when the capture stopped; ``state``: the task state it left the CPU in ("S", "D", ...;
+    "" when it was on CPU or runnable); ``obj``: the call's file or peer, when its fd is known.
+    ``before``: the call was already under way when it was first seen (a thread blocked since before tracing
+    began): it started at or before ``start_ns``, the first moment it was seen.
+    """
+
+    pid: int
+    tid: int
+    name: str
+    start_ns: int
+    at_ns: int
+    state: str
+    obj: str
+    before: bool
+
+
 class FileMap(NamedTuple):
     """The path of a file mapped by ``pid``, read from /proc/PID/maps when one of its pages was waited for."""
 
@@ -313,7 +334,7 @@ RECORD_TYPES: dict[str, type[Any]] = {
     cls.__name__: cls
     for cls in (
         ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo,
-        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap,
+        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress,
         GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
         AgentInfo, SourceStatus, Drops,
     )
@@ -324,3 +345,27 @@ GPU_ACTIVITY = (GpuKernel, GpuMemcpy, GpuMemset)
 
 def kind_of(record: tuple[Any, ...]) -> str:
     return type(record).__name__
+
+
+# -------------------------------------------------------------------------------------- sampling ----
+
+
+class StackSample(NamedTuple):
+    """A traced thread was on CPU at ``ts`` (a CPU-clock sample) running user stack ``stack``."""
+
+    ts: int
+    pid: int
+    tid: int
+    stack: int  # key of a StackFrames record of the same pid
+
+
+class StackFrames(NamedTuple):
+    """The symbolized user stack ``stack`` of ``pid``, leaf first, each ``func (module)``; names come from
+    the traced process's files (untrusted, capped in count and length)."""
+
+    pid: int
+    stack: int
+    frames: list[str]
+
+
+RECORD_TYPES.update({cls.__name__: cls for cls in (StackSample, StackFrames)})

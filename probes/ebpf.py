@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,17 +18,23 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
+from gputrace.probes import ebpf_final as final
 from gputrace.probes import events, procfs
-from gputrace.probes.ebpf_host import BPF_DIR, check_host, format_has, program_text, tracepoint_exists, unload
+from gputrace.probes.ebpf_host import (
+    BPF_DIR,
+    check_host,
+    file_faults_supported,
+    format_has,
+    program_text,
+    tracepoint_exists,
+    unload,
+)
 from gputrace.probes.filemaps import Key, MappedFiles
 from gputrace.probes.syscalls import BY_NAME, SPECS, raw_syscalls_supported, syscall_numbers, wanted_tracepoints
 from gputrace.records import (
     Drops,
-    ProcExec,
     ProcExit,
-    ProcFork,
     SourceStatus,
-    SyscallAgg,
 )
 from gputrace.source import Sink
 
@@ -94,6 +99,7 @@ class EbpfSource:
         self._on_proc_errors = 0
         self._poll_error = ""
         self._files = MappedFiles(self._emit_in_order, self._forget_file)
+        self._since: dict[int, int] = {}  # pid -> when it was added to the target set
 
     # ------------------------------------------------------------------------------ lifecycle ---
 
@@ -159,7 +165,12 @@ class EbpfSource:
         self._bpf.ring_buffer_consume()
         self._flush()
         now = clock.monotonic_ns()
-        records: list[Any] = self._aggregates()
+        slots = [v for _, v in self._bpf[b"inflight"].items_lookup_batch()]
+        offcpu = {k.value: v for k, v in self._bpf[b"offcpu"].items()}
+        waiting = final.unfinished(slots, offcpu, self.live_targets(), self._since, now, self.threshold_ns)
+        if waiting:
+            self._sink.emit_kernel(b"".join(waiting), len(waiting))
+        records: list[Any] = final.aggregates(self._bpf[b"agg"].items(), slots, self._nr_names)
         self._final_drops = self.drops()
         records += [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
         records.append(self._final_status(now))
@@ -199,11 +210,13 @@ class EbpfSource:
             self.pids.append(pid)  # not started yet: start() adds it
             return
         pids = [pid] + (procfs.descendants(pid) if descendants else [])
+        now = clock.monotonic_ns()
         for p in pids:
             self._add_to_target_set(p)
+            self._since.setdefault(p, now)
         records: list[Any] = []
         for p in pids:
-            records += self._snapshot(p)
+            records += procfs.snapshot(p)
         if self._sink is not None:
             self._sink.emit(records)
 
@@ -255,7 +268,7 @@ class EbpfSource:
             flags.append("-DHAVE_BLOCK_IO_START")
         if format_has("sched", "sched_process_exit", "group_dead"):
             flags.append("-DHAVE_GROUP_DEAD")
-        if _file_faults_supported():
+        if file_faults_supported():
             flags.append("-DHAVE_FILEMAP_FAULT")
         return flags
 
@@ -290,7 +303,7 @@ class EbpfSource:
             self._attach_classic(sysinfo)
         if not tracepoint_exists("block", "block_io_start"):
             self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
-        if not _file_faults_supported():
+        if not file_faults_supported():
             self.missing.append("filemap:mm_filemap_fault (needs Linux 6.11+, x86_64 and BTF: waits in page "
                                 "faults on file mappings are not named)")
 
@@ -386,7 +399,7 @@ class EbpfSource:
             self._callback_errors += 1  # a process event lost: counted with the drops
             return 0
         try:
-            self._emit_in_order([rec, *self._proc_metadata(rec)])
+            self._emit_in_order([rec, *procfs.new_task_metadata(rec)])
             if isinstance(rec, ProcExit) and rec.tid == rec.pid:
                 self._files.process_gone(rec.pid)
         except Exception:  # noqa: BLE001
@@ -398,46 +411,6 @@ class EbpfSource:
                 self._on_proc_errors += 1
         return 0
 
-    def _proc_metadata(self, rec: Any) -> list[Any]:
-        if isinstance(rec, ProcFork):
-            if rec.is_thread:
-                return [t for t in procfs.threads(rec.child_pid) if t.tid == rec.child_tid]
-            info = procfs.proc_info(rec.child_pid)
-            return [info, *procfs.threads(rec.child_pid)] if info else []
-        if isinstance(rec, ProcExec):
-            info = procfs.proc_info(rec.pid)
-            return [info] if info else []
-        return []
-
-    def _snapshot(self, pid: int) -> list[Any]:
-        info = procfs.proc_info(pid)
-        if info is None:
-            return []
-        return [info, *procfs.threads(pid), *procfs.fd_snapshot(pid)]
-
-    def _aggregates(self) -> list[SyscallAgg]:
-        """Short calls: the folded totals plus what each in-flight slot still holds."""
-        totals: dict[tuple[int, int, int], list[int]] = {}
-        for k, v in self._bpf[b"agg"].items():
-            t = totals.setdefault((k.pid, k.tid, k.nr), [0, 0])
-            t[0] += v.count
-            t[1] += v.total_ns
-        for _, v in self._bpf[b"inflight"].items_lookup_batch():
-            if v.agg_count:
-                t = totals.setdefault((v.agg_pid, v.agg_tid, v.agg_nr), [0, 0])
-                t[0] += v.agg_count
-                t[1] += v.agg_ns
-        names = self._nr_names
-        return [SyscallAgg(pid, tid, names.get(nr, f"syscall_{nr}"), n, ns)
-                for (pid, tid, nr), (n, ns) in sorted(totals.items())]  # fmt: skip
-
 
 class _RawAttachFailed(Exception):
     """The kernel refused the raw syscall tracepoints: load again with the classic ones."""
-
-
-def _file_faults_supported() -> bool:
-    """filemap:mm_filemap_fault exists, and the program can read the fault's registers: x86_64 (orig_ax) and a
-    kernel with BTF (bpf_task_pt_regs takes a BTF task pointer)."""
-    return (platform.machine() == "x86_64" and Path("/sys/kernel/btf/vmlinux").exists()
-            and tracepoint_exists("filemap", "mm_filemap_fault"))

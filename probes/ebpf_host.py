@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import platform
 import subprocess
 import threading
 import warnings
@@ -107,3 +108,10 @@ def unload(bpf: Any) -> None:
         bpf.cleanup()
     except Exception:  # noqa: BLE001 - interpreter shutting down: the kernel closes what is left
         pass
+
+
+def file_faults_supported() -> bool:
+    """filemap:mm_filemap_fault exists, and the program can read the fault's registers: x86_64 (orig_ax) and a
+    kernel with BTF (bpf_task_pt_regs takes a BTF task pointer)."""
+    return (platform.machine() == "x86_64" and Path("/sys/kernel/btf/vmlinux").exists()
+            and tracepoint_exists("filemap", "mm_filemap_fault"))

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-from gputrace.records import BlockIO, FdInfo, FileMap, OffCpu, PageFault, ProcFork, Syscall
+from gputrace.records import BlockIO, FdInfo, FileMap, InProgress, OffCpu, PageFault, ProcFork, Syscall
 
 LAYOUT = 2
 KNOWN_LAYOUTS = (1, 2)  # 2 added EV_FAULT; a layout-1 capture has none
@@ -42,9 +42,15 @@ PROC = struct.Struct("<IIIIQII16s128s")  # gt_proc_event
 FAULT = struct.Struct("<IIIIQQQQQ")  # gt_fault_event
 MAPFILE = struct.Struct("<IIIIQQ")  # gt_mapfile_event (process-event ring only)
 EV_MAPFILE = 9
+# Written by the reader at stop, not the kernel: a call in flight and/or an off-CPU span not yet ended, in
+# the gt_sys_event layout (nr NO_CALL when in no syscall; ret: the off-CPU state bits, -1 when on CPU; a1: 1
+# when the call was under way before it was first seen).
+EV_UNFINISHED = 10
+NO_CALL = 0xFFFFFFFF
 
 SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
-         EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size}  # fmt: skip
+         EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size,
+         EV_UNFINISHED: SYS.size}  # fmt: skip
 
 
 # sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
@@ -54,6 +60,12 @@ _AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
 
 def cstr(b: bytes) -> str:
     return b.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def state_bits(letter: str) -> int:
+    """The sched_switch prev_state bits of a /proc state letter (0 for "R" and unknown letters)."""
+    i = _STATES.find(letter) if letter else -1
+    return 1 << i if i >= 0 else 0
 
 
 def task_state(raw: int) -> str:
@@ -180,6 +192,8 @@ class KernelDecoder:
             return self._offcpu(OFFCPU.unpack_from(blob, off))
         if etype == EV_FAULT:
             return self._fault(FAULT.unpack_from(blob, off))
+        if etype == EV_UNFINISHED:
+            return self._unfinished(SYS.unpack_from(blob, off))
         self._proc(PROC.unpack_from(blob, off))
         return None
 
@@ -246,6 +260,15 @@ class KernelDecoder:
         key = majmin(dev)
         return PageFault(pid, tid, fault_ns, end, end - start, self._maps.get((pid, key, ino), ""),
                          index * self.page_size, key, ino)  # fmt: skip
+
+    def _unfinished(self, f: tuple[Any, ...]) -> InProgress:
+        _, nr, pid, tid, start, at, state, a0, before, _arg = f
+        name, obj = "", ""
+        if nr != NO_CALL:
+            name = self._names.get(nr, f"syscall_{nr}")
+            if self._flags.get(nr, 0) & F_FD:  # looked up, never changed: the call did not complete
+                obj = self.fd_obj(pid, _int(a0))
+        return InProgress(pid, tid, name, start, at, task_state(state) if state >= 0 else "", obj, bool(before))
 
     def _proc(self, f: tuple[Any, ...]) -> None:
         etype, flags, pid, tid, ts, child_pid, child_tid, comm, _filename = f

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gputrace import clock
 from gputrace.probes.events import AT_FDCWD
-from gputrace.records import FdInfo, ProcInfo, ThreadInfo
+from gputrace.records import FdInfo, ProcExec, ProcFork, ProcInfo, ThreadInfo
 
 PROC = Path("/proc")
 _MAX_CMDLINE = 64 << 10
@@ -61,13 +61,35 @@ def proc_info(pid: int) -> ProcInfo | None:
     return ProcInfo(clock.monotonic_ns(), pid, ppid_of(pid), comm(pid), cmdline, exe)
 
 
-def threads(pid: int) -> list[ThreadInfo]:
+def thread_state(pid: int, tid: int) -> str:
+    """The thread's state letter from /proc/PID/task/TID/stat ("R", "S", "D", ...; "" when gone)."""
+    raw = _text(_read(PROC / str(pid) / "task" / str(tid) / "stat"))
+    after = raw[raw.rfind(")") + 1 :].split()  # comm may hold spaces and parens
+    return after[0] if after else ""
+
+
+def blocked_syscall(pid: int, tid: int) -> tuple[int, int] | None:
+    """(syscall nr, first argument) a sleeping thread is blocked in, from /proc/PID/task/TID/syscall;
+    None when it is running, in no syscall (-1: a fault or a stop), or gone."""
+    parts = _text(_read(PROC / str(pid) / "task" / str(tid) / "syscall")).split()
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
     try:
-        tids = sorted(int(t) for t in os.listdir(PROC / str(pid) / "task") if t.isdigit())
+        return int(parts[0]), int(parts[1], 16)
+    except ValueError:
+        return None
+
+
+def thread_ids(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(PROC / str(pid) / "task") if t.isdigit())
     except OSError:
         return []
+
+
+def threads(pid: int) -> list[ThreadInfo]:
     now = clock.monotonic_ns()
-    return [ThreadInfo(now, pid, tid, comm(pid, tid)) for tid in tids]
+    return [ThreadInfo(now, pid, tid, comm(pid, tid)) for tid in thread_ids(pid)]
 
 
 def descendants(pid: int) -> list[int]:
@@ -149,6 +171,27 @@ def fd_snapshot(pid: int) -> list[FdInfo]:
         kind, obj = _classify(link, peers or {})
         out.append(FdInfo(now, pid, int(name), kind, obj))
     return sorted(out, key=lambda r: r.fd)
+
+
+def snapshot(pid: int) -> list[ProcInfo | ThreadInfo | FdInfo]:
+    """What a process is when tracing of it begins: metadata, threads, open fds."""
+    info = proc_info(pid)
+    if info is None:
+        return []
+    return [info, *threads(pid), *fd_snapshot(pid)]
+
+
+def new_task_metadata(rec: object) -> list[ProcInfo | ThreadInfo]:
+    """/proc metadata for a fork or exec event, read while the task exists."""
+    if isinstance(rec, ProcFork):
+        if rec.is_thread:
+            return [t for t in threads(rec.child_pid) if t.tid == rec.child_tid]
+        info = proc_info(rec.child_pid)
+        return [info, *threads(rec.child_pid)] if info else []
+    if isinstance(rec, ProcExec):
+        info = proc_info(rec.pid)
+        return [info] if info else []
+    return []
 
 
 def block_devices() -> dict[str, str]:

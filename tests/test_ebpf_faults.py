@@ -12,7 +12,7 @@ import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
-from gputrace.probes.ebpf import _file_faults_supported
+from gputrace.probes.ebpf_host import file_faults_supported
 from gputrace.records import BlockIO, FileMap, OffCpu, PageFault, Syscall
 
 WORKLOADS = Path(__file__).parent / "workloads"
@@ -26,7 +26,7 @@ def inside(t: int, a: int, b: int) -> bool:
 
 
 def test_mapped_reads_are_page_faults_on_the_file(tmp_path: Path) -> None:
-    assert _file_faults_supported(), "filemap:mm_filemap_fault is missing on this kernel"
+    assert file_faults_supported(), "filemap:mm_filemap_fault is missing on this kernel"
     with loop_filesystem(tmp_path) as fs:
         mapped = write_file(fs.mountpoint / "mapped.bin", MAPPED_SIZE)
         plain = write_file(fs.mountpoint / "plain.bin", PLAIN_SIZE)

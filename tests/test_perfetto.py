@@ -396,3 +396,17 @@ def test_page_fault_slice_is_the_evidence_of_its_stall(tmp_path: Path) -> None:
     assert (fault.args["obj"], fault.args["offset"]) == ("/data/shard.bin", 4096)
     stalls = check.track("stalls", parent="GPU 0: sim-gpu (simulated)")
     assert "page fault" in {src.name for src, _ in check.flows_into(stalls)}
+
+
+def test_waits_still_open_at_stop_are_drawn_to_the_stop(tmp_path: Path) -> None:
+    from gputrace.records import InProgress
+
+    recs = _proc(100, "trainer") + [
+        InProgress(100, 100, "read", T0 + MS, T0 + 9 * MS, "S", "/data/fifo", True),
+        InProgress(100, 100, "", T0 + 10 * MS, T0 + 12 * MS, "D", "", False),
+    ]
+    check, _ = _export(tmp_path, recs)
+    thread = next(t for t in check.tracks.values() if t.kind == "thread" and t.tid == 100)
+    got = [(s.name, s.ts, s.dur, s.args.get("obj")) for s in check.slices_on(thread)]
+    assert got == [("read (still waiting at stop)", T0 + MS, 8 * MS, "/data/fifo"),
+                   ("off-CPU (still waiting at stop)", T0 + 10 * MS, 2 * MS, None)]

@@ -40,6 +40,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
     if cap.get("malformed_records"):
         lines.append(f"SKIPPED {cap['malformed_records']} malformed records")
+    waiting = cap.get("in_progress") or []
+    if waiting:
+        n = cap.get("in_progress_threads", len(waiting))
+        lines.append(f"still waiting when the capture stopped: {n} thread(s); the longest:")
+        for w in waiting[:3]:
+            what = f"{w['op']}({w['object']})" if w["object"] else w["op"]
+            since = "more than " if w["since_before_capture"] else ""
+            state = f", state {w['state']}" if w["state"] else ""
+            lines.append(f"  pid {w['pid']} tid {w['tid']} ({w['comm']}): {what} for {since}"
+                         f"{fmt_ms(w['duration_ns'])}{state}")
     if not report["devices"]:
         lines.append("no GPU activity in this capture")
         return lines

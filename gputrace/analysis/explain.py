@@ -7,6 +7,7 @@ followed to the waker and its time before the wakeup is explained the same way, 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from gputrace.records import BlockIO, OffCpu, Syscall
 
 MAX_DEPTH = 4
 MAX_EVIDENCE = 12
+MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 
 
 @dataclass
@@ -45,6 +47,22 @@ def evidence_syscall(sc: Syscall) -> dict[str, Any]:
         what += f" {sc.nbytes} B"
     return {"pid": sc.pid, "tid": sc.tid, "kind": "syscall", "what": what, "start_ns": sc.start_ns,
             "end_ns": sc.end_ns}
+
+
+def hottest_frames(cap: Capture, tid: int, a: int, b: int) -> dict[str, Any]:
+    """Where thread ``tid`` was sampled on CPU in [a, b): its most frequent leaf frames; {} without samples."""
+    index = cap.samples.get(tid)
+    stacks = index.between(a, b) if index else []
+    if not stacks:
+        return {}
+    pid, counts = cap.pid_of(tid), Counter(stacks)
+    leaves: Counter[str] = Counter()
+    for stack, n in counts.items():
+        frames = cap.stacks.get((pid, stack))
+        leaves[frames[0] if frames else "[unknown]"] += n
+    total = len(stacks)
+    top = [{"frame": f, "samples": n, "pct": round(100.0 * n / total, 1)} for f, n in leaves.most_common(MAX_FRAMES)]
+    return {"frames": top, "samples": total}
 
 
 def evidence_block(b: BlockIO) -> dict[str, Any]:
@@ -76,6 +94,10 @@ class Explainer:
         return {"pid": pid, "tid": tid, "comm": self.cap.comm(tid) or self.cap.comm(pid), "op": op,
                 "object": obj, "bytes": nbytes, "duration_ns": dur}
 
+    def cpu_culprit(self, tid: int, a: int, b: int) -> dict[str, Any]:
+        """A thread on CPU over [a, b), with its hottest frames where it was sampled."""
+        return {**self.culprit(tid, "cpu"), **hottest_frames(self.cap, tid, a, b)}
+
     def explain(self, tid: int, a: int, b: int, depth: int = 0) -> list[Part]:
         if b <= a:
             return []
@@ -91,7 +113,7 @@ class Explainer:
         outside = self._offcpu_outside_syscalls(tid, a, b, parts)
         on_cpu = (b - a) - in_syscalls - outside
         if on_cpu > 0:
-            parts.append(Part("cpu", on_cpu, self.culprit(tid, "cpu")))
+            parts.append(Part("cpu", on_cpu, self.cpu_culprit(tid, a, b)))
         return [p for p in parts if p.ns > 0]
 
     def _offcpu_outside_syscalls(self, tid: int, a: int, b: int, parts: list[Part]) -> int:
@@ -146,7 +168,7 @@ class Explainer:
             return Part("sync", ns, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev)
         if blocked:  # blocked in a call we cannot interpret: say so rather than guess
             return Part("unknown", ns, empty_culprit(), evidence=ev)
-        return Part("cpu", ns, self.culprit(sc.tid, "cpu"), evidence=ev)
+        return Part("cpu", ns, self.cpu_culprit(sc.tid, sc.start_ns, sc.end_ns), evidence=ev)
 
     def _storage(self, sc: Syscall, ns: int, blocked: list[OffCpu]) -> Part:
         tie = self.ties.for_syscall(sc)
@@ -202,7 +224,7 @@ class Explainer:
         rest = ns - used
         if rest > 0:
             if blocked:  # on CPU inside the call around the recorded blocking
-                parts.append(Part("cpu", rest, self.culprit(sc.tid, "cpu"), evidence=[evidence_syscall(sc)]))
+                parts.append(Part("cpu", rest, self.cpu_culprit(sc.tid, x, y), evidence=[evidence_syscall(sc)]))
             else:  # no off-CPU record tells who ended this wait
                 parts.append(Part("unknown", rest, empty_culprit(), evidence=[evidence_syscall(sc)]))
         return parts

@@ -22,12 +22,15 @@ from gputrace.records import (
     GpuMemcpy,
     GpuMemset,
     GpuSync,
+    InProgress,
     NvmlSample,
     OffCpu,
     PageFault,
     ProcExec,
     ProcFork,
     ProcInfo,
+    StackFrames,
+    StackSample,
     Syscall,
     ThreadInfo,
 )
@@ -61,6 +64,19 @@ class Intervals:
         return self.records[bisect_left(self.starts, a) : bisect_right(self.starts, b)]
 
 
+class Samples:
+    """The CPU samples of one thread, sorted by time: their stack ids, searched with bisect."""
+
+    def __init__(self, rows: list[tuple[int, int]]) -> None:
+        rows.sort()
+        self.ts = [t for t, _ in rows]
+        self.stacks = [s for _, s in rows]
+
+    def between(self, a: int, b: int) -> list[int]:
+        """Stack ids of the samples taken in [a, b)."""
+        return self.stacks[bisect_left(self.ts, a) : bisect_left(self.ts, b)]
+
+
 @dataclass
 class Capture:
     """What attribution reads, indexed."""
@@ -76,6 +92,9 @@ class Capture:
     blocks_by_dev: dict[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
     block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta
     syncs: dict[int, Intervals] = field(default_factory=dict)
+    in_progress: list[InProgress] = field(default_factory=list)  # threads caught waiting at stop
+    samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
+    stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (pid, stack id) -> frames, leaf first
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
     tgid: dict[int, int] = field(default_factory=dict)  # tid -> pid
     pids: set[int] = field(default_factory=set)
@@ -106,6 +125,7 @@ class _Loader:
         self.by_dev: dict[str, list[BlockIO]] = {}
         self.shared_ids: set[int] = set()
         self.faults: dict[tuple[int, int], Syscall] = {}  # (tid, start_ns) -> the fault as a blocking call
+        self.samples: dict[int, list[tuple[int, int]]] = {}  # tid -> [(ts, stack id)]
 
     def add(self, r: Any) -> None:
         kind = type(r).__name__
@@ -182,6 +202,7 @@ class _Loader:
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
         cap.blocks_by_dev = {d: Intervals(v, "issue_ns", "complete_ns") for d, v in self.by_dev.items()}
         cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
+        cap.samples = {t: Samples(v) for t, v in self.samples.items()}
         self._merge_shared_devices()
         for ops in cap.ops.values():
             ops.sort(key=lambda o: (o.start_ns, o.end_ns))
@@ -257,6 +278,19 @@ def _offcpu(ld: _Loader, r: OffCpu) -> None:
         ld.cap.comms.setdefault(r.waker_pid, r.waker_comm)
 
 
+def _sample(ld: _Loader, r: StackSample) -> None:
+    ld.samples.setdefault(r.tid, []).append((r.ts, r.stack))
+    ld._thread(r.pid, r.tid)
+
+
+def _frames(ld: _Loader, r: StackFrames) -> None:
+    """A stack's frame names; anything but a list of strings (hostile input) is counted and skipped."""
+    if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
+        ld.cap.malformed += 1
+        return
+    ld.cap.stacks[(r.pid, r.stack)] = r.frames
+
+
 _HANDLERS: dict[str, Any] = {
     "GpuKernel": _Loader.op,
     "GpuMemcpy": _Loader.op,
@@ -275,7 +309,10 @@ _HANDLERS: dict[str, Any] = {
     "ProcExec": _exec,
     "NvmlSample": _nvml,
     "Drops": lambda ld, r: ld.cap.drops.append(r),
+    "InProgress": lambda ld, r: ld.cap.in_progress.append(r),
     "SyscallAgg": lambda ld, r: ld.cap.kernel_pids.add(r.pid),
+    "StackSample": _sample,
+    "StackFrames": _frames,
 }
 
 
@@ -303,6 +340,9 @@ _SHAPES = {
     "ProcExec": _shape(ProcExec, "pid tid", "comm"),
     "GpuDevice": _shape(GpuDevice, "id pid", "name"),
     "NvmlSample": _shape(NvmlSample, "device", "metric"),
+    "InProgress": _shape(InProgress, "pid tid start_ns at_ns", "name state obj"),
+    "StackSample": _shape(StackSample, "ts pid tid stack"),
+    "StackFrames": _shape(StackFrames, "pid stack"),
 }
 
 

@@ -50,7 +50,21 @@ def _capture(cap: Capture) -> dict[str, Any]:
         out["problem"] = cap.problem
     if cap.malformed:
         out["malformed_records"] = cap.malformed
+    if cap.in_progress:
+        out["in_progress"] = in_progress(cap)
+        out["in_progress_threads"] = len(cap.in_progress)
     return out
+
+
+MAX_IN_PROGRESS = 20
+
+
+def in_progress(cap: Capture) -> list[dict[str, Any]]:
+    """Threads caught waiting when the capture stopped, longest first: what a hung job is stuck in."""
+    rows = sorted(cap.in_progress, key=lambda r: (r.start_ns - r.at_ns, r.tid))[:MAX_IN_PROGRESS]
+    return [{"pid": r.pid, "tid": r.tid, "comm": cap.comm(r.tid) or cap.comm(r.pid), "op": r.name or "off-CPU",
+             "object": r.obj, "state": r.state, "start_ns": r.start_ns, "duration_ns": r.at_ns - r.start_ns,
+             "since_before_capture": bool(r.before)} for r in rows]
 
 
 def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:

@@ -5,6 +5,7 @@ Times are given in milliseconds from an arbitrary base and stored as CLOCK_MONOT
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from gputrace.records import (
     OffCpu,
     PageFault,
     ProcInfo,
+    StackFrames,
+    StackSample,
     Syscall,
     ThreadInfo,
 )
@@ -102,6 +105,16 @@ class Builder:
 
     def drops(self, at_ms: float, source: str, what: str, count: int) -> Builder:
         self.records.append(Drops(ns(at_ms), source, what, count))
+        return self
+
+    def samples(self, pid: int, tid: int, start_ms: float, end_ms: float, frames: list[str],
+                every_ms: float = 1.0) -> Builder:
+        """CPU samples of ``tid`` every ``every_ms`` in [start_ms, end_ms), all in the stack ``frames`` (leaf
+        first), with that stack's StackFrames record (its id derived from the frames)."""
+        stack = zlib.crc32("\n".join(frames).encode()) & 0x7FFFFFFF
+        self.records.append(StackFrames(pid, stack, list(frames)))
+        n = int((end_ms - start_ms) / every_ms)
+        self.records += [StackSample(ns(start_ms + i * every_ms), pid, tid, stack) for i in range(n)]
         return self
 
     def write(self, path: Path, *, complete: bool = True, drops: dict[str, int] | None = None,

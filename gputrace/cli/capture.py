@@ -31,6 +31,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--syscall-threshold-us", type=float, default=100.0, metavar="US",
                    help="record syscalls and off-CPU intervals at least this long one by one; shorter ones are "
                         "counted per thread and syscall in the kernel (default: 100)")
+    p.add_argument("--sample-hz", type=int, default=499, metavar="HZ",
+                   help="sample the traced processes' user stacks this many times a second on CPU, to name the "
+                        "hottest frames of CPU stalls; 0 turns sampling off (default: 499)")
     p.add_argument("--no-perfetto", action="store_true", help="do not write NAME.pftrace")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run and trace")
@@ -49,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("-d/--duration must be > 0 seconds")
     if args.syscall_threshold_us < 0:
         raise UserError("--syscall-threshold-us must be >= 0")
+    if not 0 <= args.sample_hz <= 10_000:
+        raise UserError("--sample-hz must be 0 (off) to 10000")
     from gputrace.daemon.session import CaptureOptions, run_capture
 
     opts = CaptureOptions(
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         min_gap_ms=args.min_gap_ms,
         threshold_us=args.syscall_threshold_us,
         perfetto=not args.no_perfetto,
+        sample_hz=args.sample_hz,
     )
     result = run_capture(opts)
     return result.exit_code if result.exit_code is not None else 0

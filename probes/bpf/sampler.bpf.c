@@ -1,0 +1,80 @@
+/* CPU stack sampling of traced processes: a CPU-clock perf event on every CPU fires SAMPLE_HZ times a
+ * second; a sample whose task belongs to a traced tgid copies its user stack into the ring with the time,
+ * pid and tid. The stack travels with each sample rather than through a stack-id map: a stack map's buckets
+ * collide (-EEXIST) after a few hundred distinct stacks, and reusing them makes an id name another stack.
+ * User space dedupes stacks and symbolizes each once while the process is alive. New child processes of
+ * traced ones are followed through task_newtask; user space adds more with the targets map.
+ * Build-time parameters (cflags): RINGBUF_PAGES, MAX_TARGETS, HAVE_GROUP_DEAD. */
+#include <uapi/linux/bpf_perf_event.h>
+#include "sampler.h"
+
+#define SP_CLONE_THREAD 0x00010000 /* CLONE_THREAD in uapi/linux/sched.h */
+
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 512
+#endif
+#ifndef MAX_TARGETS
+#define MAX_TARGETS 8192
+#endif
+
+BPF_HASH(targets, u32, u8, MAX_TARGETS);
+BPF_RINGBUF_OUTPUT(samples, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(drops, u64, SP_DROP_MAX);
+
+static __always_inline void count_drop(u32 where) {
+    u64 *n = drops.lookup(&where);
+    if (n)
+        (*n)++; /* per-CPU: no other writer */
+}
+
+int on_sample(struct bpf_perf_event_data *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (tgid == 0 || !targets.lookup(&tgid))
+        return 0;
+    struct sp_event *e = samples.ringbuf_reserve(sizeof(struct sp_event));
+    if (!e) {
+        count_drop(SP_DROP_RINGBUF);
+        return 0;
+    }
+    long n = bpf_get_stack(ctx, e->ip, sizeof(e->ip), BPF_F_USER_STACK);
+    if (n <= 0) {
+        samples.ringbuf_discard(e, 0);
+        count_drop(SP_DROP_STACK);
+        return 0;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->pid = tgid;
+    e->tid = (u32)id;
+    e->nr = (u32)n / sizeof(u64);
+    e->cpu = bpf_get_smp_processor_id();
+    samples.ringbuf_submit(e, 0);
+    return 0;
+}
+
+/* A traced process forked a new process (not a thread: threads share the tgid already traced). */
+TRACEPOINT_PROBE(task, task_newtask) {
+    if (args->clone_flags & SP_CLONE_THREAD)
+        return 0;
+    u32 parent = bpf_get_current_pid_tgid() >> 32;
+    if (!targets.lookup(&parent))
+        return 0;
+    u32 child = args->pid;
+    u8 one = 1;
+    if (targets.update(&child, &one) != 0)
+        count_drop(SP_DROP_TARGETS);
+    return 0;
+}
+
+/* The process is gone: forget it, so a later process reusing its pid is not sampled. */
+TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+#ifdef HAVE_GROUP_DEAD
+    if (args->group_dead)
+#else
+    if ((u32)id == tgid)
+#endif
+        targets.delete(&tgid);
+    return 0;
+}
