@@ -47,6 +47,7 @@ _SLOT_SHARED = 0xFFFFFFFF
 _NR_MAX = 512  # GT_NR_MAX in gputrace.h
 _F_TRACED = 0x100  # GT_F_TRACED in gputrace.h: kernel-side only, never in the capture's sysflags
 HOOKS = ("auto", "raw", "classic")
+_FAULT_SIZE = events.FAULT.size
 
 ProcCallback = Callable[[Any], None]
 
@@ -357,7 +358,7 @@ class EbpfSource:
 
     def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
         raw = ctypes.string_at(data, size)
-        if size == events.FAULT.size:  # no other event has this size
+        if size == _FAULT_SIZE:  # no other event has this size
             try:
                 self._files.fault(raw)
             except Exception:  # noqa: BLE001 - runs under bcc's poll: counted, never raised

@@ -3,12 +3,10 @@ ext4, next to a pread() of another file and a sync() right after a file fault th
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
@@ -17,8 +15,6 @@ from gputrace.records import BlockIO, FileMap, OffCpu, PageFault, Syscall
 
 WORKLOADS = Path(__file__).parent / "workloads"
 MAPPED_SIZE, PLAIN_SIZE = 2 << 20, 1 << 20
-
-pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="file faults are traced on x86_64 only")
 
 
 def inside(t: int, a: int, b: int) -> bool:

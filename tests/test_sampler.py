@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from workloads.ebpfcap import source_capture
 
 from gputrace.analysis import analyze
 from gputrace.analysis.load import load
 from gputrace.analysis.synth import Builder
-from gputrace.capture import CaptureWriter, host_header, open_capture
-from gputrace.daemon.writer import QueueSink
+from gputrace.capture import open_capture
 from gputrace.probes.sampler import BPF_DIR, SampleEvent, StackSampler, clean_name, frame_name
 from gputrace.records import Drops, StackFrames, StackSample
 
@@ -72,21 +72,8 @@ class Spinner:
 @contextmanager
 def sampled(path: Path, pids: list[int]) -> Iterator[StackSampler]:
     """Capture with the sampler alone into a real capture file, as the session would write it."""
-    writer = CaptureWriter(path, host_header(["pytest"]))
-    sink = QueueSink(writer)
-    src = StackSampler(pids)
-    try:
-        src.start(sink)
-    except BaseException:
-        sink.close()
-        writer.abort()
-        raise
-    try:
+    with source_capture(path, StackSampler(pids), pids) as src:
         yield src
-    finally:
-        src.stop()
-        sink.close()
-        writer.close({"drops": {f"sampler.{k}": v for k, v in src.drops().items()}, "complete": True})
 
 
 def records(path: Path) -> list[Any]:

@@ -124,7 +124,7 @@ class _Loader:
         self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}}
         self.by_dev: dict[str, list[BlockIO]] = {}
         self.shared_ids: set[int] = set()
-        self.faults: dict[tuple[int, int], Syscall] = {}  # (tid, start_ns) -> the fault as a blocking call
+        self.faults: dict[tuple[int, int], PageFault] = {}  # (tid, start_ns) -> the fault, its last wait's end
         self.samples: dict[int, list[tuple[int, int]]] = {}  # tid -> [(ts, stack id)]
 
     def add(self, r: Any) -> None:
@@ -181,11 +181,8 @@ class _Loader:
             return
         key = (r.tid, r.start_ns)
         prev = self.faults.get(key)
-        if prev is None:
-            obj = r.obj or f"inode {r.ino} on {r.dev}"  # the device's name goes in when the meta is read
-            self.faults[key] = Syscall(r.pid, r.tid, FAULT_OP, r.start_ns, r.end_ns, 0, -1, obj, 0, r.offset)
-        elif r.end_ns > prev.end_ns:
-            self.faults[key] = prev._replace(end_ns=r.end_ns)
+        if prev is None or r.end_ns > prev.end_ns:
+            self.faults[key] = r
         self._thread(r.pid, r.tid)
         self.cap.kernel_pids.add(r.pid)
         self._span(r.start_ns, r.end_ns)
@@ -193,10 +190,9 @@ class _Loader:
     def finish(self) -> Capture:
         cap, raw = self.cap, self.raw
         for f in self.faults.values():
-            if f.obj.startswith("inode "):
-                ino, _, dev = f.obj.partition(" on ")
-                f = f._replace(obj=f"{ino} on {cap.block_names.get(dev, dev)}")
-            raw["sys"].setdefault(f.tid, []).append(f)
+            obj = f.obj or f"inode {f.ino} on {cap.block_names.get(f.dev, f.dev)}"
+            raw["sys"].setdefault(f.tid, []).append(
+                Syscall(f.pid, f.tid, FAULT_OP, f.start_ns, f.end_ns, 0, -1, obj, 0, f.offset))
         cap.syscalls = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sys"].items()}
         cap.offcpu = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["off"].items()}
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}

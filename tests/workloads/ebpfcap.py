@@ -14,9 +14,15 @@ from gputrace.probes.ebpf import EbpfSource
 
 @contextmanager
 def ebpf_capture(path: Path, pids: list[int], **options: Any) -> Iterator[EbpfSource]:
+    with source_capture(path, EbpfSource(pids, **options), pids) as src:
+        yield src
+
+
+@contextmanager
+def source_capture(path: Path, src: Any, pids: list[int]) -> Iterator[Any]:
+    """Run one source alone into a real capture file, as the session would write it."""
     writer = CaptureWriter(path, host_header(["pytest", *map(str, pids)]))
     sink = QueueSink(writer)
-    src = EbpfSource(pids, **options)
     try:
         src.start(sink)
     except BaseException:
@@ -28,7 +34,7 @@ def ebpf_capture(path: Path, pids: list[int], **options: Any) -> Iterator[EbpfSo
     finally:
         src.stop()
         sink.close()
-        writer.close({"drops": {f"ebpf.{k}": v for k, v in src.drops().items()}, "complete": True})
+        writer.close({"drops": {f"{src.name}.{k}": v for k, v in src.drops().items()}, "complete": True})
 
 
 def read_capture(path: Path) -> tuple[list[Any], CaptureReader]:
