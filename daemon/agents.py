@@ -3,9 +3,10 @@
 One selector thread serves every peer without ever blocking on one: reads are non-blocking, the only
 writes are tiny control messages (a peer that cannot take them is cut off), and records go through a
 bounded queue to a forwarder thread that feeds the sink, so a slow sink costs counted drops, not a
-stuck socket. Every peer is identified by SO_PEERCRED and must be a traced process (``authorize``);
-everything it sends is checked (gputrace.agent.validate) and a peer that breaks the protocol is cut off
-with the reason logged and counted.
+stuck socket. Every peer is identified by SO_PEERCRED and must be a traced process (``authorize``),
+asked while a pidfd of the peer (SO_PEERPIDFD, where the kernel has it) shows it has not exited, so the
+answer is about the peer and not about a process that took its pid since. Everything it sends is checked
+(gputrace.agent.validate) and a peer that breaks the protocol is cut off with the reason logged and counted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from gputrace.agent.listen import Forwarder, listen_at, unlink_if_ours
 from gputrace.records import AgentInfo, SourceStatus
 from gputrace.source import Sink
 
+from .service_caps import peer_pidfd, pidfd_exited
+
 log = logging.getLogger("gputrace.agents")
 
 QUEUE_MAX_RECORDS = 262144
@@ -39,6 +42,8 @@ RECV_BYTES = 256 << 10
 class _Peer:
     def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
         self.sock, self.pid, self.uid = sock, pid, uid
+        self.pidfd: int | None = None
+        self.vanished = False  # gone before it could be pinned (kernels before 6.16)
         self.frames = wire.FrameBuffer()
         self.hello: dict[str, Any] | None = None
         self.since = time.monotonic()
@@ -53,6 +58,9 @@ class _Peer:
     def active(self) -> bool:
         """Had GPU work to report: only then does losing it mid-capture matter."""
         return self.records > 0 or bool(self.hello and self.hello["backends"])
+
+    def exited(self) -> bool:
+        return self.vanished or (self.pidfd is not None and pidfd_exited(self.pidfd))
 
 
 class AgentServer:
@@ -221,13 +229,24 @@ class AgentServer:
         conn.setblocking(False)
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         peer = _Peer(conn, pid, uid)
+        try:
+            peer.pidfd = peer_pidfd(conn)
+        except ProcessLookupError:
+            peer.vanished = True
+        except OSError as e:
+            log.debug("agent pid %d: no pidfd: %s", pid, e)
         with self._lock:
             self._peers[conn] = peer
         self._authorize(peer)
 
     def _authorize(self, peer: _Peer) -> None:
+        if peer.exited():
+            self.stats["refused"] += 1
+            self._reject(peer, "exited before it was authorised; refused")
+            self._drop(peer, "refused", cut=False, quiet=True)
+            return
         try:
-            ok = bool(self.authorize(peer.pid))
+            ok = bool(self.authorize(peer.pid)) and not peer.exited()  # the answer was about this very process
         except Exception:  # noqa: BLE001 - a failing check refuses, it does not crash the session
             ok = False
         if ok:
@@ -350,6 +369,10 @@ class AgentServer:
                 return
             self._gone.append(peer)
         peer.end = reason
+        if peer.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(peer.pidfd)
+            peer.pidfd = None
         if peer.authorized:
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(peer.sock)

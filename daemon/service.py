@@ -29,12 +29,15 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gputrace import __version__
 from gputrace.errors import UserError
 
+from .service_caps import close_pidfds, open_pidfd, peer_pidfd, pidfd_exited, pidfd_support
 from .service_jobs import Job, JobTable, Limits, prepare_state_dir
 
 DEFAULT_SOCKET = Path("/run/gputrace/gputraced.sock")
@@ -174,13 +177,77 @@ def process_uids(pid: int) -> tuple[int, int, int]:
     return real, eff, saved
 
 
-def authorize(uid: int, pids: list[int]) -> None:
-    """Root may capture anything; anyone else only processes that are entirely theirs."""
-    for pid in pids:
-        uids = process_uids(pid)
-        if uid != 0 and any(u != uid for u in uids):
-            raise ProtocolError(f"not allowed: pid {pid} is not yours (uid {uids[1]}); "
-                                "only root may capture other users' processes")
+@dataclass(frozen=True)
+class Caller:
+    """Who asked: the peer's SO_PEERCRED pid, uid and gid, and a pidfd pinning that process (None without
+    SO_PEERPIDFD)."""
+
+    pid: int
+    uid: int
+    gid: int
+    pidfd: int | None
+
+
+def caller_of(conn: socket.socket) -> Caller:
+    pid, uid, gid = peer_credentials(conn)
+    try:
+        return Caller(pid, uid, gid, peer_pidfd(conn))
+    except ProcessLookupError:
+        raise ProtocolError(f"caller pid {pid} has exited; request dropped") from None
+
+
+def confirm_caller(caller: Caller) -> None:
+    """The process that connected is still there and still has the uid it connected with. Checked through
+    its pidfd, so never about a process that took its pid since; without SO_PEERPIDFD there is nothing to
+    check and SO_PEERCRED's uid alone decides."""
+    if caller.pidfd is None:
+        return
+    try:
+        euid = process_uids(caller.pid)[1] if caller.pid > 0 else caller.uid  # 0: from another pid namespace
+    except ProtocolError:
+        euid = None
+    if euid is None or pidfd_exited(caller.pidfd):
+        raise ProtocolError(f"caller pid {caller.pid} has exited; request dropped")
+    if euid != caller.uid:
+        raise ProtocolError(f"caller pid {caller.pid} now runs as uid {euid}, not uid {caller.uid} as when it "
+                            "connected; reconnect")
+
+
+def authorize(uid: int, pids: list[int], *, on_checked: Callable[[int], None] | None = None) -> dict[int, int]:
+    """Root may capture anything; anyone else only processes that are entirely theirs.
+
+    Each pid is pinned (pidfd_open) before /proc is read, and its pidfd is confirmed not to have exited
+    after: the check was about the process the pidfd refers to, not a successor that took its pid. Returns
+    {pid: pidfd} (empty where the kernel has no pidfd_open); the caller owns them. ``on_checked(pid)`` runs
+    between the /proc check and that confirmation (a seam for tests).
+    """
+    pinned: dict[int, int] = {}
+    try:
+        for pid in pids:
+            pidfd = _pin(pid)
+            if pidfd is not None:
+                pinned[pid] = pidfd
+            uids = process_uids(pid)
+            if on_checked is not None:
+                on_checked(pid)
+            if pidfd is not None and pidfd_exited(pidfd):
+                raise ProtocolError(f"process {pid} exited while being authorised")
+            if uid != 0 and any(u != uid for u in uids):
+                raise ProtocolError(f"not allowed: pid {pid} is not yours (uid {uids[1]}); "
+                                    "only root may capture other users' processes")
+    except BaseException:
+        close_pidfds(pinned)
+        raise
+    return pinned
+
+
+def _pin(pid: int) -> int | None:
+    try:
+        return open_pidfd(pid)
+    except ProcessLookupError:
+        if Path(f"/proc/{pid}").is_dir():
+            raise ProtocolError(f"pid {pid} is a thread, not a process; give its process id") from None
+        raise ProtocolError(f"no process with pid {pid}") from None
 
 
 # ------------------------------------------------------------------------------------------ service ---
@@ -197,6 +264,7 @@ class Service:
         self.started = time.time()
         self.stopping = threading.Event()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.pin_callers, self.pin_targets = pidfd_support()
         self.listener = self._listen()
 
     def _listen(self) -> socket.socket:
@@ -215,6 +283,7 @@ class Service:
 
     def serve(self) -> None:
         self.log(f"gputraced {__version__} listening on {self.socket_path}, captures in {self.state_dir}")
+        self.log(self._pidfd_line())
         try:
             while not self.stopping.is_set():
                 ready, _, _ = select.select([self.listener], [], [], 0.2)
@@ -236,26 +305,38 @@ class Service:
             return
         threading.Thread(target=self._handle, args=(conn,), name="gputraced-conn", daemon=True).start()
 
+    def _pidfd_line(self) -> str:
+        callers = ("callers pinned with SO_PEERPIDFD" if self.pin_callers else
+                   "no SO_PEERPIDFD on this kernel: callers known by SO_PEERCRED alone, a reused pid goes unseen")
+        targets = ("target pids pinned with pidfd_open" if self.pin_targets else
+                   "no pidfd_open: target pids checked unpinned, a reused pid goes unseen")
+        return f"{callers}; {targets}"
+
     def _handle(self, conn: socket.socket) -> None:
+        caller: Caller | None = None
         try:
             conn.settimeout(self.request_timeout_s)
-            peer_pid, uid, gid = peer_credentials(conn)
+            peer_pid, uid, _ = peer_credentials(conn)
             try:
+                caller = caller_of(conn)
                 req = recv_frame(conn, MAX_REQUEST)
                 if req is None:
                     return
-                self._dispatch(conn, validate(req), uid, gid, peer_pid)
+                self._dispatch(conn, validate(req), caller)
             except (ProtocolError, UserError) as e:
                 self.log(f"request from uid {uid} pid {peer_pid} refused: {e}")
                 _try_send(conn, {"ok": False, "error": str(e)})
         except OSError:
             pass  # the client went away; nothing to tell it
         finally:
+            if caller is not None and caller.pidfd is not None:
+                os.close(caller.pidfd)
             conn.close()
             self._slots.release()
 
-    def _dispatch(self, conn: socket.socket, req: dict[str, Any], uid: int, gid: int, peer_pid: int) -> None:
-        op = req["op"]
+    def _dispatch(self, conn: socket.socket, req: dict[str, Any], caller: Caller) -> None:
+        confirm_caller(caller)
+        op, uid = req["op"], caller.uid
         if op == "status":
             send_frame(conn, self.status(uid))
         elif op == "list":
@@ -265,14 +346,20 @@ class Service:
             job = self.jobs.stop(req["job"], uid)
             send_frame(conn, {"ok": True, "job": job.as_dict()})
         else:
-            self._capture(conn, req, uid, gid, peer_pid)
+            self._capture(conn, req, caller)
 
-    def _capture(self, conn: socket.socket, req: dict[str, Any], uid: int, gid: int, peer_pid: int) -> None:
+    def _capture(self, conn: socket.socket, req: dict[str, Any], caller: Caller) -> None:
         if self.stopping.is_set():
             raise ProtocolError("the service is shutting down")
-        authorize(uid, req["pids"])
-        job: Job = self.jobs.start(uid, gid, req)
-        self.log(f"job {job.id}: uid {uid} (pid {peer_pid}) captures pids {job.pids} for {job.duration_s:g} s")
+        pinned = authorize(caller.uid, req["pids"])
+        try:
+            confirm_caller(caller)  # again: authorising may have taken a while, and no job for a dead caller
+            job: Job = self.jobs.start(caller.uid, caller.gid, req, pinned)
+        except BaseException:
+            close_pidfds(pinned)
+            raise
+        self.log(f"job {job.id}: uid {caller.uid} (pid {caller.pid}) captures pids {job.pids} for "
+                 f"{job.duration_s:g} s" + (", pinned by pidfd" if pinned else ""))
         send_frame(conn, {"ok": True, "event": "started", "job": job.as_dict()})
         if req.get("wait"):
             conn.settimeout(None)
@@ -286,7 +373,8 @@ class Service:
         uptime = round(time.time() - self.started, 1)
         return {"ok": True, "version": __version__, "pid": os.getpid(), "uptime_s": uptime,
                 "socket": str(self.socket_path), "state_dir": str(self.state_dir), "running": len(running),
-                "caller_uid": uid, "capabilities": _effective_caps_hex()}
+                "caller_uid": uid, "capabilities": _effective_caps_hex(),
+                "pidfd": {"callers": self.pin_callers, "targets": self.pin_targets}}
 
 
 def _remove_stale_socket(path: Path) -> None:

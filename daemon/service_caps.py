@@ -1,13 +1,25 @@
-"""Least privilege for gputraced: after startup keep only the capabilities a capture needs.
+"""Least privilege for gputraced: the capabilities it keeps, and pidfds that pin the processes it authorises.
 
-Called before any thread exists (capset changes only the calling thread; threads started later inherit it).
-The same set is the systemd unit's CapabilityBoundingSet; each is justified there and here.
+drop_privileges is called before any thread exists (capset changes only the calling thread; threads started
+later inherit it). The same set is the systemd unit's CapabilityBoundingSet; each is justified there and here.
+
+A pid names whichever process holds it now; a pidfd names one process for good. Checking a process through
+/proc and then confirming its pidfd has not exited proves the check was about that process: its pid cannot
+pass to another before it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import os
+import select
+import socket
+from collections.abc import Callable
 from pathlib import Path
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; Python 3.11 does not name it
 
 KEEP = {
     0: "CAP_CHOWN",             # hand finished captures to the caller (fchown)
@@ -60,3 +72,70 @@ def drop_privileges(keep: dict[int, str] | None = None) -> str:
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     kept = [name for cap, name in sorted(keep.items()) if mask >> cap & 1]
     return f"capabilities kept: {', '.join(kept) or 'none'}"
+
+
+# ------------------------------------------------------------------------------------------ pidfds ---
+
+
+def peer_pidfd(conn: socket.socket) -> int | None:
+    """A pidfd for the process that connected ``conn`` (SO_PEERPIDFD), or None where the kernel has none.
+
+    Raises ProcessLookupError when the peer is already gone and the kernel cannot pin it (before 6.16).
+    """
+    try:
+        return conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as e:
+        if e.errno == errno.ENOPROTOOPT:
+            return None
+        if e.errno in (errno.ESRCH, errno.EINVAL, errno.ENODATA):
+            raise ProcessLookupError(e.errno, "peer has exited") from None
+        raise
+
+
+def open_pidfd(pid: int) -> int | None:
+    """pidfd_open(pid), or None where the kernel (or a seccomp filter) does not offer it.
+
+    Raises ProcessLookupError when no process has that pid (a thread id is not a process).
+    """
+    try:
+        return os.pidfd_open(pid)
+    except OSError as e:
+        if e.errno in (errno.ENOSYS, errno.EPERM):
+            return None
+        if e.errno in (errno.ESRCH, errno.ENOENT, errno.EINVAL):
+            raise ProcessLookupError(e.errno, f"no process {pid}") from None
+        raise
+
+
+def pidfd_exited(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has exited: a pidfd polls readable from then on."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def pidfd_support() -> tuple[bool, bool]:
+    """(SO_PEERPIDFD, pidfd_open) on this kernel: probed, never guessed from its version."""
+    return _works(_own_peer_pidfd), _works(lambda: open_pidfd(os.getpid()))
+
+
+def _own_peer_pidfd() -> int | None:
+    a, b = socket.socketpair()
+    with a, b:
+        return peer_pidfd(a)
+
+
+def _works(get: Callable[[], int | None]) -> bool:
+    try:
+        fd = get()
+    except OSError:
+        return False
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+def close_pidfds(pidfds: dict[int, int]) -> None:
+    for fd in pidfds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -24,6 +24,8 @@ from typing import Any
 
 from gputrace.errors import UserError
 
+from .service_caps import close_pidfds, pidfd_exited
+
 STAGING = ".staging"
 KEEP_FINISHED = 100
 STOP_WAIT_S = 60.0
@@ -55,6 +57,9 @@ class Job:
     log: deque[str] = field(default_factory=lambda: deque(maxlen=200))
     stop: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    pidfds: dict[int, int] = field(default_factory=dict, repr=False)  # target pid -> pidfd, closed at the end
+    confirmed: bool = False
+    lost: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "uid": self.uid, "pids": self.pids, "name": self.name, "state": self.state,
@@ -87,7 +92,8 @@ class JobTable:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def start(self, uid: int, gid: int, req: dict[str, Any]) -> Job:
+    def start(self, uid: int, gid: int, req: dict[str, Any], pidfds: dict[int, int] | None = None) -> Job:
+        """Start a capture; the job owns ``pidfds`` once this returns (on an error they stay the caller's)."""
         if req["duration_s"] > self.limits.max_duration_s:
             raise UserError(f"duration over this service's limit of {self.limits.max_duration_s:g} s")
         pids = list(req["pids"])
@@ -103,7 +109,8 @@ class JobTable:
                 raise UserError(f"you already run {self.limits.max_jobs_per_user} captures; wait or stop one")
             job_id = next(self._ids)
             stage = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self.state_dir / STAGING))
-            job = Job(job_id, uid, gid, pids, req["duration_s"], req["min_gap_ms"], name, stage)
+            job = Job(job_id, uid, gid, pids, req["duration_s"], req["min_gap_ms"], name, stage,
+                      pidfds=dict(pidfds or {}))
             self._jobs[job_id] = job
             self._forget_old()
         thread = threading.Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
@@ -120,6 +127,8 @@ class JobTable:
     def _run(self, job: Job) -> None:
         try:
             result = self._capture(job)
+            if job.lost or (job.pidfds and not job.confirmed):
+                raise UserError(job.lost or "tracing started unconfirmed; capture discarded")
             job.summary = _summary(result)
             if self.otlp and result.report is not None:
                 self._export_otlp(job, result)
@@ -131,6 +140,7 @@ class JobTable:
             job.state, job.error = "failed", f"internal error: {type(e).__name__}: {e}"
             self.log("".join(traceback.format_exception(e)).rstrip())
         finally:
+            close_pidfds(job.pidfds)
             shutil.rmtree(job.stage, ignore_errors=True)
             job.ended = time.time()
             self.log(f"job {job.id}: {job.state}" + (f": {job.error}" if job.error else f", {len(job.files)} files"))
@@ -147,7 +157,8 @@ class JobTable:
 
         opts = CaptureOptions(output=job.stage / job.name, pids=job.pids, duration_s=job.duration_s, force=False,
                               min_gap_ms=job.min_gap_ms, progress=False,
-                              argv=["gputraced", f"job={job.id}", f"uid={job.uid}", *map(str, job.pids)])
+                              argv=["gputraced", f"job={job.id}", f"uid={job.uid}", *map(str, job.pids)],
+                              on_tracing=lambda: _confirm_targets(job))
         return run_capture(opts, stop=job.stop, log=note)
 
     def _export_otlp(self, job: Job, result: Any) -> None:
@@ -189,6 +200,16 @@ class JobTable:
         deadline = time.monotonic() + STOP_WAIT_S
         for thread in list(self._threads.values()):
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _confirm_targets(job: Job) -> None:
+    """The probes follow pids. A target that exited before they were attached may have passed its pid to
+    another process, which they would now be tracing: stop, and publish nothing."""
+    job.confirmed = True
+    gone = [pid for pid, fd in job.pidfds.items() if pidfd_exited(fd)]
+    if gone:
+        job.lost = f"process {gone[0]} exited before tracing started; capture discarded (its pid may be reused)"
+        job.stop.set()
 
 
 def _pftrace(name: str) -> str:

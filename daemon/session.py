@@ -48,6 +48,7 @@ class CaptureOptions:
     progress: bool = True
     sample_hz: int = 499  # CPU stack samples per second of the traced processes (0: no sampling)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    on_tracing: Callable[[], None] | None = None  # called once every source is attached, before any wait
 
 
 @dataclass
@@ -160,6 +161,8 @@ class _Session:
         self.log(f"gputrace: tracing {what} and descendants; Ctrl-C to stop")
         for note in self.notes:
             self.log(note)
+        if self.opts.on_tracing is not None:
+            self.opts.on_tracing()
 
     def _agent_env(self) -> dict[str, str]:
         """The agent server must exist before the child is forked, so its environment can name it."""
@@ -296,6 +299,7 @@ class _Session:
             "drops": drops,
             "complete": not any(drops.values()),
             "sources": {s.source: [s.status, s.detail] for s in self.statuses},
+            "skipped": self._skipped(),
         }
         path = self.writer.close(trailer)
         self.drops = drops
@@ -307,6 +311,16 @@ class _Session:
         for source in self.sources + self.stopped:
             drops.update({f"{source.name}.{k}": int(v) for k, v in source.drops().items()})
         return drops
+
+    def _skipped(self) -> dict[str, int]:
+        """Kernel programs the kernel did not run (nested in another tracing program): their events may be
+        missing, for any task. Kept apart from drops, which are this capture's own records lost."""
+        out: dict[str, int] = {}
+        for source in self.sources + self.stopped:
+            counts = getattr(source, "skipped", None)
+            if counts is not None:
+                out.update({f"{source.name}.{k}": int(v) for k, v in counts().items() if v})
+        return out
 
     def _stop_sources(self) -> None:
         """Stop in reverse start order; each source is stopped once, its drops kept for the trailer."""

@@ -6,6 +6,8 @@ Track layout (see docs/perfetto.md):
       thread <comm>                     ThreadDescriptor; syscall slices
         off-CPU                         off-CPU / runqueue slices; "woken by" child at the wakeup
         CUDA API, NVTX                  host-side GPU calls and ranges
+      (CPU samples)                     PerfSample packets with interned callstacks: Perfetto's own
+                                        per-thread sample track and flame graph
     GPU <id>: <name> [(simulated)]
       stream <n>                        kernels, copies, memsets
       sync                              host waits on the device
@@ -46,6 +48,8 @@ from gputrace.records import (
     ProcFork,
     ProcInfo,
     SourceStatus,
+    StackFrames,
+    StackSample,
     Syscall,
     ThreadInfo,
 )
@@ -54,13 +58,13 @@ from . import ExportResult
 from . import perfetto_proto as pp
 from .perfetto_args import activity_slice, header_int, size_text, stall_args, unit_of
 from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
+from .perfetto_samples import CpuSamples
 from .perfetto_tracks import LaneSet, PacketSink, Tracks
 
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
 # Known kinds not placed on the timeline: fd and mapped-file paths are already on the syscalls and faults,
-# aggregates are in the report, CPU samples are summed into the report's cpu culprits (their frames).
-# Counted in ``not_drawn`` but not noted: they are expected in every capture.
-_NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap", "StackSample", "StackFrames"}
+# aggregates are in the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
+_NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap"}
 _COLLECTIVE_CAP = 10_000
 _NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
 
@@ -102,6 +106,7 @@ class _Run:
         self.flows = FlowIds()
         self.stall_links = StallLinks(report, self.flows)
         self.launches = LaunchMatcher(self.flows, pending_cap)
+        self.samples = CpuSamples(sink.put, self.tracks.thread, pending_cap)
         self.report = report
         self.lanes: dict[tuple[object, ...], LaneSet] = {}
         self.devices: dict[int, tuple[str, bool]] = {}
@@ -118,6 +123,7 @@ class _Run:
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
             SourceStatus: self.source_status, Drops: self.drops,
+            StackSample: self.samples.sample, StackFrames: self.samples.frames,
         }
 
     # -- frame ----------------------------------------------------------------------------------------
@@ -141,6 +147,7 @@ class _Run:
     def finish(self) -> None:
         for rec, flow in self.launches.drain():
             self.guarded(self._write_gpu, rec, flow)
+        self.samples.finish()
         self._write_stalls()
 
     def guarded(self, fn: Any, *args: Any) -> None:
@@ -167,7 +174,7 @@ class _Run:
             notes.append(f"{self.stall_links.malformed} malformed stall(s) in the report skipped")
         if self.stall_links.unmatched:
             notes.append(f"{self.stall_links.unmatched} stall evidence entr(ies) matched no slice: no flow")
-        return notes
+        return notes + self.samples.notes()
 
     # -- helpers --------------------------------------------------------------------------------------
 

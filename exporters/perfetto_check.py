@@ -3,7 +3,10 @@
 Checks: every track an event uses was described before; slices per track are balanced and, replayed in
 time order the way Perfetto does (ties in file order), close exactly the slices they opened (no partial
 overlaps); every flow id has at least two ends; timestamps are on CLOCK_MONOTONIC (3) and a clock
-snapshot exists.
+snapshot exists. CPU samples (PerfSample): every callstack, frame, function name, mapping and path id they
+use was interned earlier in the same sequence (or in the same packet), after that sequence cleared its
+incremental state; callstacks are not empty; the sample's thread (or at least its process) was described
+before it; its timestamp is set and plausible.
 
     python -m gputrace.exporters.perfetto_check TRACE.pftrace [--tree]
 """
@@ -22,6 +25,8 @@ from gputrace.errors import UserError
 MONOTONIC = 3
 BEGIN, END, INSTANT, COUNTER = 1, 2, 3, 4
 MAX_PER_KIND = 20
+SEQ_INCREMENTAL_STATE_CLEARED, SEQ_NEEDS_INCREMENTAL_STATE = 1, 2
+_TS_MAX = (1 << 63) - 1  # the exporter clamps broken timestamps here: a sample at either end is suspect
 
 
 @dataclass
@@ -54,6 +59,21 @@ class Slice:
 
 
 @dataclass
+class Sample:
+    """One CPU sample, its callstack resolved from the interned data: ``frames`` root first, "func (module)"."""
+
+    ts: int
+    pid: int
+    tid: int
+    frames: list[str]
+    index: int = 0  # packet index
+
+    @property
+    def leaf(self) -> str:
+        return self.frames[-1] if self.frames else ""
+
+
+@dataclass
 class _Event:
     index: int
     ts: int
@@ -76,6 +96,9 @@ class TraceCheck:
         self.flows: list[tuple[Slice, Slice]] = []
         self.counters: dict[int, list[tuple[int, float]]] = {}
         self.clocks: dict[int, int] = {}
+        self.samples: list[Sample] = []
+        self.thread_ids: set[tuple[int, int]] = set()  # (pid, tid) of the thread tracks described so far
+        self.pids: set[int] = set()  # and of their processes
         self.packets = 0
         self._counts: dict[str, int] = {}
 
@@ -189,9 +212,16 @@ def check_trace(path: str | Path) -> TraceCheck:
 def _read_packets(check: TraceCheck, trace: Any) -> list[_Event]:
     events: list[_Event] = []
     defaults: dict[int, int] = {}
+    interned: dict[int, _Interned] = {}
     for index, pkt in enumerate(trace.packet):
         check.packets += 1
         seq = pkt.trusted_packet_sequence_id
+        if pkt.sequence_flags & SEQ_INCREMENTAL_STATE_CLEARED or pkt.incremental_state_cleared:
+            interned[seq] = _Interned()
+        if pkt.HasField("interned_data"):
+            _interned_data(check, index, interned.get(seq), pkt.interned_data)
+        if pkt.HasField("perf_sample"):
+            _perf_sample(check, index, interned.get(seq), pkt)
         if pkt.HasField("trace_packet_defaults") and pkt.trace_packet_defaults.HasField("timestamp_clock_id"):
             defaults[seq] = pkt.trace_packet_defaults.timestamp_clock_id
         if pkt.HasField("clock_snapshot"):
@@ -220,6 +250,10 @@ def _descriptor(check: TraceCheck, index: int, td: Any) -> None:
     name = td.thread.thread_name if kind == "thread" else td.process.process_name if kind == "process" else td.name
     pid = td.thread.pid if kind == "thread" else td.process.pid if kind == "process" else None
     tid = td.thread.tid if kind == "thread" else None
+    if pid is not None:
+        check.pids.add(pid)
+        if tid is not None:
+            check.thread_ids.add((pid, tid))
     old = check.tracks.get(td.uuid)
     if old is not None and (old.kind != kind or (parent is not None and old.parent != parent)
                             or old.pid != pid or old.tid != tid):
@@ -254,6 +288,71 @@ def _event(check: TraceCheck, index: int, pkt: Any) -> _Event | None:
 def _annotation_value(a: Any) -> Any:
     which = a.WhichOneof("value")
     return getattr(a, which) if which else None
+
+
+class _Interned:
+    """A sequence's interned data since it last cleared its incremental state, resolved to text."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict[int, Any]] = {k: {} for k in (
+            "function_names", "mapping_paths", "build_ids", "mappings", "frames", "callstacks")}
+
+    def define(self, check: TraceCheck, index: int, kind: str, iid: int, value: Any) -> None:
+        table = self.tables[kind]
+        if iid == 0:
+            check.problem("interned", f"packet {index}: {kind} entry with iid 0 (iids start at 1)")
+        elif table.get(iid, value) != value:
+            check.problem("interned", f"packet {index}: {kind} iid {iid} redefined as something else")
+        table[iid] = value
+
+    def use(self, check: TraceCheck, index: int, kind: str, iid: int, user: str) -> Any:
+        value = self.tables[kind].get(iid)
+        if value is None:
+            check.problem("interned", f"packet {index}: {user} uses {kind} iid {iid}, not interned before")
+        return value
+
+
+def _interned_data(check: TraceCheck, index: int, state: _Interned | None, data: Any) -> None:
+    """Entries in dependency order: the trace processor reads a packet's interned data before using it."""
+    if state is None:
+        check.problem("interned", f"packet {index}: interned data before its sequence cleared incremental state")
+        state = _Interned()  # checked all the same, so one mistake is not reported many times over
+    for kind in ("function_names", "mapping_paths", "build_ids"):
+        for e in getattr(data, kind):
+            state.define(check, index, kind, e.iid, e.str.decode("utf-8", "replace"))
+    for m in data.mappings:
+        parts = [state.use(check, index, "mapping_paths", p, f"mapping {m.iid}") for p in m.path_string_ids]
+        if m.build_id:
+            state.use(check, index, "build_ids", m.build_id, f"mapping {m.iid}")
+        state.define(check, index, "mappings", m.iid, "/".join(p for p in parts if p))
+    for f in data.frames:
+        name = state.use(check, index, "function_names", f.function_name_id, f"frame {f.iid}")
+        module = state.use(check, index, "mappings", f.mapping_id, f"frame {f.iid}")
+        state.define(check, index, "frames", f.iid, f"{name} ({module})" if module else str(name))
+    for c in data.callstacks:
+        if not c.frame_ids:
+            check.problem("interned", f"packet {index}: callstack {c.iid} has no frames")
+        frames = [state.use(check, index, "frames", f, f"callstack {c.iid}") for f in c.frame_ids]
+        state.define(check, index, "callstacks", c.iid, tuple(str(f) for f in frames))
+
+
+def _perf_sample(check: TraceCheck, index: int, state: _Interned | None, pkt: Any) -> None:
+    ps = pkt.perf_sample
+    if state is None:
+        check.problem("sample", f"packet {index}: CPU sample before its sequence cleared incremental state")
+        return
+    if not pkt.sequence_flags & SEQ_NEEDS_INCREMENTAL_STATE:
+        check.problem("sample", f"packet {index}: CPU sample uses interned data without SEQ_NEEDS_INCREMENTAL_STATE")
+    if not pkt.HasField("timestamp") or not 0 < pkt.timestamp < _TS_MAX:
+        check.problem("sample", f"packet {index}: CPU sample without a plausible timestamp ({pkt.timestamp})")
+    if (ps.pid, ps.tid) not in check.thread_ids and ps.pid not in check.pids:
+        check.problem("sample", f"packet {index}: CPU sample of pid {ps.pid} tid {ps.tid}: no such thread or process "
+                                "described before it")
+    if not ps.HasField("callstack_iid"):
+        check.problem("sample", f"packet {index}: CPU sample without a callstack")
+        return
+    frames = state.use(check, index, "callstacks", ps.callstack_iid, "CPU sample")
+    check.samples.append(Sample(pkt.timestamp, ps.pid, ps.tid, list(frames or ()), index))
 
 
 def _link_threads(check: TraceCheck) -> None:
@@ -348,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     nslices = sum(len(v) for v in check.slices.values())
     print(f"OK: {check.packets} packets, {len(check.tracks)} tracks, {nslices} slices, {len(check.flows)} flows, "
-          f"{sum(len(v) for v in check.counters.values())} counter values")
+          f"{sum(len(v) for v in check.counters.values())} counter values, {len(check.samples)} CPU samples")
     return 0
 
 

@@ -21,7 +21,9 @@ INSTANT = 3
 COUNTER = 4
 
 SEQ_INCREMENTAL_STATE_CLEARED = 1
+SEQ_NEEDS_INCREMENTAL_STATE = 2
 SEQUENCE_ID = 1
+CPU_MODE_USER = 2  # Profiling.CpuMode.MODE_USER
 
 _U64 = (1 << 64) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -226,6 +228,48 @@ def sequence_start() -> bytes:
     """The first packet of our sequence: clears incremental state and makes MONOTONIC the default clock."""
     defaults = f_varint(58, CLOCK_MONOTONIC)
     return f_varint(10, SEQUENCE_ID) + f_varint(13, SEQ_INCREMENTAL_STATE_CLEARED) + f_bytes(59, defaults)
+
+
+# -- CPU samples: interned stacks (InternedData) and PerfSample packets ---------------------------------
+
+_K_SAMPLE_SEQ = _K_SEQ + f_varint(13, SEQ_NEEDS_INCREMENTAL_STATE)  # sequence_flags: uses interned data
+_K_PERF_SAMPLE = _key(66, 2)
+_K_INTERNED = _key(12, 2)
+
+
+def interned_string(field: int, iid: int, text: str) -> bytes:
+    """An InternedString entry of InternedData (function_names = 5, mapping_paths = 17)."""
+    return f_bytes(field, f_varint(1, iid) + f_str(2, text))
+
+
+def interned_mapping(iid: int, path_iid: int) -> bytes:
+    """InternedData.mappings: a module known by name only (no address range, no build id)."""
+    return f_bytes(19, f_varint(1, iid) + (f_varint(7, path_iid) if path_iid else b""))
+
+
+def interned_frame(iid: int, name_iid: int, mapping_iid: int) -> bytes:
+    """InternedData.frames: a function in a module; symbolized already, so no address (rel_pc 0)."""
+    return f_bytes(6, f_varint(1, iid) + f_varint(2, name_iid) + f_varint(3, mapping_iid) + f_varint(4, 0))
+
+
+def interned_callstack(iid: int, frame_iids: Iterable[int]) -> bytes:
+    """InternedData.callstacks: frame ids ordered root first (the outermost caller first)."""
+    return f_bytes(7, f_varint(1, iid) + b"".join(f_varint(2, f) for f in frame_iids))
+
+
+def perf_sample(ts: int, fields: bytes, callstack_iid: int, interned: bytes = b"") -> bytes:
+    """A TracePacket with one PerfSample on CLOCK_MONOTONIC; ``fields`` from ``sample_fields()``,
+    ``interned`` the InternedData entries first used here (the trace processor reads them first)."""
+    body = fields + f_varint(4, callstack_iid)
+    out = _K_TS + varint(clamp_ts(ts)) + _K_SAMPLE_SEQ
+    if interned:
+        out += _K_INTERNED + varint(len(interned)) + interned
+    return out + _K_PERF_SAMPLE + varint(len(body)) + body
+
+
+def sample_fields(pid: int, tid: int) -> bytes:
+    """PerfSample pid, tid and cpu_mode (user stacks); encoded apart so a broken record fails before use."""
+    return f_varint(2, pid) + f_varint(3, tid) + f_varint(5, CPU_MODE_USER)
 
 
 def framed(packet: bytes) -> bytes:

@@ -25,11 +25,12 @@ from gputrace.probes.ebpf_host import (
     check_host,
     file_faults_supported,
     format_has,
+    program_skips,
     program_text,
     tracepoint_exists,
     unload,
 )
-from gputrace.probes.filemaps import Key, MappedFiles
+from gputrace.probes.filemaps import Key, MappedFiles, ReceivedFds
 from gputrace.probes.syscalls import BY_NAME, SPECS, raw_syscalls_supported, syscall_numbers, wanted_tracepoints
 from gputrace.records import (
     Drops,
@@ -48,6 +49,7 @@ _NR_MAX = 512  # GT_NR_MAX in gputrace.h
 _F_TRACED = 0x100  # GT_F_TRACED in gputrace.h: kernel-side only, never in the capture's sysflags
 HOOKS = ("auto", "raw", "classic")
 _FAULT_SIZE = events.FAULT.size
+_FDRECV_SIZE = events.FDRECV.size
 
 ProcCallback = Callable[[Any], None]
 
@@ -97,9 +99,11 @@ class EbpfSource:
         self._callback_errors = 0
         self._nr_names: dict[int, str] = {}
         self._final_drops: dict[str, int] | None = None
+        self._final_skips: dict[str, int] | None = None
         self._on_proc_errors = 0
         self._poll_error = ""
         self._files = MappedFiles(self._emit_in_order, self._forget_file)
+        self._received = ReceivedFds(self._emit_in_order)
         self._since: dict[int, int] = {}  # pid -> when it was added to the target set
 
     # ------------------------------------------------------------------------------ lifecycle ---
@@ -173,6 +177,7 @@ class EbpfSource:
             self._sink.emit_kernel(b"".join(waiting), len(waiting))
         records: list[Any] = final.aggregates(self._bpf[b"agg"].items(), slots, self._nr_names)
         self._final_drops = self.drops()
+        self._final_skips = program_skips(self._bpf)
         records += [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
         records.append(self._final_status(now))
         self._sink.emit(records)
@@ -188,6 +193,12 @@ class EbpfSource:
         if self._poll_error:
             return SourceStatus(now, self.name, "ended_early", f"{detail}; polling stopped: {self._poll_error}")
         return SourceStatus(now, self.name, "stopped", detail)
+
+    def skipped(self) -> dict[str, int]:
+        """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
+        if self._final_skips is not None:
+            return dict(self._final_skips)
+        return program_skips(self._bpf) if self._bpf is not None else {}
 
     def drops(self) -> dict[str, int]:
         if self._final_drops is not None:
@@ -365,6 +376,11 @@ class EbpfSource:
                 self._callback_errors += 1
         batch = self._batch
         batch.append(raw)
+        if size == _FDRECV_SIZE:  # nor this one: the names follow it in the capture
+            try:
+                self._received.in_order(raw)
+            except Exception:  # noqa: BLE001
+                self._callback_errors += 1
         if len(batch) >= _BATCH_EVENTS:
             self._flush()
         return 0
@@ -394,6 +410,9 @@ class EbpfSource:
             raw = ctypes.string_at(data, size)
             if size == events.MAPFILE.size:
                 self._files.announced(raw)
+                return 0
+            if size == _FDRECV_SIZE:
+                self._received.announced(raw)
                 return 0
             rec = events.proc_record(raw)
         except Exception:  # noqa: BLE001

@@ -115,3 +115,35 @@ def file_faults_supported() -> bool:
     kernel with BTF (bpf_task_pt_regs takes a BTF task pointer)."""
     return (platform.machine() == "x86_64" and Path("/sys/kernel/btf/vmlinux").exists()
             and tracepoint_exists("filemap", "mm_filemap_fault"))
+
+
+def program_skips(bpf: Any) -> dict[str, int]:
+    """How often the kernel skipped each loaded program (its ``recursion_misses``, from the program fd's
+    fdinfo), by the tracepoint it serves: ``sched_waking``, ``sys_exit``, ``on_sample``. A tracepoint or
+    perf-event program is skipped when another tracing program, anyone's, is running on that CPU (an
+    interrupt arrived during one); what it would have recorded is missing, for any task, traced or not."""
+    out: dict[str, int] = {}
+    for name, fn in list(bpf.funcs.items()):
+        try:
+            text = Path(f"/proc/self/fdinfo/{fn.fd}").read_text()
+        except OSError:
+            continue
+        out[_program_short_name(name)] = parse_recursion_misses(text)
+    return out
+
+
+def parse_recursion_misses(fdinfo: str) -> int:
+    """``recursion_misses`` of a BPF program's fdinfo text (0 on kernels that do not report it)."""
+    for line in fdinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key == "recursion_misses":
+            return int(value.strip())
+    return 0
+
+
+def _program_short_name(name: bytes | str) -> str:
+    text = name.decode() if isinstance(name, bytes) else name
+    if text.startswith("tracepoint__"):
+        return text.split("__", 2)[-1]  # tracepoint__sched__sched_waking -> sched_waking
+    return text.removeprefix("gt_")
+

@@ -13,13 +13,14 @@ import ipaddress
 import os
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from gputrace.records import BlockIO, FdInfo, FileMap, InProgress, OffCpu, PageFault, ProcFork, Syscall
 
-LAYOUT = 2
-KNOWN_LAYOUTS = (1, 2)  # 2 added EV_FAULT; a layout-1 capture has none
+LAYOUT = 3
+KNOWN_LAYOUTS = (1, 2, 3)  # 2 added EV_FAULT, 3 EV_FDRECV; older captures have none
 AT_FDCWD = -100
+PATH_MAX_DATA = 255  # GT_DATA_LEN - 1: a path event's string of this length may have been cut short
 
 EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT, EV_FAULT = 1, 2, 3, 4, 5, 6, 7, 8
 
@@ -31,6 +32,10 @@ F_SOCKADDR_PLEN = 0x10
 F_FDTABLE = 0x20
 F_PIPE = 0x40
 F_TIMESPEC = 0x80
+F_PATH0 = 0x200  # with F_PATH: the path is the first argument, relative to the cwd (chdir)
+F_DUPFD = 0x400  # an fd-table change when the second argument is F_DUPFD / F_DUPFD_CLOEXEC (fcntl)
+F_MSGHDR = 0x800  # fds received in an SCM_RIGHTS message are reported (recvmsg)
+F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
 DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault")
 
@@ -42,6 +47,9 @@ PROC = struct.Struct("<IIIIQII16s128s")  # gt_proc_event
 FAULT = struct.Struct("<IIIIQQQQQ")  # gt_fault_event
 MAPFILE = struct.Struct("<IIIIQQ")  # gt_mapfile_event (process-event ring only)
 EV_MAPFILE = 9
+FDRECV_MAX = 16
+FDRECV = struct.Struct(f"<IIIIQ{FDRECV_MAX}i")  # gt_fdrecv_event (both rings)
+EV_FDRECV = 11
 # Written by the reader at stop, not the kernel: a call in flight and/or an off-CPU span not yet ended, in
 # the gt_sys_event layout (nr NO_CALL when in no syscall; ret: the off-CPU state bits, -1 when on CPU; a1: 1
 # when the call was under way before it was first seen).
@@ -50,7 +58,7 @@ NO_CALL = 0xFFFFFFFF
 
 SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
          EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size,
-         EV_UNFINISHED: SYS.size}  # fmt: skip
+         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size}  # fmt: skip
 
 
 # sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
@@ -98,6 +106,23 @@ def mapfile_key(raw: bytes) -> tuple[int, str, int]:
     if etype != EV_MAPFILE:
         raise ValueError(f"bad mapped-file event type {etype}")
     return pid, majmin(dev), ino
+
+
+class FdsReceived(NamedTuple):
+    """A gt_fdrecv_event: fds a recvmsg installed (SCM_RIGHTS)."""
+
+    pid: int
+    tid: int
+    ts: int
+    fds: tuple[int, ...]
+
+
+def fds_received(raw: bytes, off: int = 0) -> FdsReceived:
+    f = FDRECV.unpack_from(raw, off)
+    etype, count, pid, tid, ts = f[:5]
+    if etype != EV_FDRECV:
+        raise ValueError(f"bad fd-receive event type {etype}")
+    return FdsReceived(pid, tid, ts, tuple(f[5 : 5 + min(count, FDRECV_MAX)]))
 
 
 def sockaddr_str(data: bytes) -> str:
@@ -194,6 +219,9 @@ class KernelDecoder:
             return self._fault(FAULT.unpack_from(blob, off))
         if etype == EV_UNFINISHED:
             return self._unfinished(SYS.unpack_from(blob, off))
+        if etype == EV_FDRECV:
+            self._received(fds_received(blob, off))
+            return None
         self._proc(PROC.unpack_from(blob, off))
         return None
 
@@ -204,8 +232,8 @@ class KernelDecoder:
         obj = self._object(pid, nr, flags, ret, _int(a0), _int(a1), data)
         if end - start < self.threshold_ns:
             return None  # emitted only to keep the fd table right; its time is in SyscallAgg
-        if flags & F_PATH:
-            fd = ret if ret >= 0 and flags & F_FDTABLE else -1
+        if flags & F_PATH:  # an open returns its fd; chdir (F_PATH0) returns 0, no fd
+            fd = ret if ret >= 0 and flags & F_FDTABLE and not flags & F_PATH0 else -1
         nbytes = ret if flags & F_XFER and ret > 0 else 0
         return Syscall(pid, tid, self._names.get(nr, f"syscall_{nr}"), start, end, ret, fd, obj, nbytes, arg)
 
@@ -214,8 +242,11 @@ class KernelDecoder:
         table = self._fds.setdefault(pid, {})
         name = self._names.get(nr, "")
         if flags & F_PATH:
-            path = self._resolve_path(pid, a0, cstr(data))
-            if flags & F_FDTABLE and ret >= 0:
+            path = self._resolve_path(pid, AT_FDCWD if flags & F_PATH0 else a0, cstr(data))
+            if name == "chdir":
+                if ret == 0:  # a path the event cut short is not the new cwd
+                    _put(table, AT_FDCWD, path if path.startswith("/") and len(data) < PATH_MAX_DATA else "")
+            elif flags & F_FDTABLE and ret >= 0:
                 table[ret] = path
             return path
         if flags & F_SOCKADDR:
@@ -238,13 +269,24 @@ class KernelDecoder:
             return "socket"
         if name == "close":
             return table.pop(a0, "")
-        if name.startswith("dup"):
+        if name.startswith("dup") or (flags & F_DUPFD and a1 in F_DUPFD_CMDS):
             obj = table.get(a0, "")
-            newfd = ret if name == "dup" else a1
-            if ret >= 0 and obj:
-                table[newfd] = obj
+            if ret >= 0:  # an unknown source leaves the new fd unknown, not what it held before
+                _put(table, a1 if name in ("dup2", "dup3") else ret, obj)
+            return obj
+        if name == "fchdir":
+            obj = table.get(a0, "")
+            if ret == 0:  # a directory fd of unknown path: later relative paths stay relative
+                _put(table, AT_FDCWD, obj if obj.startswith("/") else "")
             return obj
         return table.get(a0, "") if flags & F_FD else ""
+
+    def _received(self, ev: FdsReceived) -> None:
+        """fds installed by a recvmsg: whatever those numbers held is gone. The live reader writes an FdInfo
+        for each one it could name right after this event."""
+        table = self._fds.setdefault(ev.pid, {})
+        for fd in ev.fds:
+            table.pop(fd, None)
 
     def _block(self, f: tuple[Any, ...]) -> BlockIO:
         _, dev, pid, tid, sector, issue, complete, nbytes, _err, rwbs, comm = f
@@ -293,6 +335,13 @@ def proc_record(raw: bytes) -> Any:
     if etype == EV_EXIT:
         return ProcExit(ts, pid, tid, cstr(comm))
     raise ValueError(f"bad process event type {etype}")
+
+
+def _put(table: dict[int, str], fd: int, obj: str) -> None:
+    if obj:
+        table[fd] = obj
+    else:
+        table.pop(fd, None)
 
 
 def _int(v: int) -> int:

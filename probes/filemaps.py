@@ -1,9 +1,12 @@
-"""Names of the files traced processes map, for the page faults that wait on them.
+"""Names of the files traced processes map, for the page faults that wait on them; names of the fds they
+receive over unix sockets.
 
 A fault event names its file by device and inode; the path is read from /proc/PID/maps while the mapping
 exists, and a FileMap record goes into the capture before the first fault event that needs it. The kernel
 announces each (process, file) at its first fault (the faulting thread holds the mapping then); a fault
 event whose file was not announced yet is resolved when it arrives, as a fallback.
+
+An fd received in an SCM_RIGHTS message is named the same way, from /proc/PID/fd/N: see ReceivedFds.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.probes import events, procfs
-from gputrace.records import FileMap
+from gputrace.records import FdInfo, FileMap
 
 Key = tuple[int, str, int]  # (pid, "MAJ:MIN", inode)
 
@@ -59,3 +62,53 @@ class MappedFiles:
         self._written.add(key)
         pid, dev, ino = key
         self._emit([FileMap(clock.monotonic_ns(), pid, dev, ino, path)])
+
+
+_MAX_PENDING = 4096
+
+
+class ReceivedFds:
+    """fds a traced recvmsg installed (SCM_RIGHTS). The kernel reports them twice: in the process-event ring,
+    which is read promptly, so /proc/PID/fd/N is read while the fd most likely still holds the file; and in
+    the events ring, in order with the process's other fd events. The FdInfo records go into the capture
+    right after the latter, so the decoder applies them exactly where the fds appeared."""
+
+    def __init__(self, emit: Callable[[list[Any]], None]) -> None:
+        """``emit`` writes records after everything read so far from the events ring."""
+        self._emit = emit
+        self._early: dict[tuple[int, int, int], list[FdInfo]] = {}  # read, waiting for the events-ring copy
+        self._late: set[tuple[int, int, int]] = set()  # read at the events-ring copy; process-ring copy to come
+        self.unresolved = 0
+
+    def announced(self, raw: bytes) -> None:
+        """The process-event ring's copy: read the names now."""
+        ev = events.fds_received(raw)
+        key = (ev.pid, ev.tid, ev.ts)
+        if key in self._late:
+            self._late.discard(key)
+            return
+        if len(self._early) >= _MAX_PENDING:  # events-ring copies lost: do not grow without bound
+            self._early.clear()
+        self._early[key] = self._read(ev)
+
+    def in_order(self, raw: bytes) -> None:
+        """The events ring's copy, just added to the batch: write the names after it."""
+        ev = events.fds_received(raw)
+        key = (ev.pid, ev.tid, ev.ts)
+        infos = self._early.pop(key, None)
+        if infos is None:
+            infos = self._read(ev)
+            if len(self._late) >= _MAX_PENDING:
+                self._late.clear()
+            self._late.add(key)
+        if infos:
+            self._emit(infos)
+
+    def _read(self, ev: events.FdsReceived) -> list[FdInfo]:
+        out = []
+        for fd in ev.fds:
+            info = procfs.received_fd(ev.ts, ev.pid, fd)
+            self.unresolved += info is None
+            if info is not None:
+                out.append(info)
+        return out

@@ -173,6 +173,16 @@ def fd_snapshot(pid: int) -> list[FdInfo]:
     return sorted(out, key=lambda r: r.fd)
 
 
+def received_fd(ts: int, pid: int, fd: int) -> FdInfo | None:
+    """fd ``fd`` of ``pid`` as an FdInfo dated ``ts`` (None when it is gone), read from /proc/PID/fd."""
+    try:
+        link = os.readlink(PROC / str(pid) / "fd" / str(fd))
+    except OSError:
+        return None
+    kind, obj = _classify(link, socket_peers(pid) if link.startswith("socket:") else {})
+    return FdInfo(ts, pid, fd, kind, obj)
+
+
 def snapshot(pid: int) -> list[ProcInfo | ThreadInfo | FdInfo]:
     """What a process is when tracing of it begins: metadata, threads, open fds."""
     info = proc_info(pid)

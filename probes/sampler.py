@@ -20,7 +20,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
-from gputrace.probes.ebpf_host import BPF_DIR, check_host, format_has, unload
+from gputrace.probes.ebpf_host import BPF_DIR, check_host, format_has, program_skips, unload
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
 
@@ -152,6 +152,7 @@ class StackSampler:
         self._malformed = 0
         self._targets_full = 0
         self._final_drops: dict[str, int] | None = None
+        self._final_skips: dict[str, int] | None = None
         self._no_user_stack = 0
         self._emitted: dict[str, int] = {}  # drop counts last written as Drops records
         self._lock = threading.Lock()  # add_target() (the session's thread) against stop()
@@ -204,6 +205,7 @@ class StackSampler:
             bpf.ring_buffer_consume()
             self._flush()
             self._final_drops = self.drops()
+            self._final_skips = program_skips(self._bpf)
             self._no_user_stack = self._kernel_counts()["no_user_stack"]
             self._bpf = None
         now = clock.monotonic_ns()
@@ -212,6 +214,12 @@ class StackSampler:
         self._sink.emit(records)
         self._symbols.close()
         unload(bpf)
+
+    def skipped(self) -> dict[str, int]:
+        """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
+        if self._final_skips is not None:
+            return dict(self._final_skips)
+        return program_skips(self._bpf) if self._bpf is not None else {}
 
     def drops(self) -> dict[str, int]:
         if self._final_drops is not None:

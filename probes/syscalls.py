@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gputrace.probes.events import (
+    F_DUPFD,
     F_FD,
     F_FDTABLE,
+    F_MSGHDR,
     F_PATH,
+    F_PATH0,
     F_PIPE,
     F_SOCKADDR,
     F_SOCKADDR_PLEN,
@@ -40,6 +43,7 @@ _NET = "network transfers"
 _CONN = "socket setup (peer addresses)"
 _SLEEP = "sleeps"
 _FDS = "fd table changes (resolves fds to files and peers)"
+_CWD = "working directory changes (resolves relative paths)"
 
 SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("read", F_FD | F_XFER, 2, _READ),
@@ -67,7 +71,7 @@ SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("epoll_pwait", F_FD, 3, _POLL),
     SyscallSpec("epoll_pwait2", F_FD, 3, _POLL),
     SyscallSpec("recvfrom", F_FD | F_XFER, 2, _NET),
-    SyscallSpec("recvmsg", F_FD | F_XFER, 2, _NET),
+    SyscallSpec("recvmsg", F_FD | F_XFER | F_MSGHDR, 2, _NET),
     SyscallSpec("recvmmsg", F_FD, 2, _NET),
     SyscallSpec("sendto", F_FD | F_XFER, 2, _NET),
     SyscallSpec("sendmsg", F_FD | F_XFER, 2, _NET),
@@ -85,6 +89,10 @@ SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("dup2", F_FD | F_FDTABLE, 1, _FDS),
     SyscallSpec("dup3", F_FD | F_FDTABLE, 1, _FDS),
     SyscallSpec("close", F_FD | F_FDTABLE, 0, _FDS),
+    # Always emitted only for F_DUPFD / F_DUPFD_CLOEXEC (os.dup); other commands when long (F_SETLKW waits).
+    SyscallSpec("fcntl", F_FD | F_DUPFD, 1, "fd duplicates and file-lock waits"),
+    SyscallSpec("chdir", F_PATH | F_PATH0 | F_FDTABLE, 0, _CWD),
+    SyscallSpec("fchdir", F_FD | F_FDTABLE, 0, _CWD),
 )
 
 BY_NAME: dict[str, SyscallSpec] = {s.name: s for s in SPECS}

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import struct
+import subprocess
 import time
 from pathlib import Path
 
-from agent_harness import Harness, RawPeer, of, wait_for
+import msgpack
+from agent_harness import PYTHON, Harness, RawPeer, of, wait_for
 
 from gputrace.records import GpuKernel
 
@@ -148,6 +151,43 @@ def test_an_unauthorised_pid_is_refused(tmp_path: Path) -> None:
     recs = h.finish()
     assert h.server.stats["refused"] == 1 and not of(recs, "AgentInfo")
     assert h.server.rejections == [f"pid {os.getpid()}: not a traced process; refused"]
+
+
+CONNECT_AND_HAND_OVER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+socket.send_fds(socket.socket(fileno=int(sys.argv[2])), [b"x"], [s.fileno()])
+"""
+
+
+def test_a_peer_that_exits_before_it_is_authorised_stays_refused_when_its_pid_turns_traced(tmp_path: Path) -> None:
+    """A stranger connects, hands its connection to another process and exits. Its pid then becomes
+    "traced" (as if reused by a target): the connection must still be refused, not served as that target."""
+    h = Harness(tmp_path, authorize_grace_s=30.0)
+    here, there = socket.socketpair()
+    try:
+        stranger = subprocess.Popen([PYTHON, "-c", CONNECT_AND_HAND_OVER, str(h.server.sock_path),
+                                     str(there.fileno())], pass_fds=[there.fileno()])
+        _, fds, _, _ = socket.recv_fds(here, 1, 1)
+        assert stranger.wait(10) == 0
+    finally:
+        here.close()
+        there.close()
+    h.allowed.add(stranger.pid)
+    with socket.socket(fileno=fds[0]) as held:
+        held.settimeout(5.0)
+        hello = msgpack.packb({"type": "hello", "pid": stranger.pid, "tid": stranger.pid, "interpreter": "",
+                               "cuda_version": "", "driver_version": "", "backends": ["sim"], "unavailable": {}})
+        held.sendall(struct.pack(">I", len(hello)) + hello)
+        try:
+            answer = held.recv(4096)
+        except ConnectionResetError:
+            answer = b""  # closed with our hello unread
+        assert answer == b"", "the server answered instead of closing"
+    recs = h.finish()
+    assert h.server.rejections == [f"pid {stranger.pid}: exited before it was authorised; refused"]
+    assert h.server.stats["refused"] == 1 and h.server.stats["accepted"] == 0 and not of(recs, "AgentInfo")
 
 
 def test_a_silent_peer_never_blocks_the_session(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ PATH = "/data/shard-0042.bin"
 
 
 def run(b: Builder, tmp_path: Path, **kw: Any) -> dict[str, Any]:
-    path = b.write(tmp_path / "t.gputrace", **{k: v for k, v in kw.items() if k in ("complete", "drops", "header")})
+    path = b.write(tmp_path / "t.gputrace",
+                   **{k: v for k, v in kw.items() if k in ("complete", "drops", "header", "trailer")})
     with open_capture(path) as reader:
         return analyze(reader, **{k: v for k, v in kw.items() if k == "min_gap_ns"})
 
@@ -120,9 +121,27 @@ def test_sleep(tmp_path: Path) -> None:
 
 def test_gpu_sync_is_not_followed_to_the_device_thread(tmp_path: Path) -> None:
     b = trainer().sync(TRAINER, TRAINER, 10.1, 39.0).syscall(TRAINER, TRAINER, "futex", 10.1, 39.0)
+    b.op(TRAINER, TRAINER, 5.0, 5.0, 39.0, "on_device_1", dev=1)  # what the sync waited for
     b.offcpu(TRAINER, TRAINER, 10.1, 39.0, "S", 39.0, (TRAINER, TRAINER + 1, "sim-device"))
     s = only_stall(run(b, tmp_path))
     assert s["cause"] == "sync" and s["culprit"]["pid"] == TRAINER
+
+
+def test_sync_woken_late_by_a_starved_device_thread_is_that_threads_run_queue(tmp_path: Path) -> None:
+    # The device finished at 10; its stream thread (traced, same process) waited for a CPU until 36 and
+    # only then woke the synchronizing trainer: the wait past 10 is for that thread, not for the device.
+    stream = TRAINER + 1
+    b = trainer().thread(TRAINER, stream, "sim-gpu0-s1")
+    b.sync(TRAINER, TRAINER, 8.0, 38.0).syscall(TRAINER, TRAINER, "futex", 8.0, 38.0)
+    b.offcpu(TRAINER, TRAINER, 8.0, 38.0, "S", 36.5, (TRAINER, stream, "sim-gpu0-s1"))
+    b.offcpu(TRAINER, stream, 9.0, 36.0, "R")
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "cpu.runqueue" and s["culprit"]["tid"] == stream, s
+    assert s["via"] == [f"wait:pid {TRAINER}"]
+    # The same wake while another device of the process was still running: the wait is for that device.
+    b.op(TRAINER, TRAINER, 0.0, 5.0, 36.4, "other_device", dev=1)
+    r = run(b, tmp_path)
+    assert next(s for s in r["stalls"] if s["device"] == 0)["cause"] == "sync"
 
 
 def test_sync_api_call_without_a_sync_record_is_sync(tmp_path: Path) -> None:
@@ -320,3 +339,14 @@ def test_page_fault_through_a_worker_and_an_unnamed_file(tmp_path: Path) -> None
     assert s["cause"] == "storage" and s["via"] == [f"wait:pid {WORKER}"]
     c = s["culprit"]
     assert (c["pid"], c["op"], c["object"]) == (WORKER, "page_fault", "inode 77 on 7:3")
+
+
+def test_probes_the_kernel_skipped_are_reported_apart_from_drops(tmp_path: Path) -> None:
+    skipped = {"ebpf.sched_waking": 8, "ebpf.hrtimer_expire_entry": 2, "sampler.on_sample": 0}
+    r = run(trainer(), tmp_path, trailer={"skipped": skipped})
+    assert r["capture"]["skipped_probes"] == {"ebpf.sched_waking": 8, "ebpf.hrtimer_expire_entry": 2}
+    assert r["capture"]["complete"] is True and not any(r["capture"]["drops"].values())
+    line = next(x for x in summary_lines(r) if "skipped" in x)
+    assert "10 times (ebpf.sched_waking=8, ebpf.hrtimer_expire_entry=2)" in line
+    assert "skipped_probes" not in run(trainer(), tmp_path)["capture"]
+

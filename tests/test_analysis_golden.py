@@ -42,7 +42,8 @@ def mixed_capture(path: Path) -> Path:
     b.op(t, t, 119.9, 120, 125, "k5")
     # 6 device: launched at 110, before the stall [125, 140)
     b.op(t, t, 110, 140, 145, "k6")
-    # 7 sync: [145, 160)
+    # 7 sync: [145, 160), waiting for the trainer's other device
+    b.device(t, dev=1).op(t, t, 139, 140, 159.5, "k_dev1", dev=1)
     b.sync(t, t, 145.1, 159.5).syscall(t, t, "futex", 145.1, 159.5).offcpu(t, t, 145.1, 159.5, "S", 159.5,
                                                                                (t, t + 1, "sim-stream"))
     b.op(t, t, 159.9, 160, 165, "k7")

@@ -73,6 +73,8 @@ def test_pid_capture_ends_when_target_exits(tmp_path: Path) -> None:
         list(reader.records())
         assert reader.complete
         assert reader.trailer is not None and reader.trailer["stop_reason"] == "targets exited"
+        skipped = reader.trailer["skipped"]  # programs the kernel skipped: source.program -> count, never 0
+        assert all(k.startswith(("ebpf.", "sampler.")) and type(v) is int and v > 0 for k, v in skipped.items())
 
 
 def test_dead_pid_is_refused(tmp_path: Path) -> None:

@@ -83,6 +83,11 @@ def test_tree_is_followed_and_attributed(tree: Tree, loopfs: LoopFs, tmp_path: P
         assert src.is_traced(tree.pid)
         got = tree.run()
     records, reader = read_capture(path)
+    # every attached program's skip counter was read from the kernel (fdinfo recursion_misses)
+    skipped = src.skipped()
+    assert {"sched_switch", "sched_waking", "task_newtask", "block_rq_complete"} <= set(skipped), skipped
+    assert {"sys_enter", "sys_exit"} <= set(skipped) or "sys_exit_pread64" in skipped, skipped
+    assert all(type(v) is int and v >= 0 for v in skipped.values())
     worker = got["worker"]
     assert got["bytes_a"] == SIZE_A and got["bytes_b"] == SIZE_B
 

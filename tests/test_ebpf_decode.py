@@ -106,3 +106,81 @@ def test_mapped_files_parses_proc_maps(tmp_path: Path) -> None:
     assert got[key] == str(f).replace("\n", "\\012")  # the kernel escapes a newline; the rest is verbatim
     assert all(p.startswith("/") for p in got.values())
     assert procfs.mapped_files(2**22 + 1) == {}  # no such process
+
+
+_CWD_META = {"layout": events.LAYOUT, "threshold_ns": 0,
+             "syscalls": {0: "read", 72: "fcntl", 80: "chdir", 81: "fchdir", 257: "openat", 33: "dup2"},
+             "sysflags": {0: events.F_FD | events.F_XFER, 72: events.F_FD | events.F_DUPFD,
+                          80: events.F_PATH | events.F_PATH0 | events.F_FDTABLE, 81: events.F_FD | events.F_FDTABLE,
+                          257: events.F_PATH | events.F_FDTABLE, 33: events.F_FD | events.F_FDTABLE}}  # fmt: skip
+
+
+def _path_ev(nr: int, pid: int, ret: int, a0: int, path: bytes) -> bytes:
+    head = events.SYS.pack(events.EV_PATH, nr, pid, pid, 10, 20, ret, a0 & 0xFFFFFFFFFFFFFFFF, 0, 0)
+    return head + struct.pack("<II", len(path), 0) + path.ljust(256, b"\0")
+
+
+def _open(pid: int, fd: int, path: bytes) -> bytes:
+    return _path_ev(257, pid, fd, events.AT_FDCWD, path)
+
+
+def _objs(d: KernelDecoder, blob: bytes) -> list[tuple[str, str]]:
+    return [(r.name, r.obj) for r in d.decode(blob)]
+
+
+def test_chdir_and_fchdir_move_the_cwd_relative_paths_resolve_against() -> None:
+    d = KernelDecoder(_CWD_META)
+    d.note_fd(FdInfo(1, 5, events.AT_FDCWD, "cwd", "/home/u"))
+    blob = (_path_ev(80, 5, 0, 0, b"data") + _open(5, 3, b"a.bin")  # chdir relative to the cwd
+            + _path_ev(80, 5, -2, 0, b"/nowhere") + _open(5, 4, b"b.bin")  # failed: the cwd stays
+            + _open(5, 6, b"/srv") + _sys(81, 5, 0, 6) + _open(5, 7, b"c.bin")  # fchdir to a known dir
+            + _sys(81, 5, 0, 9) + _open(5, 8, b"d.bin"))  # fchdir to an unknown fd  # fmt: skip
+    want = ["/home/u/data", "/home/u/data/a.bin", "/nowhere", "/home/u/data/b.bin", "/srv", "/srv", "/srv/c.bin",
+            "", "d.bin"]  # fmt: skip
+    assert [o for _, o in _objs(d, blob)] == want
+    assert [r.fd for r in d.decode(_path_ev(80, 5, 0, 0, b"/x"))] == [-1]  # chdir returns no fd
+
+
+def test_a_chdir_path_cut_short_forgets_the_cwd() -> None:
+    d = KernelDecoder(_CWD_META)
+    d.note_fd(FdInfo(1, 5, events.AT_FDCWD, "cwd", "/home/u"))
+    long = b"/" + b"d" * (events.PATH_MAX_DATA - 1)
+    assert _objs(d, _path_ev(80, 5, 0, 0, long) + _open(5, 3, b"a.bin"))[1] == ("openat", "a.bin")
+
+
+def test_fcntl_dupfd_copies_the_object_other_commands_do_not() -> None:
+    d = KernelDecoder(_CWD_META)
+    d.note_fd(FdInfo(1, 5, 3, "file", "/data/x.bin"))
+    d.note_fd(FdInfo(1, 5, 9, "file", "/stale.bin"))
+    blob = (_sys(72, 5, 7, 3, 1030) + _sys(0, 5, 1, 7)  # F_DUPFD_CLOEXEC: fd 7 is fd 3's file
+            + _sys(72, 5, 8, 3, 3) + _sys(0, 5, 1, 8)  # F_GETFL returns flags, not an fd
+            + _sys(33, 5, 9, 4, 9) + _sys(0, 5, 1, 9))  # dup2 of an unknown fd over 9  # fmt: skip
+    assert [o for _, o in _objs(d, blob)] == ["/data/x.bin", "/data/x.bin", "/data/x.bin", "", "", ""]
+
+
+def test_fds_received_forget_what_the_numbers_held_until_named() -> None:
+    d = KernelDecoder(_CWD_META)
+    d.note_fd(FdInfo(1, 5, 4, "file", "/old.bin"))
+    marker = events.FDRECV.pack(events.EV_FDRECV, 2, 5, 5, 30, 4, 6, *[0] * (events.FDRECV_MAX - 2))
+    assert events.fds_received(marker) == events.FdsReceived(5, 5, 30, (4, 6))
+    assert _objs(d, _sys(0, 5, 1, 4) + marker + _sys(0, 5, 1, 4)) == [("read", "/old.bin"), ("read", "")]
+    d.note_fd(FdInfo(30, 5, 4, "file", "/new.bin"))  # the live reader's record, right after the event
+    assert _objs(d, _sys(0, 5, 1, 4)) == [("read", "/new.bin")]
+
+
+def test_recursion_misses_are_read_from_a_real_programs_fdinfo() -> None:
+    from bcc import BPF
+
+    from gputrace.probes.ebpf_host import parse_recursion_misses, program_skips
+
+    text = "prog_type:\t5\nrun_cnt:\t0\nrecursion_misses:\t17\nverified_insns:\t2\n"
+    assert parse_recursion_misses(text) == 17 and parse_recursion_misses("prog_type:\t5\n") == 0
+    b = BPF(text=b"TRACEPOINT_PROBE(sched, sched_waking) { return 0; }")
+    try:
+        fd = b.funcs[b"tracepoint__sched__sched_waking"].fd
+        assert "recursion_misses" in Path(f"/proc/self/fdinfo/{fd}").read_text()  # what program_skips reads
+        skips = program_skips(b)  # bcc attached it: a nested run may already have been skipped
+        assert set(skips) == {"sched_waking"} and skips["sched_waking"] >= 0
+    finally:
+        b.cleanup()
+

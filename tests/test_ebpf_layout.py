@@ -33,6 +33,7 @@ def bpf() -> Any:
                                       "filename"]),
         ("layout_fault", events.FAULT, ["type", "dev", "pid", "tid", "fault_ns", "start_ns", "end_ns", "ino",
                                         "index"]),
+        ("layout_mapfile", events.MAPFILE, ["type", "dev", "pid", "tid", "ts", "ino"]),
     ],
 )  # fmt: skip
 def test_struct_layout_matches(bpf: Any, table: str, fmt: Any, first_fields: list[str]) -> None:
@@ -51,10 +52,20 @@ def test_path_event_layout(bpf: Any) -> None:
 
 
 def test_every_event_type_has_a_size() -> None:
-    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7, 8, events.EV_UNFINISHED}
+    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7, 8, events.EV_UNFINISHED, events.EV_FDRECV}
     assert events.SIZES[events.EV_SYS] == 64 and events.SIZES[events.EV_PATH] == 328
-    # the live reader picks fault events out by size alone
+    # the live reader picks fault and fd-receive events out by size alone, in both rings
     assert [t for t, n in events.SIZES.items() if n == events.FAULT.size] == [events.EV_FAULT]
+    assert [t for t, n in events.SIZES.items() if n == events.FDRECV.size] == [events.EV_FDRECV]
+    assert events.FDRECV.size not in (events.PROC.size, events.MAPFILE.size)
+
+
+def test_fdrecv_event_layout(bpf: Any) -> None:
+    leaf = bpf[b"layout_fdrecv"].Leaf
+    assert ctypes.sizeof(leaf) == events.FDRECV.size == 88
+    names = [f[0] for f in leaf._fields_]
+    assert names == ["type", "count", "pid", "tid", "ts", "fds"]
+    assert [getattr(leaf, x).offset for x in names] == [0, 4, 8, 12, 16, 24]
 
 
 def _format_offsets(fmt: str) -> list[int]:
@@ -73,3 +84,18 @@ def _format_offsets(fmt: str) -> list[int]:
                 out.append(off)
                 off += struct.calcsize("<" + code)
     return out
+
+
+def test_header_constants_match() -> None:
+    """The layout number, the event types and the per-syscall flags the decoder reads from sysflags."""
+    import re
+
+    text = (ebpf.BPF_DIR / "gputrace.h").read_text()
+    defs = {k: int(v, 0) for k, v in re.findall(r"^#define (GT_\w+) (0x[0-9a-fA-F]+|\d+)", text, re.M)}
+    assert defs["GT_LAYOUT"] == events.LAYOUT and events.LAYOUT in events.KNOWN_LAYOUTS
+    assert (defs["GT_EV_FAULT"], defs["GT_EV_MAPFILE"], defs["GT_EV_FDRECV"]) == (
+        events.EV_FAULT, events.EV_MAPFILE, events.EV_FDRECV)  # fmt: skip
+    assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX
+    for name in ("FD", "XFER", "PATH", "SOCKADDR", "SOCKADDR_PLEN", "FDTABLE", "PIPE", "TIMESPEC", "PATH0",
+                 "DUPFD", "MSGHDR"):  # fmt: skip
+        assert defs[f"GT_F_{name}"] == getattr(events, f"F_{name}"), name

@@ -28,6 +28,8 @@ from gputrace.records import (
     OffCpu,
     ProcInfo,
     SourceStatus,
+    StackFrames,
+    StackSample,
     Syscall,
     SyscallAgg,
     ThreadInfo,
@@ -410,3 +412,110 @@ def test_waits_still_open_at_stop_are_drawn_to_the_stop(tmp_path: Path) -> None:
     got = [(s.name, s.ts, s.dur, s.args.get("obj")) for s in check.slices_on(thread)]
     assert got == [("read (still waiting at stop)", T0 + MS, 8 * MS, "/data/fifo"),
                    ("off-CPU (still waiting at stop)", T0 + 10 * MS, 2 * MS, None)]
+
+
+# ---------------------------------------------------------------------------------- CPU samples ---
+
+HOT = ["decode_block (libjpeg.so.62)", "load_batch (python3.11)", "main (python3.11)"]  # leaf first
+IDLE = ["poll (libc.so.6)", "load_batch (python3.11)", "main (python3.11)"]
+
+
+def _interned(path: Path) -> dict[str, int]:
+    """How many entries of each kind the trace interns (each should be interned once)."""
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    trace = pb.Trace()
+    trace.ParseFromString(path.read_bytes())
+    kinds = ("function_names", "mapping_paths", "mappings", "frames", "callstacks")
+    return {k: sum(len(getattr(p.interned_data, k)) for p in trace.packet) for k in kinds}
+
+
+def test_cpu_samples_are_perf_samples_with_interned_root_first_callstacks(tmp_path: Path) -> None:
+    recs = _proc(100, "trainer", (101, "loader")) + [
+        StackSample(T0 + 1 * MS, 100, 101, 7),  # its frames come later: the sample waits for them
+        StackFrames(100, 7, HOT),
+        StackFrames(100, 8, IDLE),
+        *[StackSample(T0 + (2 + i) * MS, 100, 101, 7 if i % 3 else 8) for i in range(30)],
+        StackSample(T0 + 40 * MS, 100, 100, 8),
+        StackFrames(200, 7, HOT),  # another process, the same stack: one callstack for both
+        StackSample(T0 + 41 * MS, 200, 201, 7),
+    ]
+    check, result = _export(tmp_path, recs)
+    assert result.notes == []
+    stacks = {(r.pid, r.stack): r.frames for r in recs if isinstance(r, StackFrames)}
+    want = [(r.ts, r.pid, r.tid, stacks[(r.pid, r.stack)][::-1]) for r in recs if isinstance(r, StackSample)]
+    assert sorted((s.ts, s.pid, s.tid, s.frames) for s in check.samples) == sorted(want)
+    assert check.samples[0].frames[0] == "main (python3.11)" and check.samples[0].leaf == HOT[0]
+    # each name, module, frame and stack interned once, however many samples use it
+    assert _interned(tmp_path / "t.pftrace") == {"function_names": 4, "mapping_paths": 3, "mappings": 3,
+                                                 "frames": 4, "callstacks": 2}
+    assert check.thread(101).name == "loader" and check.thread(201).name == "thread 201"  # described for them
+
+
+def test_samples_whose_frames_never_arrive_are_drawn_unknown_and_noted(tmp_path: Path) -> None:
+    recs = _proc(100, "trainer") + [StackSample(T0 + i * MS, 100, 100, 9) for i in range(16)]  # never named
+    recs += [StackSample(T0 + (20 + i) * MS, 100, 100, 1) for i in range(4)]
+    recs += [StackFrames(100, 1, HOT)]  # frames of stack 1 come last, after its 4 samples waited for them
+    check, result = _export(tmp_path, recs, pending_cap=6)  # at most 6 samples wait; the oldest give up
+    assert len(check.samples) == 20
+    unknown = [s for s in check.samples if s.frames == ["[unknown]"]]
+    hot = [s for s in check.samples if s.frames == HOT[::-1]]
+    assert len(unknown) == 16 and len(hot) == 4
+    assert result.notes == ["16 CPU sample(s) whose stack frames never arrived: drawn as [unknown]"]
+
+
+def test_late_frames_beyond_the_buffer_still_count(tmp_path: Path) -> None:
+    recs = _proc(100, "trainer") + [StackSample(T0 + i * MS, 100, 100, 1) for i in range(10)]
+    check, result = _export(tmp_path, recs + [StackFrames(100, 1, HOT)], pending_cap=4)
+    assert sorted(tuple(s.frames) for s in check.samples) == [("[unknown]",)] * 6 + [tuple(HOT[::-1])] * 4
+    assert result.notes == ["6 CPU sample(s) whose stack frames never arrived: drawn as [unknown]"]
+
+
+def test_broken_sample_records_are_skipped_whole(tmp_path: Path) -> None:
+    recs: list[tuple[Any, ...]] = _proc(1, "x") + [
+        StackFrames(1, 1, HOT),
+        StackFrames(1, 2, "not a list"),  # type: ignore[arg-type]
+        StackFrames(1, 3, [b"bytes"]),  # type: ignore[list-item]
+        StackSample(T0, "1", 1, 1),  # type: ignore[arg-type]
+        StackSample(T0, 1, -1, 1),
+        StackSample("soon", 1, 1, 1),  # type: ignore[arg-type]
+        StackSample(T0, 1, 1, [1]),  # type: ignore[arg-type]
+        StackSample(T0 + MS, 1, 1, 1),
+    ]
+    result = PerfettoExporter(tmp_path / "t.pftrace").write(_Reader(recs))  # type: ignore[arg-type]
+    check = check_trace(tmp_path / "t.pftrace")
+    assert check.problems == []
+    assert result.notes == ["skipped 6 malformed record(s) (fields of the wrong type)"]
+    assert [(s.ts, s.frames) for s in check.samples] == [(T0 + MS, HOT[::-1])]
+
+
+class _Stream(_Reader):
+    """A reader whose records are generated as they are read: nothing of the input is held."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__([])
+        self.n = n
+
+    def records(self) -> Iterator[tuple[Any, ...]]:
+        yield from _proc(100, "trainer", *[(101 + k, f"loader{k}") for k in range(4)])
+        for k in range(50):
+            yield StackFrames(100, k, [f"f{k} (libx.so)", *HOT])
+        for i in range(self.n):
+            yield StackSample(T0 + i * 2000, 100, 101 + i % 4, i % 50)
+
+
+def test_sample_state_is_bounded_by_stacks_not_samples(tmp_path: Path) -> None:
+    import tracemalloc
+
+    def peak(n: int) -> int:
+        tracemalloc.start()
+        PerfettoExporter(tmp_path / f"{n}.pftrace").write(_Stream(n))  # type: ignore[arg-type]
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    small, big = peak(2_000), peak(60_000)
+    assert big < small + 256 * 1024, (small, big)  # 30x the samples, not 30x the memory
+    check = check_trace(tmp_path / "60000.pftrace")
+    assert check.problems == [] and len(check.samples) == 60_000
+    assert _interned(tmp_path / "60000.pftrace")["callstacks"] == 50

@@ -1,4 +1,5 @@
-"""End to end: a real workload captured with real eBPF and the simulated GPU, then its Perfetto trace checked."""
+"""End to end: real workloads captured with real eBPF (and the simulated GPU, and the stack sampler), then
+their Perfetto traces checked."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_sampler import HOT, Spinner, sampled, spin  # noqa: F401  (spin: the fixture building the C workload)
+
 from gputrace.capture import CaptureReader
+from gputrace.exporters.perfetto import PerfettoExporter
 from gputrace.exporters.perfetto_check import check_trace
-from gputrace.records import BlockIO, OffCpu, Syscall
+from gputrace.records import BlockIO, InProgress, OffCpu, PageFault, StackFrames, StackSample, Syscall
 
 WORKLOAD = r"""
 import mmap, os, sys, threading, time
@@ -87,7 +91,39 @@ def test_captured_workload_trace(tmp_path: Path) -> None:
     for src, dst in wake_flows:
         assert dst.name.startswith("woken by ") and check.track_of(dst).name == "off-CPU"
         assert check.track_of(src).tid == dst.args["waker_tid"] and src.ts == dst.ts
+    # the syscall lane holds the syscalls, waits in page faults and waits still open at the stop
     syscalls = [x for x in recs if isinstance(x, Syscall)]
+    in_kernel = syscalls + [x for x in recs if isinstance(x, PageFault | InProgress)]
     on_threads = [s for t in check.tracks.values() if t.kind == "thread" for s in check.slices_on(t)
                   if "syscall" in s.categories]
-    assert len(on_threads) == len(syscalls) > 0
+    assert len(on_threads) == len(in_kernel) and len(syscalls) > 0
+    assert len(check.samples) == sum(isinstance(x, StackSample) for x in recs)  # the sampler's, as CPU samples
+
+
+def test_sampled_stacks_become_perfetto_cpu_samples(spin: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The real sampler on a C program spinning in decode_jpeg_block: every sample is in the trace, on the
+    right thread, its callstack root first, and the hot function is the leaf of most of them."""
+    child = Spinner(spin)
+    path = tmp_path / "spin.gputrace"
+    try:
+        with sampled(path, [child.proc.pid]):
+            child.work(300)
+    finally:
+        child.close()
+    out = tmp_path / "spin.pftrace"
+    with CaptureReader(path) as reader:
+        recs = list(reader.records())
+    with CaptureReader(path) as reader:
+        result = PerfettoExporter(out).write(reader)
+    check = check_trace(out)
+    assert check.problems == [] and result.notes == []
+
+    stacks = {(r.pid, r.stack): r.frames for r in recs if isinstance(r, StackFrames)}
+    want = sorted((r.ts, r.tid, stacks[(r.pid, r.stack)][::-1]) for r in recs if isinstance(r, StackSample))
+    assert sorted((s.ts, s.tid, s.frames) for s in check.samples) == want and len(want) >= 60
+    hot = [s for s in check.samples if s.leaf == f"{HOT} (spin)"]
+    assert len(hot) >= len(check.samples) // 2 and {s.tid for s in hot} == {child.tid}
+    for s in hot:  # root first: main calls the hot function, and the C runtime calls main
+        assert s.frames[-2:] == ["main (spin)", f"{HOT} (spin)"], s.frames
+        assert s.frames.index("main (spin)") > 0 and "libc" in s.frames[0], s.frames
+    assert check.thread(child.tid).pid == child.proc.pid

@@ -164,10 +164,95 @@ def test_command_line(tmp_path: Path) -> None:
     good = _Trace().thread(1, 10, 11, "w").ev(B, 0, 1, "a").ev(E, 5, 1).save(tmp_path / "good.pftrace")
     r = _cli(good)
     assert r.returncode == 0 and r.stdout.splitlines() == ["thread w", "OK: 4 packets, 1 tracks, 1 slices, "
-                                                           "0 flows, 0 counter values"]
+                                                           "0 flows, 0 counter values, 0 CPU samples"]
     bad = _Trace().track(1, "t").ev(B, 0, 1, "a").save(tmp_path / "bad.pftrace")
     r = _cli(bad)
     assert r.returncode == 1 and "never ends" in r.stdout
     (tmp_path / "junk").write_bytes(b"\x0a\xff\xff\xff\xff\x0f")
     r = _cli(tmp_path / "junk")
     assert r.returncode == 2 and "not a Perfetto trace" in r.stderr
+
+
+# ---------------------------------------------------------------------------------- CPU samples ---
+
+NEEDS = pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE
+
+
+class _Samples(_Trace):
+    """A trace with a thread, a cleared sequence, and interned stacks as traced_perf writes them."""
+
+    def __init__(self, *, cleared: bool = True) -> None:
+        super().__init__()
+        if cleared:
+            pkt = self.trace.packet.add()
+            pkt.trusted_packet_sequence_id = 1
+            pkt.sequence_flags = pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
+        self.thread(1, 10, 11, "worker")
+
+    def intern(self, names: tuple[str, ...] = ("main", "decode"), frames: tuple[tuple[int, int, int], ...] = (
+            (1, 1, 1), (2, 2, 1)), stacks: tuple[tuple[int, tuple[int, ...]], ...] = ((1, (1, 2)),)) -> _Samples:
+        pkt = self.trace.packet.add()
+        pkt.trusted_packet_sequence_id, pkt.sequence_flags = 1, NEEDS
+        data = pkt.interned_data
+        for i, name in enumerate(names, 1):
+            data.function_names.add(iid=i, str=name.encode())
+        data.mapping_paths.add(iid=1, str=b"worker")
+        data.mappings.add(iid=1, path_string_ids=[1])
+        for iid, name, mapping in frames:
+            data.frames.add(iid=iid, function_name_id=name, mapping_id=mapping)
+        for iid, ids in stacks:
+            data.callstacks.add(iid=iid, frame_ids=ids)
+        return self
+
+    def sample(self, ts: int, cs: int, pid: int = 10, tid: int = 11, flags: int = NEEDS) -> _Samples:
+        pkt = self.trace.packet.add()
+        pkt.timestamp, pkt.timestamp_clock_id, pkt.trusted_packet_sequence_id = ts, 3, 1
+        pkt.sequence_flags = flags
+        pkt.perf_sample.pid, pkt.perf_sample.tid, pkt.perf_sample.callstack_iid = pid, tid, cs
+        return self
+
+
+def test_samples_resolve_their_interned_callstacks(tmp_path: Path) -> None:
+    check = check_trace(_Samples().intern().sample(100, 1).sample(200, 1).save(tmp_path / "ok.pftrace"))
+    assert check.problems == []
+    assert [(s.ts, s.pid, s.tid, s.frames, s.leaf) for s in check.samples] == [
+        (ts, 10, 11, ["main (worker)", "decode (worker)"], "decode (worker)") for ts in (100, 200)]
+
+
+def test_sample_with_undefined_ids(tmp_path: Path) -> None:
+    t = _Samples().intern().sample(100, 9)
+    assert "CPU sample uses callstacks iid 9, not interned before" in _problems(tmp_path, t)
+    t = _Samples().intern(stacks=((1, (1, 7)),)).sample(100, 1)
+    assert "callstack 1 uses frames iid 7" in _problems(tmp_path, t)
+    t = _Samples().intern(frames=((1, 5, 1), (2, 2, 3))).sample(100, 1)
+    problems = _problems(tmp_path, t)
+    assert "frame 1 uses function_names iid 5" in problems and "frame 2 uses mappings iid 3" in problems
+
+
+def test_interned_data_is_per_sequence_and_cleared(tmp_path: Path) -> None:
+    t = _Samples().intern()
+    t.trace.packet[-1].trusted_packet_sequence_id = 2  # interned on another sequence
+    t.sample(100, 1)
+    assert "interned data before its sequence cleared" in _problems(tmp_path, t)
+    t = _Samples().intern()
+    t.trace.packet.add(trusted_packet_sequence_id=1, sequence_flags=1)  # state cleared again: ids forgotten
+    t.sample(100, 1)
+    assert "callstacks iid 1, not interned before" in _problems(tmp_path, t)
+    t = _Samples(cleared=False).sample(100, 1)
+    assert "before its sequence cleared" in _problems(tmp_path, t)
+
+
+def test_bad_callstacks_flags_threads_and_timestamps(tmp_path: Path) -> None:
+    t = _Samples().intern(stacks=((1, ()),)).sample(100, 1)
+    assert "callstack 1 has no frames" in _problems(tmp_path, t)
+    t = _Samples().intern().sample(100, 1, flags=0)
+    assert "without SEQ_NEEDS_INCREMENTAL_STATE" in _problems(tmp_path, t)
+    t = _Samples().intern().sample(100, 1, pid=77, tid=78)
+    assert "pid 77 tid 78: no such thread or process" in _problems(tmp_path, t)
+    t = _Samples().intern().sample(0, 1)
+    assert "without a plausible timestamp (0)" in _problems(tmp_path, t)
+    t = _Samples().intern()
+    t.intern(names=("other", "decode"))  # iid 1 now means another name
+    assert "function_names iid 1 redefined" in _problems(tmp_path, t)
+    ok = _Samples().intern().sample(100, 1, tid=12)  # an undescribed thread of a known process is accepted
+    assert check_trace(ok.save(tmp_path / "ok.pftrace")).ok

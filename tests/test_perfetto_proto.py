@@ -68,3 +68,24 @@ def test_counter_clock_snapshot_and_sequence_start() -> None:
     start = _packet(pp.sequence_start())
     assert start.sequence_flags == pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
     assert start.trace_packet_defaults.timestamp_clock_id == pp.CLOCK_MONOTONIC
+
+
+def test_perf_sample_and_interned_stack_entries() -> None:
+    interned = (pp.interned_string(5, 1, "decode_block") + pp.interned_string(17, 1, "libjpeg.so.62")
+                + pp.interned_mapping(1, 1) + pp.interned_mapping(2, 0) + pp.interned_frame(1, 1, 1)
+                + pp.interned_callstack(1, [3, 2, 1]))
+    pkt = _packet(pp.perf_sample(-1, pp.sample_fields(4242, 4243), 1, interned))
+    assert pkt.timestamp == 0 and pkt.timestamp_clock_id == pp.CLOCK_MONOTONIC
+    assert pkt.trusted_packet_sequence_id == pp.SEQUENCE_ID
+    assert pkt.sequence_flags == pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE
+    ps = pkt.perf_sample
+    assert (ps.pid, ps.tid, ps.callstack_iid, ps.cpu_mode) == (4242, 4243, 1, pb.Profiling.MODE_USER)
+    assert not ps.HasField("cpu")  # records do not say which CPU
+    data = pkt.interned_data
+    assert [(s.iid, s.str) for s in data.function_names] == [(1, b"decode_block")]
+    assert [(s.iid, s.str) for s in data.mapping_paths] == [(1, b"libjpeg.so.62")]
+    assert [(m.iid, list(m.path_string_ids)) for m in data.mappings] == [(1, [1]), (2, [])]
+    [f] = data.frames
+    assert (f.iid, f.function_name_id, f.mapping_id, f.rel_pc) == (1, 1, 1, 0)
+    assert [(c.iid, list(c.frame_ids)) for c in data.callstacks] == [(1, [3, 2, 1])]
+    assert not _packet(pp.perf_sample(5, pp.sample_fields(1, 1), 1)).HasField("interned_data")

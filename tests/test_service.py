@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -19,7 +20,8 @@ from typing import Any
 import pytest
 
 from gputrace.capture import CaptureReader
-from gputrace.daemon.service import recv_frame, send_frame
+from gputrace.daemon.service import ProtocolError, authorize, recv_frame, send_frame
+from gputrace.daemon.service_jobs import JobTable, Limits, prepare_state_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -155,6 +157,161 @@ def test_missing_pid_and_existing_name_are_refused(svc: Svc) -> None:
 def test_path_traversal_names_are_refused(svc: Svc, name: str) -> None:
     reply = svc.ask({"op": "capture", "pids": [os.getpid()], "duration_s": 1, "name": name})
     assert reply["ok"] is False and "name" in reply["error"]
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    return tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2]) >= (major, minor)
+
+
+def _own_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _wait_job(svc: Svc, job_id: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while (job := next(j for j in svc.ask({"op": "list"})["jobs"] if j["id"] == job_id))["state"] == "running":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    return job
+
+
+def _nobodys_child() -> subprocess.Popen[bytes]:
+    """A target that runs as uid 65534 by the time this returns (it says so once setpriv has exec'd it)."""
+    code = "import time\nprint('ready', flush=True)\ntime.sleep(60)"
+    child = subprocess.Popen([*NOBODY, sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    child.stdout.close()
+    return child
+
+
+def test_callers_and_targets_are_pinned_with_pidfds(svc: Svc) -> None:
+    status = svc.ask({"op": "status"})
+    assert status["pidfd"] == {"callers": _kernel_at_least(6, 5), "targets": _kernel_at_least(5, 3)}
+
+
+def test_a_target_that_exits_while_being_authorised_is_refused() -> None:
+    """Killed and reaped after its /proc check passed: only the pidfd can tell the check is now void."""
+    child = _nobodys_child()
+    before = _own_fds()
+
+    def kill_it(pid: int) -> None:
+        assert pid == child.pid
+        child.kill()
+        child.wait()  # reaped: from here its pid may go to any new process
+
+    with pytest.raises(ProtocolError) as refused:
+        authorize(65534, [child.pid], on_checked=kill_it)
+    assert str(refused.value) == f"process {child.pid} exited while being authorised"
+    assert _own_fds() == before, "the pidfd was not closed"
+    live = _nobodys_child()
+    try:
+        pinned = authorize(65534, [live.pid], on_checked=lambda pid: None)
+    finally:
+        live.kill()
+        live.wait()
+    assert list(pinned) == [live.pid]
+    os.close(pinned[live.pid])
+
+
+def test_a_thread_id_is_refused_as_a_target(svc: Svc) -> None:
+    code = "import threading,time\nt=threading.Thread(target=time.sleep,args=(60,));t.start()\ntime.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        tasks = Path(f"/proc/{proc.pid}/task")
+        while len(os.listdir(tasks)) < 2:
+            time.sleep(0.01)
+        tid = max(int(t) for t in os.listdir(tasks))
+        reply = svc.ask({"op": "capture", "pids": [tid], "duration_s": 1})
+    finally:
+        proc.kill()
+        proc.wait()
+    assert reply == {"ok": False, "error": f"pid {tid} is a thread, not a process; give its process id"}
+
+
+CONNECT_AND_HAND_OVER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+s.sendall(bytes.fromhex(sys.argv[2]))
+socket.send_fds(socket.socket(fileno=int(sys.argv[3])), [b"x"], [s.fileno()])
+"""
+
+
+def test_a_caller_gone_before_its_request_is_served_starts_nothing(svc: Svc) -> None:
+    """The caller connects, sends all but the last byte, hands its connection over and exits; the request
+    completes after it was reaped. Its job must not start."""
+    target = _child()
+    frame = _frame(json.dumps({"op": "capture", "pids": [target.pid], "duration_s": 1, "name": "orphan",
+                               "wait": True}).encode())
+    here, there = socket.socketpair()
+    try:
+        caller = subprocess.Popen([sys.executable, "-c", CONNECT_AND_HAND_OVER, str(svc.sock), frame[:-1].hex(),
+                                   str(there.fileno())], pass_fds=[there.fileno()])
+        _, fds, _, _ = socket.recv_fds(here, 1, 1)
+        assert caller.wait(10) == 0
+        with socket.socket(fileno=fds[0]) as conn:
+            conn.settimeout(10)
+            conn.sendall(frame[-1:])
+            reply = recv_frame(conn, 1 << 20)
+    finally:
+        target.kill()
+        here.close()
+        there.close()
+    assert reply == {"ok": False, "error": f"caller pid {caller.pid} has exited; request dropped"}
+    assert all(j["name"] != "orphan.gputrace" for j in svc.ask({"op": "list"})["jobs"])
+    assert svc.proc.poll() is None
+
+
+CONNECT_THEN_SETUID = """
+import os, socket, sys
+from gputrace.daemon.service import recv_frame, send_frame
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+send_frame(s, {"op": "capture", "pids": [int(sys.argv[2])], "duration_s": 1})
+print(recv_frame(s, 1 << 20)["error"])
+"""
+
+
+def test_a_caller_that_changed_uid_after_connecting_is_refused(svc: Svc) -> None:
+    target = _child()
+    try:
+        r = subprocess.run([sys.executable, "-c", CONNECT_THEN_SETUID, str(svc.sock), str(target.pid)],
+                           capture_output=True, text=True, timeout=30, cwd=ROOT)
+    finally:
+        target.kill()
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"caller pid \d+ now runs as uid 65534, not uid 0 as when it connected; reconnect\n",
+                        r.stdout), r.stdout
+
+
+def test_a_target_gone_when_tracing_starts_is_not_published(tmp_path: Path) -> None:
+    """The probes follow a pid, whoever holds it. A job whose target has exited by the time its probes are
+    attached must publish nothing: here the target is killed and reaped the moment the session says it is
+    tracing (the job's log line comes just before the check)."""
+    target = _child()
+    killed: list[str] = []
+
+    def log(line: str) -> None:
+        if "gputrace: tracing" in line and not killed:
+            target.kill()
+            target.wait()
+            killed.append(line)
+
+    state = tmp_path / "state"
+    prepare_state_dir(state)
+    jobs = JobTable(state, Limits(), log)
+    pinned = authorize(0, [target.pid])
+    job = jobs.start(0, 0, {"pids": [target.pid], "duration_s": 30.0, "min_gap_ms": 1.0, "name": "gone.gputrace"},
+                     pinned)
+    assert job.done.wait(60) and killed
+    assert (job.state, job.error) == ("failed", f"process {target.pid} exited before tracing started; capture "
+                                                "discarded (its pid may be reused)")
+    assert job.ended is not None and job.ended - job.started < 25, "stopped early, not after 30 s"
+    assert not (state / "0").exists() and not list((state / ".staging").iterdir())
+    for fd in pinned.values():
+        with pytest.raises(OSError):
+            os.fstat(fd)  # the job closed its pidfds
 
 
 def _frame(body: bytes) -> bytes:

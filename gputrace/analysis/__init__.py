@@ -38,6 +38,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lost = sum(v for v in cap["drops"].values() if v > 0)
     if lost:
         lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
+    skipped = cap.get("skipped_probes") or {}
+    if skipped:
+        lines.append(f"the kernel skipped gputrace's probes {sum(skipped.values())} times "
+                     f"({', '.join(f'{k}={v}' for k, v in skipped.items())}): each ran into another tracing "
+                     "program on its CPU; as many events, of any process, may be missing")
     if cap.get("malformed_records"):
         lines.append(f"SKIPPED {cap['malformed_records']} malformed records")
     waiting = cap.get("in_progress") or []

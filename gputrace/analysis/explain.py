@@ -7,6 +7,7 @@ followed to the waker and its time before the wakeup is explained the same way, 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,7 @@ class Explainer:
         self.cap = cap
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
         self.ties = BlockTies(cap, self.mounts)
+        self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -143,6 +145,10 @@ class Explainer:
         ns = (y - x) - runq
         if kind == "wait":
             return parts + self._wait(sc, x, y, blocked, ns, depth)
+        if kind == "sync":
+            late_signal = self._late_completion(sc, x, y, blocked, depth)
+            parts += late_signal
+            ns -= sum(p.ns for p in late_signal)
         # woken (the disk answered, the sleep ended) but no CPU to run on yet: that part is the run queue's
         late = [(o, max(o.wake_ns, x), min(o.end_ns, y)) for o in blocked if o.wake_ns]
         woken = sum(max(b - a, 0) for _, a, b in late)
@@ -150,6 +156,47 @@ class Explainer:
             parts.append(Part("cpu.runqueue", woken, self.culprit(sc.tid, "woken, waiting for a CPU"),
                               evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE]))
         return parts + [self._direct(kind, sc, ns - woken, blocked)]
+
+    def _late_completion(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], depth: int) -> list[Part]:
+        """A GPU sync still blocked after the device finished everything it had started: the wait past
+        that point is for the thread that delivers the completion. Where that thread is a traced user
+        thread (a simulated device's stream thread, a runtime's helper), its time is followed as a wait's;
+        a wake from an interrupt or the driver stays ``sync``."""
+        parts: list[Part] = []
+        pid = self.cap.pid_of(sc.tid)
+        for o in blocked:
+            if (not o.wake_ns or o.waker_tid in (0, sc.tid) or is_kernel_task(o.waker_pid, o.waker_comm)
+                    or not self.traced(o.waker_tid)):
+                continue
+            done = self._device_done(pid, o.wake_ns)
+            if done is None:
+                continue
+            lx, ly = max(o.start_ns, x, done), min(o.wake_ns, o.end_ns, y)
+            if ly > lx:  # what the chain cannot explain stays the sync's
+                parts.extend(p for p in self._follow(sc, o, lx, ly, depth) if p.cause != "unknown")
+        return parts
+
+    def _device_done(self, pid: int, t: int) -> int | None:
+        """When the devices ``pid`` uses had finished every operation started before ``t``; None where one
+        was still running at ``t`` or none had started."""
+        if self._done_index is None:
+            self._done_index = {}
+            for (owner, _dev), ops in self.cap.ops.items():
+                starts, ends, top = [], [], 0
+                for op in ops:  # sorted by start: the running maximum of the ends
+                    top = max(top, op.end_ns)
+                    starts.append(op.start_ns)
+                    ends.append(top)
+                self._done_index.setdefault(owner, []).append((starts, ends))
+        done = None
+        for starts, ends in self._done_index.get(pid, []) + self._done_index.get(-1, []):
+            i = bisect_left(starts, t)
+            if i == 0:
+                continue
+            if ends[i - 1] >= t:
+                return None
+            done = max(done or 0, ends[i - 1])
+        return done
 
     def _in_gpu_sync(self, tid: int, x: int, y: int) -> bool:
         index = self.cap.syncs.get(tid)

@@ -11,6 +11,7 @@ WAIT = frozenset({
     "wait4", "waitid", "semop", "semtimedop", "msgrcv", "mq_timedreceive", "pause", "rt_sigtimedwait",
     "rt_sigsuspend", "sigsuspend", "flock",
 })  # fmt: skip
+FCNTL_LOCK_WAITS = (7, 38)  # F_SETLKW, F_OFD_SETLKW: blocked until the lock's holder lets go
 FILE_IO = frozenset({
     "read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev", "pwritev", "pwritev2",
     "openat", "openat2", "open", "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "access",
@@ -50,7 +51,7 @@ def classify(sc: Any) -> str:
         return "storage"
     if name in SLEEP:
         return "sleep"
-    if name in WAIT:
+    if name in WAIT or (name == "fcntl" and sc.arg in FCNTL_LOCK_WAITS):
         return "wait"
     if name == "ioctl":
         return "gpu" if "nvidia" in sc.obj else "other"

@@ -50,6 +50,9 @@ def _capture(cap: Capture) -> dict[str, Any]:
         out["problem"] = cap.problem
     if cap.malformed:
         out["malformed_records"] = cap.malformed
+    skipped = cap.trailer.get("skipped")
+    if isinstance(skipped, dict):
+        out["skipped_probes"] = {str(k): int(v) for k, v in skipped.items() if type(v) is int and v > 0}
     if cap.in_progress:
         out["in_progress"] = in_progress(cap)
         out["in_progress_threads"] = len(cap.in_progress)

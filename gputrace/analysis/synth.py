@@ -118,13 +118,13 @@ class Builder:
         return self
 
     def write(self, path: Path, *, complete: bool = True, drops: dict[str, int] | None = None,
-              header: dict[str, Any] | None = None) -> Path:
+              header: dict[str, Any] | None = None, trailer: dict[str, Any] | None = None) -> Path:
         hdr = {**host_header(["synthetic"]), "start_ns": BASE_NS, **(header or {})}
         w = CaptureWriter(path, hdr, force=True)
         w.write(self.records)
         cut = w.partial_path.stat().st_size
         end = max((_end(r) for r in self.records), default=BASE_NS)
-        w.close({"end_ns": end, "drops": drops or {}, "complete": True})
+        w.close({"end_ns": end, "drops": drops or {}, "complete": True, **(trailer or {})})
         if not complete:  # as a crash leaves it: everything up to the trailer
             with open(path, "r+b") as f:
                 f.truncate(cut)

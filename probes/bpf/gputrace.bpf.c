@@ -85,6 +85,7 @@ BPF_ARRAY(layout_offcpu, struct gt_offcpu_event, 1);
 BPF_ARRAY(layout_proc, struct gt_proc_event, 1);
 BPF_ARRAY(layout_fault, struct gt_fault_event, 1);
 BPF_ARRAY(layout_mapfile, struct gt_mapfile_event, 1);
+BPF_ARRAY(layout_fdrecv, struct gt_fdrecv_event, 1);
 
 static __always_inline void count_drop(u32 reason)
 {
@@ -313,7 +314,8 @@ static __always_inline void emit_path(struct gt_inflight *c, u64 id, u64 now, s6
     e->pad = 0;
     e->data[0] = 0;
     if (si->flags & GT_F_PATH) {
-        int n = bpf_probe_read_user_str(e->data, sizeof(e->data), (void *)c->args[1]);
+        void *path = (void *)((si->flags & GT_F_PATH0) ? c->args[0] : c->args[1]);
+        int n = bpf_probe_read_user_str(e->data, sizeof(e->data), path);
         e->len = n > 0 ? n - 1 : 0;
     } else if (si->flags & GT_F_SOCKADDR) {
         read_sockaddr(e, (void *)c->args[1], (u32)c->args[2]);
@@ -336,6 +338,67 @@ static __always_inline void emit_sys(struct gt_inflight *c, u64 id, u64 now, s64
     events.ringbuf_submit(e, 0);
 }
 
+/* ---------------------------------------------------------------- fds received (SCM_RIGHTS) ---- */
+
+#define GT_SOL_SOCKET 1
+#define GT_SCM_RIGHTS 1
+#define GT_FCNTL_DUPFD 0
+#define GT_FCNTL_DUPFD_CLOEXEC 1030
+/* x86_64 struct user_msghdr: msg_control at 32, msg_controllen at 40 (the bytes of control data received,
+ * written back by the call). struct cmsghdr: cmsg_len (size_t), cmsg_level, cmsg_type, then the data. */
+#define GT_MSG_CONTROL_OFF 32
+#define GT_CMSG_HDR_LEN 16
+
+struct gt_cmsghdr {
+    u64 len;
+    s32 level;
+    s32 type;
+};
+
+/* After a traced recvmsg: the fds its first control message installed, if it is SCM_RIGHTS (at most
+ * GT_FDRECV_MAX of them), into both rings. Costs two small user reads per recvmsg. */
+static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
+{
+    u64 ctl[2] = {}; /* msg_control, msg_controllen */
+    if (!c->args[1] || bpf_probe_read_user(ctl, sizeof(ctl), (void *)c->args[1] + GT_MSG_CONTROL_OFF))
+        return;
+    if (!ctl[0] || ctl[1] < GT_CMSG_HDR_LEN + sizeof(s32))
+        return;
+    struct gt_cmsghdr h = {};
+    if (bpf_probe_read_user(&h, sizeof(h), (void *)ctl[0]) || h.level != GT_SOL_SOCKET || h.type != GT_SCM_RIGHTS)
+        return;
+    if (h.len > ctl[1])
+        h.len = ctl[1];
+    if (h.len < GT_CMSG_HDR_LEN + sizeof(s32))
+        return;
+    u64 n = (h.len - GT_CMSG_HDR_LEN) / sizeof(s32);
+    struct gt_fdrecv_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return;
+    }
+    __builtin_memset(e, 0, sizeof(*e));
+    e->type = GT_EV_FDRECV;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->ts = now;
+    const s32 *src = (const s32 *)(ctl[0] + GT_CMSG_HDR_LEN);
+#pragma unroll
+    for (int i = 0; i < GT_FDRECV_MAX; i++) {
+        if (i >= n || bpf_probe_read_user(&e->fds[i], sizeof(s32), src + i))
+            break;
+        e->count = i + 1;
+    }
+    struct gt_fdrecv_event *p = procev.ringbuf_reserve(sizeof(*p));
+    if (p) {
+        __builtin_memcpy(p, e, sizeof(*p));
+        procev.ringbuf_submit(p, 0);
+    } else {
+        count_drop(GT_DROP_PROCBUF);
+    }
+    events.ringbuf_submit(e, 0);
+}
+
 int gt_sys_exit(GT_EXIT_CTX *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -354,15 +417,21 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
     struct gt_sysinfo *si = sysinfo.lookup(&nr);
     if (!si)
         return 0;
+    s64 ret = GT_EXIT_RET(ctx);
     int always = si->flags & GT_F_FDTABLE;
+    u32 cmd = (u32)c.args[1];
+    if ((si->flags & GT_F_DUPFD) && (cmd == GT_FCNTL_DUPFD || cmd == GT_FCNTL_DUPFD_CLOEXEC))
+        always = 1; /* other fcntl commands are frequent: aggregated unless long */
+    if ((si->flags & GT_F_MSGHDR) && ret >= 0)
+        fds_received(&c, id, now);
     if (dur < THRESHOLD_NS)
         add_agg(v, id >> 32, tid, nr, dur);
     if (!always && dur < THRESHOLD_NS)
         return 0;
     if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
-        emit_path(&c, id, now, GT_EXIT_RET(ctx), si);
+        emit_path(&c, id, now, ret, si);
     else
-        emit_sys(&c, id, now, GT_EXIT_RET(ctx), si);
+        emit_sys(&c, id, now, ret, si);
     return 0;
 }
 

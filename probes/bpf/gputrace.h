@@ -3,11 +3,12 @@
 #ifndef GPUTRACE_H
 #define GPUTRACE_H
 
-#define GT_LAYOUT 2 /* 2: adds GT_EV_FAULT; the other events are as in 1 */
+#define GT_LAYOUT 3 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; the other events are as in 1 */
 #define GT_COMM_LEN 16
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
 #define GT_FILENAME_LEN 128
+#define GT_FDRECV_MAX 16 /* fds of one SCM_RIGHTS message reported (the first control message only) */
 #define GT_NR_MAX 512
 
 /* Event types: the first u32 of every event. */
@@ -20,6 +21,8 @@
 #define GT_EV_EXIT 7
 #define GT_EV_FAULT 8 /* struct gt_fault_event */
 #define GT_EV_MAPFILE 9 /* struct gt_mapfile_event, in the process-event ring */
+/* 10 is EV_UNFINISHED, written by user space (probes/events.py) */
+#define GT_EV_FDRECV 11 /* struct gt_fdrecv_event, in both rings */
 
 /* Where records were lost: indexes of the per-CPU `drops` array. */
 #define GT_DROP_RINGBUF 0  /* events ring buffer full */
@@ -42,6 +45,9 @@
 #define GT_F_PIPE 0x40          /* args[0] points to int[2], filled on return */
 #define GT_F_TIMESPEC 0x80      /* the main argument points to a struct timespec */
 #define GT_F_TRACED 0x100       /* set in the kernel's copy only: the raw entry program's "trace this nr" */
+#define GT_F_PATH0 0x200        /* with GT_F_PATH: the path is args[0] and there is no dirfd (chdir) */
+#define GT_F_DUPFD 0x400        /* changes the fd table when args[1] is F_DUPFD or F_DUPFD_CLOEXEC (fcntl) */
+#define GT_F_MSGHDR 0x800       /* args[1] is a struct user_msghdr: fds it receives (SCM_RIGHTS) are reported */
 
 struct gt_sysinfo {
     u32 flags;
@@ -158,6 +164,18 @@ struct gt_mapfile_event { /* 32 bytes */
     u32 tid;
     u64 ts;
     u64 ino;
+};
+
+/* A traced recvmsg installed fds received in an SCM_RIGHTS message. Emitted into the events ring (where it
+ * is, the decoder forgets what those fd numbers held) and into the process-event ring (user space reads
+ * /proc/PID/fd/N at once). */
+struct gt_fdrecv_event { /* 88 bytes */
+    u32 type;
+    u32 count; /* fds filled in (more in the message are not reported) */
+    u32 pid;
+    u32 tid;
+    u64 ts;
+    s32 fds[GT_FDRECV_MAX];
 };
 
 struct gt_mapfile_key {

@@ -248,7 +248,8 @@ def contention(cfg: dict[str, Any]) -> None:
             os._exit(0)
         hogs.append(pid)
     # The device's stream thread inherits CPU 1 and keeps it; then this thread moves to the hogs' CPU 0.
-    # (A stream thread starved by the hogs would show up, correctly, as a late completion signal instead.)
+    # (A stream thread starved by the hogs would delay the completion signal; the report follows that signal
+    # to the stream thread, whose wait for a CPU is then the stall's cause.)
     os.sched_setaffinity(0, {1})
     s = Device(0).stream()
     os.sched_setaffinity(0, {0})

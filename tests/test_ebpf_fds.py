@@ -1,0 +1,160 @@
+"""fds and relative paths after chdir / fchdir, fcntl F_DUPFD, lock waits and SCM_RIGHTS, with real processes."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from workloads.ebpfcap import ebpf_capture, of, read_capture
+
+from gputrace.analysis.objects import classify
+from gputrace.probes import procfs
+from gputrace.probes.syscalls import syscall_numbers
+from gputrace.records import FdInfo, OffCpu, Syscall, SyscallAgg
+
+WORKLOADS = Path(__file__).parent / "workloads"
+CHUNK = 8 << 20  # fdcalls.py reads each file whole: about a millisecond, well over the threshold
+THRESHOLD_NS = 50_000
+F_SETLKW, F_GETFL = 7, 3
+
+
+def _tree(base: Path) -> Path:
+    """DIR/{shard-1.bin, data/shard-1.bin, other/shard-1.bin, lockfile}: the same relative name everywhere,
+    so resolving it against the wrong directory still names a real file."""
+    for sub in ("", "data", "other"):
+        (base / sub).mkdir(exist_ok=True)
+        (base / sub / "shard-1.bin").write_bytes(os.urandom(CHUNK))
+    (base / "lockfile").write_bytes(b"\0")
+    return base
+
+
+@contextmanager
+def _workload(scenario: str, base: Path, *extra: str, pass_fds: tuple[int, ...] = ()) -> Iterator[Any]:
+    proc = subprocess.Popen([sys.executable, str(WORKLOADS / "fdcalls.py"), scenario, str(base), *extra],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=pass_fds)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["ready"], line
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _go(proc: Any) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def _done(proc: Any) -> list[str]:
+    words: list[str] = proc.stdout.readline().split()
+    assert words[:1] == ["done"], words
+    assert proc.wait(timeout=30) == 0
+    return words[1:]
+
+
+def _capture(tmp_path: Path, scenario: str, **kw: Any) -> tuple[list[Any], list[str], int]:
+    base = _tree(tmp_path / "tree")
+    path = tmp_path / f"{scenario}.gputrace"
+    with _workload(scenario, base) as proc, ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS, **kw):
+        _go(proc)
+        out = _done(proc)
+    records, _ = read_capture(path)
+    return records, out, proc.pid
+
+
+def _reads(records: list[Any], pid: int) -> list[str]:
+    return [s.obj for s in of(records, Syscall) if s.pid == pid and s.name == "read" and s.nbytes == CHUNK]
+
+
+def test_chdir_moves_relative_paths_and_children_inherit_it(tmp_path: Path) -> None:
+    records, out, pid = _capture(tmp_path, "chdir")
+    base = tmp_path / "tree"
+    assert _reads(records, pid) == [str(base / "data/shard-1.bin"), str(base / "other/shard-1.bin")]
+    assert _reads(records, int(out[0])) == [str(base / "other/shard-1.bin")], "cwd not inherited across fork"
+    snap = [r for r in of(records, FdInfo) if r.pid == pid and r.fd == -100]
+    assert [r.obj for r in snap] == [str(base)]  # the snapshot's cwd, which the reads must not use
+
+
+def test_fchdir_to_a_known_fd_moves_the_cwd_and_to_an_unknown_one_forgets_it(tmp_path: Path) -> None:
+    records, _, pid = _capture(tmp_path, "fchdir")
+    base = tmp_path / "tree"
+    # The second directory fd came from a syscall the trace does not see: its reads stay relative.
+    assert _reads(records, pid) == [str(base / "data/shard-1.bin"), "shard-1.bin"]
+
+
+def test_os_dup_is_followed_and_short_fcntls_stay_aggregated(tmp_path: Path) -> None:
+    records, _, pid = _capture(tmp_path, "dup")
+    assert _reads(records, pid) == [str(tmp_path / "tree/data/shard-1.bin")]
+    getfl = [s for s in of(records, Syscall) if s.pid == pid and s.name == "fcntl" and s.arg == F_GETFL]
+    agg = sum(a.count for a in of(records, SyscallAgg) if a.pid == pid and a.name == "fcntl")
+    assert all(s.end_ns - s.start_ns >= THRESHOLD_NS for s in getfl)  # only a call that was long
+    assert agg + len(getfl) >= 2000 and agg >= 1900, (agg, len(getfl))
+
+
+def _blocked_in(pid: int, nr: int, timeout_s: float = 10.0) -> None:
+    """Until ``pid`` sleeps in syscall ``nr`` (from /proc/PID/syscall): the handshake for a lock wait."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = procfs.blocked_syscall(pid, pid)
+        if got is not None and got[0] == nr and procfs.thread_state(pid, pid) == "S":
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"pid {pid} never blocked in syscall {nr}")
+
+
+def test_a_lock_wait_names_the_file_and_is_a_wait_on_the_holder(tmp_path: Path) -> None:
+    base = _tree(tmp_path / "tree")
+    lockfile = base / "lockfile"
+    path = tmp_path / "lock.gputrace"
+    held = os.open(lockfile, os.O_RDWR)
+    fcntl.lockf(held, fcntl.LOCK_EX)
+    with _workload("lock", base) as proc, ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS):
+        _go(proc)
+        assert proc.stdout.readline().strip() == "locking"
+        _blocked_in(proc.pid, syscall_numbers()["fcntl"])
+        time.sleep(0.05)  # held on purpose: the wait's length is what the test measures
+        fcntl.lockf(held, fcntl.LOCK_UN)
+        _done(proc)
+    os.close(held)
+    records, _ = read_capture(path)
+    waits = [s for s in of(records, Syscall) if s.pid == proc.pid and s.name == "fcntl" and s.arg == F_SETLKW]
+    assert len(waits) == 1, waits
+    w = waits[0]
+    assert (w.obj, w.ret) == (str(lockfile), 0) and w.end_ns - w.start_ns >= 50_000_000
+    assert classify(w) == "wait"  # not storage: it did no I/O, it waited for the lock's holder
+    woken = [o for o in of(records, OffCpu) if o.tid == w.tid and w.start_ns <= o.start_ns <= w.end_ns]
+    assert woken and woken[-1].waker_pid == os.getpid(), "the holder (this process) woke the waiter"
+
+
+def test_fds_received_over_a_unix_socket_are_named(tmp_path: Path) -> None:
+    base = _tree(tmp_path / "tree")
+    shard = base / "data/shard-1.bin"
+    path = tmp_path / "recv.gputrace"
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    rpipe, wpipe = os.pipe()
+    with ours, _workload("recv", base, str(theirs.fileno()), pass_fds=(theirs.fileno(),)) as proc:
+        theirs.close()
+        with ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS):
+            _go(proc)
+            fd = os.open(shard, os.O_RDONLY)
+            socket.send_fds(ours, [b"x"], [fd, rpipe])
+            _done(proc)
+            os.close(fd)
+    records, _ = read_capture(path)
+    assert _reads(records, proc.pid) == [str(shard)]
+    infos = [r for r in of(records, FdInfo) if r.pid == proc.pid]
+    snapshot_ts = next(r.ts for r in infos if r.kind == "cwd")
+    received = sorted((r.kind, r.obj) for r in infos if r.ts != snapshot_ts)  # written at the recvmsg
+    assert received == [("file", str(shard)), ("pipe", f"pipe:[{os.fstat(rpipe).st_ino}]")]
+    os.close(rpipe)
+    os.close(wpipe)
