@@ -40,9 +40,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
     skipped = cap.get("skipped_probes") or {}
     if skipped:
-        lines.append(f"the kernel skipped gputrace's probes {sum(skipped.values())} times "
-                     f"({', '.join(f'{k}={v}' for k, v in skipped.items())}): each ran into another tracing "
-                     "program on its CPU; as many events, of any process, may be missing")
+        lines.append(f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing "
+                     f"program on its CPU ({', '.join(f'{k}={v}' for k, v in skipped.items())}); their events, "
+                     "for any task, are missing: e.g. the waker of an off-CPU span")
     if cap.get("malformed_records"):
         lines.append(f"SKIPPED {cap['malformed_records']} malformed records")
     waiting = cap.get("in_progress") or []
