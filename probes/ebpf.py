@@ -196,9 +196,7 @@ class EbpfSource:
 
     def skipped(self) -> dict[str, int]:
         """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
-        if self._final_skips is not None:
-            return dict(self._final_skips)
-        return program_skips(self._bpf) if self._bpf is not None else {}
+        return program_skips(self._bpf, final=self._final_skips)
 
     def drops(self) -> dict[str, int]:
         if self._final_drops is not None:

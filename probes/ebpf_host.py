@@ -117,11 +117,16 @@ def file_faults_supported() -> bool:
             and tracepoint_exists("filemap", "mm_filemap_fault"))
 
 
-def program_skips(bpf: Any) -> dict[str, int]:
+def program_skips(bpf: Any, *, final: dict[str, int] | None = None) -> dict[str, int]:
     """How often the kernel skipped each loaded program (its ``recursion_misses``, from the program fd's
     fdinfo), by the tracepoint it serves: ``sched_waking``, ``sys_exit``, ``on_sample``. A tracepoint or
     perf-event program is skipped when another tracing program, anyone's, is running on that CPU (an
-    interrupt arrived during one); what it would have recorded is missing, for any task, traced or not."""
+    interrupt arrived during one); what it would have recorded is missing, for any task, traced or not.
+    ``final``: the counts read at stop, returned as they are once the programs are gone."""
+    if final is not None:
+        return dict(final)
+    if bpf is None:
+        return {}
     out: dict[str, int] = {}
     for name, fn in list(bpf.funcs.items()):
         try:
