@@ -8,58 +8,22 @@ in ns per iteration untraced and then sampled by StackSampler at the default rat
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from _common import CountSink, TimedLoop, build_loop
 
 from gputrace.probes.sampler import DEFAULT_HZ, StackSampler
 from gputrace.records import StackSample
 
-LOOP = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-__attribute__((noinline)) unsigned long work(long n) {
+WORK = r"""
+void setup(char **args) { (void)args; }
+__attribute__((noinline)) void work(long n) {
     volatile unsigned long acc = 0;
     for (long i = 0; i < n; i++) acc += (unsigned long)i * 2654435761u;
-    return acc;
-}
-int main(int argc, char **argv) {
-    long n = atol(argv[1]);
-    char line[8];
-    printf("ready\n"); fflush(stdout);
-    while (fgets(line, sizeof line, stdin)) {
-        struct timespec a, b;
-        clock_gettime(CLOCK_MONOTONIC, &a);
-        work(n);
-        clock_gettime(CLOCK_MONOTONIC, &b);
-        printf("%.4f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n); fflush(stdout);
-    }
-    return 0;
 }
 """
-
-
-class CountSink:
-    def __init__(self) -> None:
-        self.samples = 0
-
-    def emit(self, records: Any) -> None:
-        self.samples += sum(type(r) is StackSample for r in records)
-
-    def emit_kernel(self, blob: bytes, n: int) -> None:
-        pass
-
-    def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
-        pass
-
-
-def build(d: Path) -> Path:
-    (d / "loop.c").write_text(LOOP)
-    subprocess.run(["gcc", "-O1", "-fno-omit-frame-pointer", "-o", str(d / "loop"), str(d / "loop.c")], check=True)
-    return d / "loop"
 
 
 def main() -> int:
@@ -68,30 +32,21 @@ def main() -> int:
     p.add_argument("--hz", type=int, default=DEFAULT_HZ)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    loop = build(Path(tempfile.mkdtemp(prefix="gputrace-sampler-bench-")))
-    proc = subprocess.Popen([str(loop), str(args.iters)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    stdin, stdout = proc.stdin, proc.stdout
-    assert stdin is not None and stdout is not None and stdout.readline().strip() == "ready"
-
-    def timed() -> float:
-        stdin.write("go\n")
-        stdin.flush()
-        return float(stdout.readline())
-
-    timed()  # warm up caches and the CPU's clock
-    sink = CountSink()
+    exe = build_loop(Path(tempfile.mkdtemp(prefix="gputrace-sampler-bench-")), WORK, "-O1", "-fno-omit-frame-pointer")
+    loop = TimedLoop(exe, args.iters)
+    loop.timed()  # warm up caches and the CPU's clock
+    sink = CountSink(StackSample)
     base, traced = [], []
     for _ in range(args.rounds):  # alternate, so drift in the machine's speed hits both sides alike
-        base.append(timed())
-        src = StackSampler([proc.pid], hz=args.hz)
+        base.append(loop.timed())
+        src = StackSampler([loop.pid], hz=args.hz)
         src.start(sink)
-        traced.append(timed())
+        traced.append(loop.timed())
         src.stop()
-    stdin.close()
-    proc.wait()
+    loop.close()
     b, t = min(base), min(traced)
     print(f"{args.iters:,} iterations × {args.rounds}: untraced {b:.4f} ns/iter, sampled at {args.hz} Hz "
-          f"{t:.4f} ns/iter, ratio {t / b:.4f}; {sink.samples:,} samples, drops {src.drops()}")
+          f"{t:.4f} ns/iter, ratio {t / b:.4f}; {sink.count:,} samples, drops {src.drops()}")
     return 0
 
 

@@ -16,7 +16,6 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,11 +24,12 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.agent import arming, validate, wire
-from gputrace.agent.listen import Forwarder, listen_at, unlink_if_ours
+from gputrace.agent.listen import Forwarder, Listener, foreign_root, listen_at, listen_in_root, unlink_if_ours
+from gputrace.agent.pidns import PeerIds
 from gputrace.records import AgentInfo, SourceStatus
 from gputrace.source import Sink
 
-from .service_caps import peer_pidfd, pidfd_exited
+from .service_caps import peer_credentials, peer_pidfd, pidfd_exited
 
 log = logging.getLogger("gputrace.agents")
 
@@ -53,6 +53,7 @@ class _Peer:
         self.records = 0
         self.drops: dict[str, int] = {}
         self.end = ""
+        self.ids: PeerIds | None = None  # its ids as it sees them, read at hello
 
     @property
     def active(self) -> bool:
@@ -61,6 +62,13 @@ class _Peer:
 
     def exited(self) -> bool:
         return self.vanished or (self.pidfd is not None and pidfd_exited(self.pidfd))
+
+    def summary(self) -> dict[str, Any]:
+        h = self.hello or {}
+        ns = {"pid_in_namespace": self.ids.own_pid} if self.ids and self.ids.nested else {}
+        return {"pid": self.pid, **ns, "uid": self.uid, "interpreter": h.get("interpreter", ""),
+                "backends": h.get("backends", []), "unavailable": h.get("unavailable", {}),
+                "records": self.records, "end": self.end}
 
 
 class AgentServer:
@@ -82,7 +90,7 @@ class AgentServer:
         self.rejected_records = 0
         self._peers: dict[socket.socket, _Peer] = {}
         self._gone: list[_Peer] = []
-        self._offers: list[tuple[Path, socket.socket, int]] = []
+        self._offers: list[Listener] = []
         self._listener_ino = 0
         self._new_listeners: list[socket.socket] = []
         self._sel = selectors.DefaultSelector()
@@ -115,14 +123,19 @@ class AgentServer:
         """Let an armed, dormant process ``pid`` find this session at <attach dir>/<pid>.sock.
 
         A listening socket of its own there rather than a link to ours: a service with a private /tmp
-        could not follow a link into the session's directory.
+        could not follow a link into the session's directory. For a process in a container the file is
+        named by its pid there and made in the attach dir as it sees it (inside its root).
         """
-        self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path = self.attach_dir / f"{int(pid)}.sock"
-        listener, ino = listen_at(path)
+        name = f"{PeerIds(int(pid)).own_pid}.sock"
+        if foreign_root(pid):
+            offer = listen_in_root(pid, self.attach_dir, name)
+        else:
+            self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            listener, ino = listen_at(self.attach_dir / name)
+            offer = Listener(listener, self.attach_dir / name, ino)
         with self._lock:
-            self._offers.append((path, listener, ino))
-            self._new_listeners.append(listener)
+            self._offers.append(offer)
+            self._new_listeners.append(offer.sock)
         self._wake()
 
     def attach(self, pid: int) -> str:
@@ -159,14 +172,17 @@ class AgentServer:
         self._withdraw_offers()
         assert self._fwd is not None and self._sink is not None
         self._fwd.close()
-        self._sink.emit_meta("agent", {"peers": [self._summary(p) for p in self._gone]})
+        self._sink.emit_meta("agent", {"peers": [p.summary() for p in self._gone]})
 
     def drops(self) -> dict[str, int]:
         out = {"queue": self._fwd.dropped if self._fwd else 0, "rejected": self.rejected_records}
         with self._lock:
             peers = list(self._peers.values()) + self._gone
         for p in peers:
-            for what, n in p.drops.items():
+            counts = dict(p.drops)
+            if p.ids is not None:  # records whose thread was none of the peer's (see pidns.py)
+                counts["tid_unmapped"] = p.ids.unmapped
+            for what, n in counts.items():
                 if n:  # zeros from every worker would bury the losses that matter
                     out[f"pid{p.pid}.{what}"] = n
         return out
@@ -211,9 +227,7 @@ class AgentServer:
             try:
                 self._read(key.data)
             except Exception as e:  # noqa: BLE001 - one peer's trouble must not end the others' service
-                self.stats["cut_off"] += 1
-                self._reject(key.data, f"cut off: internal error {type(e).__name__}: {e}")
-                self._drop(key.data, f"cut off: internal error {type(e).__name__}", cut=True)
+                self._cut_off(key.data, f"internal error {type(e).__name__}: {e}", f"internal error {type(e).__name__}")
 
     def _register_offers(self) -> None:
         with self._lock:
@@ -227,7 +241,7 @@ class AgentServer:
         except (BlockingIOError, InterruptedError):
             return
         conn.setblocking(False)
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _gid = peer_credentials(conn)
         peer = _Peer(conn, pid, uid)
         try:
             peer.pidfd = peer_pidfd(conn)
@@ -279,9 +293,7 @@ class AgentServer:
                     self._drop(peer, "bye", cut=False, quiet=True)
                     return
         except wire.FrameError as e:
-            self.stats["cut_off"] += 1
-            self._reject(peer, f"cut off: {e}")
-            self._drop(peer, f"cut off: {e}", cut=True)
+            self._cut_off(peer, str(e))
 
     def _message(self, peer: _Peer, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -290,7 +302,8 @@ class AgentServer:
         if kind == "hello":
             if peer.hello is not None:
                 raise wire.FrameError("second hello")
-            self._hello(peer, validate.hello_fields(msg, peer.pid))
+            peer.ids = PeerIds(peer.pid)
+            self._hello(peer, validate.hello_fields(msg, peer.ids))
         elif kind == "batch":
             self._batch(peer, msg)
         elif kind == "drops":
@@ -315,11 +328,10 @@ class AgentServer:
 
     def _batch(self, peer: _Peer, msg: dict[str, Any]) -> None:
         try:
-            records = validate.batch_records(msg, peer.pid)
+            assert peer.ids is not None  # set at hello, which came first
+            records = validate.batch_records(msg, peer.ids)
         except wire.FrameError:
-            groups = msg.get("records")
-            self.rejected_records += sum(len(g[1]) for g in groups if _is_group(g)) if isinstance(
-                groups, list) else 0
+            self.rejected_records += _countable(msg.get("records"))
             raise
         peer.records += len(records)
         self.stats["records"] += len(records)
@@ -353,15 +365,19 @@ class AgentServer:
                 try:
                     self._send(peer, {"type": "stop"})
                 except wire.FrameError as e:
-                    self.stats["cut_off"] += 1
-                    self._reject(peer, f"cut off: {e}")
-                    self._drop(peer, f"cut off: {e}", cut=True)
+                    self._cut_off(peer, str(e))
 
     # ------------------------------------------------------------------------------- peer ends ---
     def _reject(self, peer: _Peer, reason: str) -> None:
         text = f"pid {peer.pid}: {reason}"
         self.rejections.append(text)
         log.warning("gputrace: agent %s", text)
+
+    def _cut_off(self, peer: _Peer, reason: str, brief: str | None = None) -> None:
+        """End a peer that broke the protocol: counted, logged with ``reason``, its end told as ``brief``."""
+        self.stats["cut_off"] += 1
+        self._reject(peer, f"cut off: {reason}")
+        self._drop(peer, f"cut off: {brief or reason}", cut=True)
 
     def _drop(self, peer: _Peer, reason: str, *, cut: bool, quiet: bool = False) -> None:
         with self._lock:
@@ -390,18 +406,13 @@ class AgentServer:
         self._forward([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
 
     def _withdraw_offers(self) -> None:
-        for path, listener, ino in self._offers:
-            unlink_if_ours(path, ino)
-            listener.close()
+        for offer in self._offers:
+            offer.close()
         self._offers.clear()
 
-    @staticmethod
-    def _summary(p: _Peer) -> dict[str, Any]:
-        h = p.hello or {}
-        return {"pid": p.pid, "uid": p.uid, "interpreter": h.get("interpreter", ""),
-                "backends": h.get("backends", []), "unavailable": h.get("unavailable", {}),
-                "records": p.records, "end": p.end}
 
-
-def _is_group(g: Any) -> bool:
-    return isinstance(g, list) and len(g) == 2 and isinstance(g[1], list)
+def _countable(groups: Any) -> int:
+    """Records in a refused batch, as far as its shape lets them be counted."""
+    if not isinstance(groups, list):
+        return 0
+    return sum(len(g[1]) for g in groups if isinstance(g, list) and len(g) == 2 and isinstance(g[1], list))

@@ -17,12 +17,12 @@ class HeldChild:
     def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
         exe = shutil.which(argv[0])
         if exe is None:
-            raise UserError(f"command not found: {argv[0]}")
+            raise UserError(_not_runnable(argv[0]))
         rfd, self._wfd = os.pipe2(os.O_CLOEXEC)
         errr, errw = os.pipe2(os.O_CLOEXEC)
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - the child only execs
-            _child(rfd, errw, exe, list(argv), dict(env))
+            _child(rfd, self._wfd, errw, exe, list(argv), dict(env))
         os.close(rfd)
         os.close(errw)
         self._errr = errr
@@ -66,8 +66,18 @@ class HeldChild:
         return 128 - status if status < 0 else status
 
 
-def _child(rfd: int, errw: int, exe: str, argv: list[str], env: dict[str, str]) -> None:  # pragma: no cover
+def _not_runnable(cmd: str) -> str:
+    """Why shutil.which found nothing for ``cmd``."""
+    if "/" in cmd and os.path.exists(cmd):
+        if os.path.isdir(cmd):
+            return f"cannot run {cmd}: it is a directory"
+        return f"cannot run {cmd}: not executable (chmod +x, or run it through its interpreter)"
+    return f"command not found: {cmd}"
+
+
+def _child(rfd: int, wfd: int, errw: int, exe: str, argv: list[str], env: dict[str, str]) -> None:  # pragma: no cover
     try:
+        os.close(wfd)  # the parent's end: if the parent dies before releasing us, the read sees EOF
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if os.read(rfd, 2) != b"go":
             os._exit(127)

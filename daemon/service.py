@@ -1,253 +1,41 @@
 """gputraced: runs captures on request for local users, over a unix socket (never TCP).
 
-Every byte from a client is hostile: one length-prefixed JSON frame per request (at most MAX_REQUEST bytes,
-read within REQUEST_TIMEOUT_S), schema-checked before anything happens. Each request is authorised with the
-peer's SO_PEERCRED credentials: a caller may capture only processes that exist and that it owns (real,
-effective and saved uid all equal to the caller's), root may capture any. Captures are written into a
-root-only staging directory, then handed to the caller: chowned through an O_NOFOLLOW descriptor and
-hard-linked (never overwriting) into <state dir>/<uid>/, a 0700 directory the caller owns. A client-supplied
-name is a plain file name, never a path.
-
-Wire format (both directions): 4-byte big-endian length, then a UTF-8 JSON object.
-    {"op": "capture", "pids": [4242], "duration_s": 10, "name": "run1.gputrace", "min_gap_ms": 1, "wait": true}
-    {"op": "list"}    {"op": "status"}    {"op": "stop", "job": 3}
-Replies carry "ok": true/false and "error" when false; a waited capture gets a second frame when it ends.
+Each connection carries one request (service_protocol: a length-prefixed JSON frame, read within
+REQUEST_TIMEOUT_S and schema-checked), authorised by the peer's kernel credentials (service_auth: a caller
+captures only processes it owns, root any). Captures are written into a root-only staging directory, then
+handed to the caller (service_jobs: chowned through an O_NOFOLLOW descriptor and hard-linked, never
+overwriting, into <state dir>/<uid>/, a 0700 directory the caller owns). This module is the server itself:
+the listening socket, one thread per connection, dispatch by op, and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import re
 import select
 import signal
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gputrace import __version__
 from gputrace.errors import UserError
 
-from .service_caps import close_pidfds, open_pidfd, peer_pidfd, pidfd_exited, pidfd_support
+from .service_auth import Caller, authorize, caller_of, confirm_caller
+from .service_caps import close_pidfds, peer_credentials, pidfd_support
 from .service_jobs import Job, JobTable, Limits, prepare_state_dir
+from .service_protocol import MAX_REPLY as MAX_REPLY  # re-exported: `gputrace daemon` imports it from here
+from .service_protocol import MAX_REQUEST, ProtocolError, recv_frame, send_frame, validate
 
 DEFAULT_SOCKET = Path("/run/gputrace/gputraced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/gputrace")
-MAX_REQUEST = 64 << 10
-MAX_REPLY = 16 << 20
 REQUEST_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 32
-MAX_PIDS = 64
-PID_MAX = 1 << 22
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}")
-OPS = {"capture": {"pids", "duration_s", "name", "min_gap_ms", "wait"}, "list": set(), "status": set(),
-       "stop": {"job"}}
-
-
-class ProtocolError(Exception):
-    """A request that breaks the protocol or the schema; the message goes back to the client."""
-
-
-# -------------------------------------------------------------------------------------------- frames ---
-
-
-def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(struct.pack(">I", len(data)) + data)
-
-
-def recv_frame(sock: socket.socket, limit: int) -> dict[str, Any] | None:
-    """One frame, or None when the peer closed cleanly before sending one."""
-    head = _recv_exact(sock, 4, allow_eof=True)
-    if head is None:
-        return None
-    (size,) = struct.unpack(">I", head)
-    if size > limit:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {limit}")
-    body = _recv_exact(sock, size, allow_eof=False)
-    assert body is not None
-    try:
-        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ProtocolError(f"not a JSON frame: {type(e).__name__}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("a frame must be a JSON object")
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
-def _recv_exact(sock: socket.socket, n: int, *, allow_eof: bool) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            raise ProtocolError("request not received in time") from None
-        if not chunk:
-            if allow_eof and not buf:
-                return None
-            raise ProtocolError("connection closed mid-frame")
-        buf += chunk
-    return bytes(buf)
-
-
-# ------------------------------------------------------------------------------------------- schema ---
-
-
-def validate(req: dict[str, Any]) -> dict[str, Any]:
-    """The request, checked against the schema: known op, known keys, types and ranges."""
-    op = req.get("op")
-    if not isinstance(op, str) or op not in OPS:
-        raise ProtocolError(f"unknown op; expected one of {', '.join(sorted(OPS))}")
-    extra = set(req) - OPS[op] - {"op"}
-    if extra:
-        raise ProtocolError(f"unexpected field(s) for {op}: {', '.join(sorted(map(str, extra)))[:200]}")
-    if op == "stop":
-        _int(req.get("job"), "job", 1, 1 << 31)
-    if op == "capture":
-        pids = req.get("pids")
-        if not isinstance(pids, list) or not 1 <= len(pids) <= MAX_PIDS:
-            raise ProtocolError(f"pids must be a list of 1 to {MAX_PIDS} pids")
-        req["pids"] = sorted({_int(p, "pid", 1, PID_MAX) for p in pids})
-        req["duration_s"] = _number(req.get("duration_s"), "duration_s", 0.001, 7 * 86400)
-        req["min_gap_ms"] = _number(req.get("min_gap_ms", 1.0), "min_gap_ms", 0.001, 60_000)
-        req["name"] = check_name(req["name"]) if req.get("name") is not None else None
-        if not isinstance(req.get("wait", False), bool):
-            raise ProtocolError("wait must be true or false")
-    return req
-
-
-def _int(value: Any, what: str, lo: int, hi: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ProtocolError(f"{what} must be an integer in [{lo}, {hi}]")
-    return value
-
-
-def _number(value: Any, what: str, lo: float, hi: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ProtocolError(f"{what} must be a number in [{lo:g}, {hi:g}]")
-    return float(value)
-
-
-def check_name(name: Any) -> str:
-    """A plain file name for the capture (".gputrace" added when missing); never a path."""
-    if not isinstance(name, str):
-        raise ProtocolError("name must be a string")
-    if "/" in name or "\0" in name or name in (".", "..") or name.startswith("."):
-        raise ProtocolError("name must be a plain file name, not a path")
-    if not name.endswith(".gputrace"):
-        name += ".gputrace"
-    if not NAME_RE.fullmatch(name) or ".." in name:
-        raise ProtocolError("name may use letters, digits, '.', '_' and '-' (at most 100 characters)")
-    return name
-
-
-# ------------------------------------------------------------------------------------ authorisation ---
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the connected peer, from the kernel (SO_PEERCRED), not from anything it sent."""
-    data = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", data)
-    return pid, uid, gid
-
-
-def process_uids(pid: int) -> tuple[int, int, int]:
-    """(real, effective, saved) uid of a live process."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        raise ProtocolError(f"no process with pid {pid}") from None
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    if fields.get("State", "").strip()[:1] in ("Z", "X"):
-        raise ProtocolError(f"process {pid} has exited")
-    real, eff, saved = (int(x) for x in fields["Uid"].split()[:3])
-    return real, eff, saved
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who asked: the peer's SO_PEERCRED pid, uid and gid, and a pidfd pinning that process (None without
-    SO_PEERPIDFD)."""
-
-    pid: int
-    uid: int
-    gid: int
-    pidfd: int | None
-
-
-def caller_of(conn: socket.socket) -> Caller:
-    pid, uid, gid = peer_credentials(conn)
-    try:
-        return Caller(pid, uid, gid, peer_pidfd(conn))
-    except ProcessLookupError:
-        raise ProtocolError(f"caller pid {pid} has exited; request dropped") from None
-
-
-def confirm_caller(caller: Caller) -> None:
-    """The process that connected is still there and still has the uid it connected with. Checked through
-    its pidfd, so never about a process that took its pid since; without SO_PEERPIDFD there is nothing to
-    check and SO_PEERCRED's uid alone decides."""
-    if caller.pidfd is None:
-        return
-    try:
-        euid = process_uids(caller.pid)[1] if caller.pid > 0 else caller.uid  # 0: from another pid namespace
-    except ProtocolError:
-        euid = None
-    if euid is None or pidfd_exited(caller.pidfd):
-        raise ProtocolError(f"caller pid {caller.pid} has exited; request dropped")
-    if euid != caller.uid:
-        raise ProtocolError(f"caller pid {caller.pid} now runs as uid {euid}, not uid {caller.uid} as when it "
-                            "connected; reconnect")
-
-
-def authorize(uid: int, pids: list[int], *, on_checked: Callable[[int], None] | None = None) -> dict[int, int]:
-    """Root may capture anything; anyone else only processes that are entirely theirs.
-
-    Each pid is pinned (pidfd_open) before /proc is read, and its pidfd is confirmed not to have exited
-    after: the check was about the process the pidfd refers to, not a successor that took its pid. Returns
-    {pid: pidfd} (empty where the kernel has no pidfd_open); the caller owns them. ``on_checked(pid)`` runs
-    between the /proc check and that confirmation (a seam for tests).
-    """
-    pinned: dict[int, int] = {}
-    try:
-        for pid in pids:
-            pidfd = _pin(pid)
-            if pidfd is not None:
-                pinned[pid] = pidfd
-            uids = process_uids(pid)
-            if on_checked is not None:
-                on_checked(pid)
-            if pidfd is not None and pidfd_exited(pidfd):
-                raise ProtocolError(f"process {pid} exited while being authorised")
-            if uid != 0 and any(u != uid for u in uids):
-                raise ProtocolError(f"not allowed: pid {pid} is not yours (uid {uids[1]}); "
-                                    "only root may capture other users' processes")
-    except BaseException:
-        close_pidfds(pinned)
-        raise
-    return pinned
-
-
-def _pin(pid: int) -> int | None:
-    try:
-        return open_pidfd(pid)
-    except ProcessLookupError:
-        if Path(f"/proc/{pid}").is_dir():
-            raise ProtocolError(f"pid {pid} is a thread, not a process; give its process id") from None
-        raise ProtocolError(f"no process with pid {pid}") from None
 
 
 # ------------------------------------------------------------------------------------------ service ---
@@ -435,12 +223,14 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     limits = Limits(args.max_duration_s, args.max_jobs, args.max_jobs_per_user)
     prepare_state_dir(args.state_dir)
+    stopping = threading.Event()  # before the socket exists: a stop sent once it appears is never lost
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     service = Service(args.socket, args.state_dir, limits, otlp=args.otlp, otlp_protocol=args.otlp_protocol,
                       request_timeout_s=args.request_timeout_s)
+    service.stopping = stopping
     if not args.keep_caps:
         _log(drop_privileges())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.stopping.set())
     service.serve()
     return 0
 

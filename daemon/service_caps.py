@@ -5,7 +5,8 @@ later inherit it). The same set is the systemd unit's CapabilityBoundingSet; eac
 
 A pid names whichever process holds it now; a pidfd names one process for good. Checking a process through
 /proc and then confirming its pidfd has not exited proves the check was about that process: its pid cannot
-pass to another before it exits.
+pass to another before it exits. Who is on the other end of a unix socket comes from the kernel (SO_PEERCRED,
+SO_PEERPIDFD), never from anything the peer sent.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import os
 import select
 import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,7 +76,14 @@ def drop_privileges(keep: dict[int, str] | None = None) -> str:
     return f"capabilities kept: {', '.join(kept) or 'none'}"
 
 
-# ------------------------------------------------------------------------------------------ pidfds ---
+# -------------------------------------------------------------------------------- peers and pidfds ---
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the connected peer, from the kernel (SO_PEERCRED), not from anything it sent."""
+    data = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", data)
+    return pid, uid, gid
 
 
 def peer_pidfd(conn: socket.socket) -> int | None:

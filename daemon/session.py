@@ -116,6 +116,8 @@ class _Session:
         self.agents: Any = None
         self.sock_dir: Path | None = None
         self.statuses: list[SourceStatus] = []
+        self.started_ns = 0  # when tracing began: the capture's start (the header's start_ns is earlier)
+        self._uncatch: Callable[[], None] = _nothing  # puts back the signal handlers the session replaced
 
     # ---------------------------------------------------------------------------------- lifecycle ---
     def run(self) -> CaptureResult:
@@ -124,6 +126,7 @@ class _Session:
             reason = self._wait()
             path = self._finish(reason)
         except BaseException:
+            self._restore_signals()
             self._abort()
             raise
         finally:
@@ -131,10 +134,8 @@ class _Session:
         return self._after(path, reason)
 
     def _start(self) -> None:
-        if self.opts.command:
-            self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
-            os.chmod(self.sock_dir, 0o711)
-            self.child = HeldChild(self.opts.command, {**os.environ, **self._agent_env()})
+        if self.opts.command:  # the agent server first, so that the child's environment can name it
+            self.child = HeldChild(self.opts.command, {**os.environ, **self._new_agents().child_env()})
             self.comms = {self.child.pid: Path(self.opts.command[0]).name[:15]}
         pids = list(self.comms)
         out = self.opts.output or default_output(self.comms[pids[0]], pids[0])
@@ -152,9 +153,13 @@ class _Session:
         self.writer = CaptureWriter(self.output, header, force=self.opts.force)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
+        # Before the command runs and tracing is announced: from then on, Ctrl-C or SIGTERM must end the
+        # capture and write it, not unwind and throw away the capture of a command already running.
+        self._uncatch = _catch_signals(self.stop)
         if self.child:
+            self.started_ns = clock.monotonic_ns()  # the command runs from here on; nothing of it came before
             self.child.release()
-        self.started_ns = clock.monotonic_ns()
+        self.sink.emit_meta("session", {"tracing_ns": self.started_ns})  # a capture cut off keeps it too
         what = f"pid {self.child.pid}: {' '.join(self.opts.command or [])}" if self.child else ", ".join(
             f"{p} ({c})" for p, c in self.comms.items()
         )
@@ -164,13 +169,14 @@ class _Session:
         if self.opts.on_tracing is not None:
             self.opts.on_tracing()
 
-    def _agent_env(self) -> dict[str, str]:
-        """The agent server must exist before the child is forked, so its environment can name it."""
+    def _new_agents(self) -> Any:
+        """The agent server, its socket in a directory of its own that any traced process may pass through."""
         from gputrace.daemon.agents import AgentServer
 
-        assert self.sock_dir is not None
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
+        os.chmod(self.sock_dir, 0o711)
         self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
-        return dict(self.agents.child_env())
+        return self.agents
 
     def _is_traced(self, pid: int) -> bool:
         return self.ebpf is not None and bool(self.ebpf.is_traced(pid))
@@ -181,13 +187,10 @@ class _Session:
         assert self.sink is not None
         self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc)
         self.ebpf.start(self.sink)  # raises UserError when eBPF cannot run at all: nothing to capture
+        self.started_ns = clock.monotonic_ns()  # attached, the targets in its set: their events are recorded
         self.sources.append(self.ebpf)
-        if self.agents is None:
-            from gputrace.daemon.agents import AgentServer
-
-            self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
-            os.chmod(self.sock_dir, 0o711)
-            self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
+        if self.agents is None:  # attaching to running pids: no child environment needed it yet
+            self._new_agents()
         self._try_start(self.agents)
         for pid in pids if not self.opts.command else []:
             self._attach(pid)
@@ -255,13 +258,12 @@ class _Session:
         if self.agents is not None and hasattr(self.agents, "offer"):
             try:
                 self.agents.offer(pid)
-            except OSError as e:
+            except (OSError, UserError) as e:
                 self.log(f"gputrace: cannot offer the agent socket to pid {pid}: {e}")
 
     # ------------------------------------------------------------------------------------ waiting ---
     def _wait(self) -> str:
         deadline = None if self.opts.duration_s is None else time.monotonic() + self.opts.duration_s
-        restore = _catch_signals(self.stop)
         progress = _Progress(self.log if self.opts.progress and sys.stderr.isatty() else None)
         try:
             while True:
@@ -272,7 +274,11 @@ class _Session:
                 self.stop.wait(0.05)
         finally:
             progress.done()
-            restore()
+            self._restore_signals()
+
+    def _restore_signals(self) -> None:
+        self._uncatch()
+        self._uncatch = _nothing
 
     def _should_stop(self, deadline: float | None) -> str:
         if self.stop.is_set():
@@ -295,6 +301,7 @@ class _Session:
         drops = self._drops()
         trailer = {
             "end_ns": clock.monotonic_ns(),
+            "tracing_ns": self.started_ns,
             "stop_reason": reason,
             "drops": drops,
             "complete": not any(drops.values()),
@@ -363,6 +370,10 @@ class _Session:
                 self.log(f"gputrace: waiting for pid {self.child.pid} ({self.opts.command[0]}) to exit")  # type: ignore[index]
             result.exit_code = self.child.exit_code
         return result
+
+
+def _nothing() -> None:
+    pass
 
 
 def _catch_signals(stop: threading.Event) -> Callable[[], None]:

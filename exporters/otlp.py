@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -78,7 +79,7 @@ class OtlpExporter:
             raise OtlpUnreachable(
                 f"OTLP endpoint {self.endpoint} ({self.protocol}) unreachable: {reason}; "
                 f"{result.dropped} spans not delivered", result)
-        shipper = _BatchShipper(self._make_exporter(), self.batch_size, result)
+        shipper = _BatchShipper(self._make_exporter(), self.batch_size, result, self.timeout_s)
         with _quiet_exporter_logs() as errors:
             record_spans(report, header, shipper)
             shipper.flush()
@@ -150,10 +151,13 @@ def count_spans(report: dict[str, Any]) -> int:
 class _BatchShipper(SpanProcessor):
     """Receives ended spans from the SDK and sends them in batches, counting what each batch fails to deliver."""
 
-    def __init__(self, exporter: SpanExporter, batch_size: int, result: ExportResult) -> None:
+    def __init__(self, exporter: SpanExporter, batch_size: int, result: ExportResult,
+                 timeout_s: float = 10.0) -> None:
         self.exporter = exporter
         self.batch_size = batch_size
         self.result = result
+        self.timeout_s = timeout_s
+        self.silent = False  # a batch failed after waiting the whole timeout: the collector does not answer
         self._batch: list[ReadableSpan] = []
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -165,6 +169,10 @@ class _BatchShipper(SpanProcessor):
         batch, self._batch = self._batch, []
         if not batch:
             return
+        if self.silent:  # waiting a timeout per batch would make a large export hang for minutes
+            self.result.dropped += len(batch)
+            return
+        t0 = time.monotonic()
         try:
             ok = self.exporter.export(batch) is SpanExportResult.SUCCESS
         except Exception as e:  # noqa: BLE001 - a transport error is a failed batch, counted below
@@ -174,6 +182,7 @@ class _BatchShipper(SpanProcessor):
             self.result.items += len(batch)
         else:
             self.result.dropped += len(batch)
+            self.silent = time.monotonic() - t0 >= 0.9 * self.timeout_s
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         self.flush()

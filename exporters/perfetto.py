@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.capture import CaptureReader
+from gputrace.errors import UserError
 from gputrace.records import (
     AgentInfo,
     BlockIO,
@@ -80,8 +81,9 @@ class PerfettoExporter:
 
     def write(self, reader: CaptureReader) -> ExportResult:
         tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
+        fd = _create_new(tmp)
         try:
-            with open(tmp, "wb", buffering=1 << 20) as f:
+            with open(fd, "wb", buffering=1 << 20) as f:
                 run = _Run(PacketSink(f), reader.header, self.report, self.pending_cap)
                 run.start()
                 for rec in reader.records():
@@ -94,6 +96,14 @@ class PerfettoExporter:
             tmp.unlink(missing_ok=True)
             raise
         return ExportResult(target=str(self.out_path), items=run.sink.count, notes=run.notes(reader))
+
+
+def _create_new(path: Path) -> int:
+    """A fresh file at ``path``: never an existing one, nor one a symlink planted there points to."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        raise UserError(f"{path} exists (an earlier export was cut off, or planted); remove it") from None
 
 
 class _Run:

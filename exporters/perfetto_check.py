@@ -67,6 +67,7 @@ class Sample:
     tid: int
     frames: list[str]
     index: int = 0  # packet index
+    cpu: int = -1  # -1: the sample names no CPU
 
     @property
     def leaf(self) -> str:
@@ -352,7 +353,8 @@ def _perf_sample(check: TraceCheck, index: int, state: _Interned | None, pkt: An
         check.problem("sample", f"packet {index}: CPU sample without a callstack")
         return
     frames = state.use(check, index, "callstacks", ps.callstack_iid, "CPU sample")
-    check.samples.append(Sample(pkt.timestamp, ps.pid, ps.tid, list(frames or ()), index))
+    cpu = ps.cpu if ps.HasField("cpu") else -1
+    check.samples.append(Sample(pkt.timestamp, ps.pid, ps.tid, list(frames or ()), index, cpu))
 
 
 def _link_threads(check: TraceCheck) -> None:

@@ -267,9 +267,11 @@ def perf_sample(ts: int, fields: bytes, callstack_iid: int, interned: bytes = b"
     return out + _K_PERF_SAMPLE + varint(len(body)) + body
 
 
-def sample_fields(pid: int, tid: int) -> bytes:
-    """PerfSample pid, tid and cpu_mode (user stacks); encoded apart so a broken record fails before use."""
-    return f_varint(2, pid) + f_varint(3, tid) + f_varint(5, CPU_MODE_USER)
+def sample_fields(pid: int, tid: int, cpu: int = -1) -> bytes:
+    """PerfSample cpu (when known), pid, tid and cpu_mode (user stacks); encoded apart so a broken record
+    fails before use."""
+    where = f_varint(1, cpu) if cpu >= 0 else b""
+    return where + f_varint(2, pid) + f_varint(3, tid) + f_varint(5, CPU_MODE_USER)
 
 
 def framed(packet: bytes) -> bytes:

@@ -96,7 +96,7 @@ class CpuSamples:
         self._stacks: dict[Key, list[str] | int] = {}  # frames until first drawn, then the callstack iid
         self._pending: OrderedDict[Key, deque[Ready]] = OrderedDict()
         self._npending = 0
-        self._fields: dict[Key, bytes] = {}  # (pid, tid) -> encoded PerfSample fields
+        self._fields: dict[tuple[int, int, int], bytes] = {}  # (pid, tid, cpu) -> encoded PerfSample fields
         self.unsymbolized = 0  # drawn as [unknown]: their frames never came (or came too late)
 
     def frames(self, r: StackFrames) -> None:
@@ -162,10 +162,12 @@ class CpuSamples:
         self._put(pp.perf_sample(ts, fields, iid, interned))
 
     def _ready(self, r: StackSample) -> Ready:
-        fields = self._fields.get((r.pid, r.tid))
+        fields = self._fields.get((r.pid, r.tid, r.cpu))
         if fields is None:
             if not all(type(v) is int and 0 <= v < _U32 for v in (r.pid, r.tid)):
                 raise ValueError("StackSample pid/tid must be 32-bit unsigned integers")
-            fields = self._fields[(r.pid, r.tid)] = pp.sample_fields(r.pid, r.tid)
+            if not (type(r.cpu) is int and -1 <= r.cpu < _U32):
+                raise ValueError("StackSample cpu must be -1 or a 32-bit unsigned integer")
+            fields = self._fields[(r.pid, r.tid, r.cpu)] = pp.sample_fields(r.pid, r.tid, r.cpu)
         hash(r.stack)
         return pp.clamp_ts(r.ts), r.pid, r.tid, fields

@@ -1,10 +1,12 @@
 """The capture file, NAME.gputrace: an append-only msgpack stream of frames.
 
-    ["H", header]            first frame: format, host, kernel, boot id, clock, offsets, tool version, argv
-    ["M", source, meta]      a source's metadata, before its records (e.g. the eBPF syscall table)
+    ["H", header]            first frame: format, host, kernel, boot id, clock, offsets, tool version, argv,
+                             start_ns (when the file was opened: before the probes were compiled)
+    ["M", source, meta]      a source's metadata, before its records (e.g. the eBPF syscall table); the
+                             session's ("session") says when tracing began: {"tracing_ns": N}
     ["R", kind, [row, ...]]  a batch of typed records of one kind (gputrace.records), rows positional
     ["K", blob]              raw kernel events, decoded on read by gputrace.probes.events
-    ["T", trailer]           last frame: end time, counts, drops, source states
+    ["T", trailer]           last frame: end time, when tracing began (tracing_ns), counts, drops, source states
 
 The writer appends to a temporary file beside the output and renames it when the capture is complete, so
 the final name never holds half a capture. A capture cut off by a crash stays readable: the reader yields
@@ -23,12 +25,13 @@ from typing import Any
 import msgpack
 
 from gputrace import __version__, clock
-from gputrace.errors import CorruptCapture, UserError
+from gputrace.errors import CorruptCapture, PermissionDenied, UserError
 from gputrace.records import RECORD_TYPES
 
 FORMAT = "gputrace.capture/1"
 MAGIC = "gputrace"
 MAX_FRAME_BYTES = 256 << 20
+HEADER_PREFIX = b"\x92\xa1H"  # msgpack of a capture's first frame, ["H", {...}], up to the header map
 
 
 def host_header(argv: Sequence[str]) -> dict[str, Any]:
@@ -174,7 +177,7 @@ def check_output_path(path: Path, *, force: bool) -> None:
     """Refuse an existing output without --force, and an unwritable directory, before any work starts."""
     if path.is_dir():
         raise UserError(f"{path} is a directory")
-    if path.exists() and not force:
+    if os.path.lexists(path) and not force:  # lexists: a dangling symlink planted there counts too
         raise UserError(f"{path} exists; use --force to overwrite it")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -190,6 +193,8 @@ class CaptureReader:
         self.path = Path(path)
         try:
             self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close() / the context manager
+        except PermissionError as e:
+            raise PermissionDenied(f"cannot open {self.path}: {e.strerror} (captures are mode 0640)") from None
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {e.strerror}") from None
         self._unpacker = self._new_unpacker()
@@ -208,15 +213,29 @@ class CaptureReader:
         try:
             frame = self._unpacker.unpack()
         except Exception:
-            raise CorruptCapture(f"{self.path} is not a gputrace capture (unreadable header)") from None
+            raise CorruptCapture(self._unreadable()) from None
         if not (isinstance(frame, list) and len(frame) == 2 and frame[0] == "H" and isinstance(frame[1], dict)):
-            raise CorruptCapture(f"{self.path} is not a gputrace capture (no header)")
+            raise CorruptCapture(self._unreadable())
         header = frame[1]
         if header.get("magic") != MAGIC:
             raise CorruptCapture(f"{self.path} is not a gputrace capture (bad magic)")
         if header.get("format") != FORMAT:
             raise CorruptCapture(f"{self.path}: unsupported capture format {header.get('format')!r}")
         return header
+
+    def _unreadable(self) -> str:
+        """Why there is no header, from what the first bytes say the file is."""
+        self._file.seek(0)
+        head = self._file.read(16)
+        if head.startswith(HEADER_PREFIX):
+            return f"{self.path}: a capture cut off inside its header, before any record: nothing to read"
+        if not head:
+            why = "the file is empty"
+        elif head[0] == 0x0A:  # field 1 (TracePacket), length-delimited: how every Perfetto trace begins
+            why = f"it looks like a Perfetto trace; open it with: gputrace view {self.path}"
+        else:
+            why = "no gputrace header"
+        return f"{self.path} is not a gputrace capture ({why})"
 
     @property
     def complete(self) -> bool:
@@ -244,7 +263,8 @@ class CaptureReader:
                 frame = self._unpacker.unpack()
             except msgpack.OutOfData:
                 if self.trailer is None:
-                    self.problem = f"cut off at byte {offset} (no trailer: the capture did not end cleanly)"
+                    self.problem = (f"cut off at byte {offset} (no trailer: the capture did not end cleanly, "
+                                    "or is still being written)")
                 return
             except Exception as e:  # msgpack raises several types on garbage
                 self.problem = f"corrupt at byte {offset}: {type(e).__name__}"
@@ -275,12 +295,14 @@ class CaptureReader:
     def _rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]]:
         cls = RECORD_TYPES[kind]
         nfields = len(cls._fields)
+        needed = nfields - len(cls._field_defaults)  # fields added later have defaults: older rows lack them
         make = cls._make
         note = self._observer(kind, decoder)
         for row in rows:
-            if len(row) < nfields:
+            if len(row) < needed:
                 raise ValueError(f"{kind} row has {len(row)} fields, expected {nfields}")
-            rec = make(row[:nfields]) if len(row) > nfields else make(row)
+            # a row longer than its kind: fields a later version added, which this one ignores
+            rec = make(row) if len(row) == nfields else make(row[:nfields]) if len(row) > nfields else cls(*row)
             if note is not None:
                 note(rec)
             yield rec
@@ -303,6 +325,16 @@ def open_capture(path: str | os.PathLike[str]) -> CaptureReader:
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such capture file")
-    if p.suffix == ".pftrace":
+    if not p.is_dir() and not p.is_file():  # a pipe or a device: the reader seeks back for each pass
+        raise UserError(f"{p} is not a regular file; a capture is read more than once: save it to a file first")
+    if p.suffix == ".pftrace" and not _starts_with(p, HEADER_PREFIX):  # by the name, unless it is a capture
         raise UserError(f"{p} is a Perfetto trace, not a capture; open it with: gputrace view {p}")
     return CaptureReader(p)
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(prefix)) == prefix
+    except OSError:
+        return False

@@ -128,10 +128,17 @@ def check_lockdown() -> Check:
 def check_btf() -> Check:
     name = "BTF"
     path = Path("/sys/kernel/btf/vmlinux")
-    if path.is_file():
-        return Check(name, OK, f"{path} ({path.stat().st_size // 1024} KiB)")
-    return Check(name, WARN, f"{path} missing", "not needed for tracepoints; a kernel with CONFIG_DEBUG_INFO_BTF "
-                 "lets future CO-RE programs run without headers")
+    if not path.is_file():
+        return Check(name, WARN, f"{path} missing", "the scheduler hooks fall back to classic tracepoints (the "
+                     "kernel skips some wakeups) and page-fault waits are not named; use a kernel with "
+                     "CONFIG_DEBUG_INFO_BTF")
+    from gputrace.probes.btf import struct_offset
+
+    size = f"{path} ({path.stat().st_size // 1024} KiB)"
+    if struct_offset("task_struct", "pid") is None:
+        return Check(name, WARN, f"{size}: task_struct.pid not found in it",
+                     "the scheduler hooks fall back to classic tracepoints (the kernel skips some wakeups)")
+    return Check(name, OK, f"{size}, task_struct.pid found")
 
 
 # ------------------------------------------------------------------------------------- tracepoints ----

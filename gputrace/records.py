@@ -351,12 +351,13 @@ def kind_of(record: tuple[Any, ...]) -> str:
 
 
 class StackSample(NamedTuple):
-    """A traced thread was on CPU at ``ts`` (a CPU-clock sample) running user stack ``stack``."""
+    """A traced thread was on CPU ``cpu`` at ``ts`` (a CPU-clock sample) running user stack ``stack``."""
 
     ts: int
     pid: int
     tid: int
     stack: int  # key of a StackFrames record of the same pid
+    cpu: int = -1  # -1: not recorded (captures written before the field existed)
 
 
 class StackFrames(NamedTuple):

@@ -19,6 +19,7 @@ from typing import Any
 from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import ebpf_final as final
+from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes import events, procfs
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
@@ -29,9 +30,10 @@ from gputrace.probes.ebpf_host import (
     program_text,
     tracepoint_exists,
     unload,
+    unload_in_background,
 )
 from gputrace.probes.filemaps import Key, MappedFiles, ReceivedFds
-from gputrace.probes.syscalls import BY_NAME, SPECS, raw_syscalls_supported, syscall_numbers, wanted_tracepoints
+from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers, wanted_tracepoints
 from gputrace.records import (
     Drops,
     ProcExit,
@@ -47,7 +49,6 @@ _TARGET_MASK = (1 << 16) - 1  # TARGET_BITS in gputrace.bpf.c
 _SLOT_SHARED = 0xFFFFFFFF
 _NR_MAX = 512  # GT_NR_MAX in gputrace.h
 _F_TRACED = 0x100  # GT_F_TRACED in gputrace.h: kernel-side only, never in the capture's sysflags
-HOOKS = ("auto", "raw", "classic")
 _FAULT_SIZE = events.FAULT.size
 _FDRECV_SIZE = events.FDRECV.size
 
@@ -71,13 +72,14 @@ class EbpfSource:
         syscalls: Sequence[str] | None = None,
         ring_mib: int = 16,
         syscall_hook: str = "auto",
+        sched_hook: str = "auto",
     ) -> None:
         if threshold_ns < 0:
             raise UserError("the eBPF threshold must be ≥ 0 ns")
         if ring_mib < 1 or ring_mib & (ring_mib - 1):
             raise UserError("the ring buffer size must be a power of two MiB")
-        if syscall_hook not in HOOKS:
-            raise UserError(f"unknown syscall hook {syscall_hook!r} (one of: {', '.join(HOOKS)})")
+        hooks.check_hook("syscall", syscall_hook)
+        hooks.check_hook("sched", sched_hook)
         self.pids = list(pids)
         self.threshold_ns = threshold_ns
         self.on_proc = on_proc
@@ -86,10 +88,12 @@ class EbpfSource:
         self.attached: list[str] = []
         self.missing: list[str] = []
         self.syscall_hook = syscall_hook
-        # What is in use once started: "raw" (raw_syscalls sys_enter/sys_exit) or "classic" (per-syscall
-        # tracepoints); `hook_note` says why the raw path was not taken when it was wanted.
-        self.hook = ""
-        self.hook_note = ""
+        self.sched_hook = sched_hook
+        # What is in use once started (probes/ebpf_hooks.py): "raw" or "classic" tracepoints for the
+        # syscalls (`hook`) and for the scheduler and interrupt hooks (`sched`); the notes say why raw was
+        # not taken when it was wanted.
+        self.hook = self.sched = ""
+        self.hook_note = self.sched_note = ""
         self.events = 0
         self._bpf: Any = None
         self._sink: Sink | None = None
@@ -114,25 +118,21 @@ class EbpfSource:
                 raise UserError(f"no process with pid {pid}")
         bcc = check_host()
         self._sink = sink
-        self.hook = self._choose_hook()
-        try:
-            self._load(bcc, sink)
-        except _RawAttachFailed as e:
-            self.hook, self.hook_note = "classic", f"raw tracepoints failed to attach: {e}"
-            self._load(bcc, sink)
+        self.hook, self.hook_note = hooks.choose("syscall", self.syscall_hook)
+        self.sched, self.sched_note = hooks.choose("sched", self.sched_hook)
+        for _ in range(3):  # each group falls back to classic at most once
+            try:
+                self._load(bcc, sink)
+                break
+            except hooks.RawAttachFailed as e:
+                note = f"raw tracepoints failed to attach: {e}"
+                if e.group == "syscall":
+                    self.hook, self.hook_note = "classic", note
+                else:
+                    self.sched, self.sched_note = "classic", note
         sink.emit([SourceStatus(clock.monotonic_ns(), self.name, *self._start_status())])
         self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
         self._thread.start()
-
-    def _choose_hook(self) -> str:
-        if self.syscall_hook == "classic":
-            return "classic"
-        if raw_syscalls_supported():
-            return "raw"
-        if self.syscall_hook == "raw":
-            raise UserError("raw tracepoints are unsupported here (x86_64, kernel ≥ 4.17): use classic")
-        self.hook_note = "raw tracepoints unsupported here"
-        return "classic"
 
     def _load(self, bcc: Any, sink: Sink) -> None:
         self._bpf = self._compile(bcc)
@@ -141,20 +141,21 @@ class EbpfSource:
         except BaseException as e:
             bpf, self._bpf = self._bpf, None
             unload(bpf)
-            if isinstance(e, Exception) and not isinstance(e, (UserError, _RawAttachFailed)):
+            if isinstance(e, Exception) and not isinstance(e, (UserError, hooks.RawAttachFailed)):
                 raise UserError(f"setting up the eBPF programs failed: {e}") from None
             raise
 
     def _start_status(self) -> tuple[str, str]:
         how = "raw tracepoints sys_enter/sys_exit" if self.hook == "raw" else "classic syscall tracepoints"
         detail = f"syscalls via {how}" + (f" ({self.hook_note})" if self.hook_note else "")
+        detail += f"; scheduler via {self.sched} tracepoints" + (f" ({self.sched_note})" if self.sched_note else "")
         if self.missing:
             return "degraded", f"missing tracepoints: {', '.join(self.missing)}; {detail}"
         return "started", detail
 
     def _setup(self, sink: Sink) -> None:
         sysinfo = self._fill_sysinfo()
-        self._attach_syscalls(sysinfo)
+        self._attach(sysinfo)
         sink.emit_meta(self.name, self._meta(sysinfo))
         self._bpf[b"events"].open_ring_buffer(self._on_event)
         self._bpf[b"procev"].open_ring_buffer(self._on_proc_event)
@@ -184,7 +185,7 @@ class EbpfSource:
         bpf, self._bpf = self._bpf, None
         bpf[b"tslot"].clear()  # the programs go quiet at once; unhooking them takes a while
         bpf[b"targets"].clear()
-        threading.Thread(target=unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True).start()
+        unload_in_background(bpf)
 
     def _final_status(self, now: int) -> SourceStatus:
         detail = f"{self.events} kernel events"
@@ -272,7 +273,7 @@ class EbpfSource:
             f"-I{BPF_DIR}",
             f"-DTHRESHOLD_NS={self.threshold_ns}ULL",
             f"-DEVENT_PAGES={self.ring_pages}",
-            f"-DGT_RAW_SYSCALLS={int(self.hook == 'raw')}",
+            *hooks.cflags(self.hook, self.sched),
         ]
         if tracepoint_exists("block", "block_io_start"):
             flags.append("-DHAVE_BLOCK_IO_START")
@@ -306,37 +307,15 @@ class EbpfSource:
         self._nr_names = {nr: name for nr, (name, _) in out.items()}
         return out
 
-    def _attach_syscalls(self, sysinfo: dict[int, tuple[str, int]]) -> None:
-        if self.hook == "raw":
-            self._attach_raw(sysinfo)
-        else:
-            self._attach_classic(sysinfo)
+    def _attach(self, sysinfo: dict[int, tuple[str, int]]) -> None:
+        names = [name for _, (name, _) in sorted(sysinfo.items())]
+        self.attached, missing = hooks.attach_syscalls(self._bpf, self.hook, self.syscall_hook, names)
+        self.missing += missing + hooks.attach_sched(self._bpf, self.sched, self.sched_hook)
         if not tracepoint_exists("block", "block_io_start"):
             self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
         if not file_faults_supported():
             self.missing.append("filemap:mm_filemap_fault (needs Linux 6.11+, x86_64 and BTF: waits in page "
                                 "faults on file mappings are not named)")
-
-    def _attach_raw(self, sysinfo: dict[int, tuple[str, int]]) -> None:
-        """One program pair for all syscalls: the entry program filters by nr (`sysinfo`)."""
-        try:
-            self._bpf.attach_raw_tracepoint(tp=b"sys_enter", fn_name=b"gt_sys_enter")
-            self._bpf.attach_raw_tracepoint(tp=b"sys_exit", fn_name=b"gt_sys_exit")
-        except Exception as e:  # bcc raises bare Exception when the kernel refuses
-            if self.syscall_hook == "raw":
-                raise UserError(f"attaching the raw syscall tracepoints failed: {e}") from None
-            raise _RawAttachFailed(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
-        self.attached = [name for _, (name, _) in sorted(sysinfo.items())]
-
-    def _attach_classic(self, sysinfo: dict[int, tuple[str, int]]) -> None:
-        for _, (name, _) in sorted(sysinfo.items()):
-            enter, exit_ = f"sys_enter_{name}", f"sys_exit_{name}"
-            if not (tracepoint_exists("syscalls", enter) and tracepoint_exists("syscalls", exit_)):
-                self.missing.append(f"syscalls:{enter}")
-                continue
-            self._bpf.attach_tracepoint(tp=f"syscalls:{enter}".encode(), fn_name=b"gt_sys_enter")
-            self._bpf.attach_tracepoint(tp=f"syscalls:{exit_}".encode(), fn_name=b"gt_sys_exit")
-            self.attached.append(name)
 
     def _meta(self, sysinfo: dict[int, tuple[str, int]]) -> dict[str, Any]:
         return {
@@ -350,6 +329,8 @@ class EbpfSource:
             "attached": self.attached,
             "syscall_hook": self.hook,
             "syscall_hook_note": self.hook_note,
+            "sched_hook": self.sched,
+            "sched_hook_note": self.sched_note,
             "missing": self.missing,
             "drop_reasons": list(events.DROP_REASONS),
             "fork_markers": True,
@@ -429,6 +410,3 @@ class EbpfSource:
                 self._on_proc_errors += 1
         return 0
 
-
-class _RawAttachFailed(Exception):
-    """The kernel refused the raw syscall tracepoints: load again with the classic ones."""

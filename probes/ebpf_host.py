@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,12 @@ def check_privileges() -> None:
 
 
 def check_tracefs() -> None:
-    if (TRACEFS / "events").is_dir():
-        return
+    try:
+        if (TRACEFS / "events").is_dir():
+            return
+    except PermissionError:
+        raise PermissionDenied(f"{TRACEFS} is not readable by uid {os.geteuid()} (tracefs is root-only "
+                               "by default); run as root (sudo)") from None
     if os.geteuid() == 0:
         r = subprocess.run(["mount", "-t", "tracefs", "tracefs", str(TRACEFS)], capture_output=True, text=True)
         if r.returncode == 0 and (TRACEFS / "events").is_dir():
@@ -86,6 +91,26 @@ def tracepoint_exists(category: str, name: str) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return bool(BPF.tracepoint_exists(category, name))
+
+
+_unloading: list[threading.Thread] = []
+_UNLOAD_WAIT_S = 30.0
+
+
+def unload_in_background(bpf: Any) -> None:
+    """unload() on a thread of its own, so stopping a source does not wait for it. The interpreter waits
+    for it at exit: bcc freeing its modules while Python tears down crashes the process."""
+    t = threading.Thread(target=unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True)
+    if not _unloading:
+        atexit.register(_wait_for_unloads)
+    _unloading.append(t)
+    t.start()
+
+
+def _wait_for_unloads() -> None:
+    deadline = time.monotonic() + _UNLOAD_WAIT_S
+    for t in _unloading:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def unload(bpf: Any) -> None:

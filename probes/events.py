@@ -37,7 +37,8 @@ F_DUPFD = 0x400  # an fd-table change when the second argument is F_DUPFD / F_DU
 F_MSGHDR = 0x800  # fds received in an SCM_RIGHTS message are reported (recvmsg)
 F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
-DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault")
+DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault",
+                "layout")
 
 SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event
 PATH = struct.Struct("<IIIIQQqQQQII256s")  # gt_path_event

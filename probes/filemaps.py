@@ -2,9 +2,10 @@
 receive over unix sockets.
 
 A fault event names its file by device and inode; the path is read from /proc/PID/maps while the mapping
-exists, and a FileMap record goes into the capture before the first fault event that needs it. The kernel
-announces each (process, file) at its first fault (the faulting thread holds the mapping then); a fault
-event whose file was not announced yet is resolved when it arrives, as a fallback.
+exists (a file on overlayfs, whose maps line shows the overlay's inode, through its layers: see
+probes/overlay.py), and a FileMap record goes into the capture before the first fault event that needs
+it. The kernel announces each (process, file) at its first fault (the faulting thread holds the mapping
+then); a fault event whose file was not announced yet is resolved when it arrives, as a fallback.
 
 An fd received in an SCM_RIGHTS message is named the same way, from /proc/PID/fd/N: see ReceivedFds.
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gputrace import clock
-from gputrace.probes import events, procfs
+from gputrace.probes import events, overlay, procfs
 from gputrace.records import FdInfo, FileMap
 
 Key = tuple[int, str, int]  # (pid, "MAJ:MIN", inode)
@@ -56,7 +57,8 @@ class MappedFiles:
 
     def _path(self, key: Key) -> str:
         pid, dev, ino = key
-        return procfs.mapped_files(pid).get((dev, ino), "")
+        mapped = procfs.mapped_files(pid)
+        return mapped.get((dev, ino)) or overlay.resolve(pid, dev, ino, mapped)
 
     def _write(self, key: Key, path: str) -> None:
         self._written.add(key)

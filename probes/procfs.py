@@ -31,6 +31,11 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
+def read_text(path: Path, limit: int = 4096) -> str:
+    """At most `limit` bytes of `path`, decoded with replacement; "" when unreadable."""
+    return _text(_read(path, limit))
+
+
 def comm(pid: int, tid: int | None = None) -> str:
     base = PROC / str(pid) if tid is None else PROC / str(pid) / "task" / str(tid)
     return _text(_read(base / "comm", 64)).rstrip("\n")
@@ -74,6 +79,8 @@ def blocked_syscall(pid: int, tid: int) -> tuple[int, int] | None:
     parts = _text(_read(PROC / str(pid) / "task" / str(tid) / "syscall")).split()
     if len(parts) < 2 or not parts[0].isdigit():
         return None
+    if len(parts) == 9 and parts[-2:] == ["0x0", "0x0"]:
+        return None  # no user stack or pc: a kernel thread, never in a syscall (nr 0 would read as read())
     try:
         return int(parts[0]), int(parts[1], 16)
     except ValueError:

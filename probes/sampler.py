@@ -52,7 +52,7 @@ class SampleEvent(ctypes.Structure):
     ]
 
 
-_HEAD = struct.Struct("<QIII")  # ts, pid, tid, nr of SampleEvent
+_HEAD = struct.Struct("<QIIII")  # ts, pid, tid, nr, cpu of SampleEvent
 _IP_AT = SampleEvent.ip.offset
 
 
@@ -85,6 +85,8 @@ class Symbolizer:
         self._refreshed: dict[int, float] = {}
 
     def frames(self, pid: int, addrs: list[int]) -> list[str]:
+        if pid not in self._caches and not Path(f"/proc/{pid}").is_dir():
+            return [frame_name(None, None)] * len(addrs)  # gone before its first sample was read: no maps
         cache = self._cache(pid)
         resolved = [cache.resolve(a, True) for a in addrs]
         if any(module is None for _, _, module in resolved) and self._may_refresh(pid):
@@ -281,7 +283,7 @@ class StackSampler:
             self._malformed += 1
             return
         raw = ctypes.string_at(data, size)
-        ts, pid, tid, nr = _HEAD.unpack_from(raw)
+        ts, pid, tid, nr, cpu = _HEAD.unpack_from(raw)
         key = (pid, raw[_IP_AT : _IP_AT + 8 * min(nr, MAX_FRAMES)])
         stack = self._stacks.get(key)
         if stack is None:
@@ -289,7 +291,7 @@ class StackSampler:
             stack = self._stacks[key] = self._next_stack
             addrs = list(struct.unpack(f"<{len(key[1]) // 8}Q", key[1]))
             self._batch.append(StackFrames(pid, stack, self._symbols.frames(pid, addrs)))
-        self._batch.append(StackSample(ts, pid, tid, stack))
+        self._batch.append(StackSample(ts, pid, tid, stack, cpu))
         self.samples += 1
 
     def _forget(self, pids: set[int]) -> None:

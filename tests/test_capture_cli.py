@@ -143,3 +143,42 @@ def test_duration_ends_capture_and_statuses_recorded(tmp_path: Path) -> None:
 def test_bad_arguments(tmp_path: Path, bad: list[str]) -> None:
     r = gputrace("capture", *bad, cwd=tmp_path)
     assert r.returncode != 0 and "error" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_command_that_cannot_run_says_why(tmp_path: Path) -> None:
+    plain = tmp_path / "train.py"
+    plain.write_text("print('hi')\n")
+    for cmd, why in ((str(plain), "not executable"), (str(tmp_path), "it is a directory"),
+                     ("no-such-command-here", "command not found")):
+        r = gputrace("capture", "-o", "x.gputrace", "--", cmd, cwd=tmp_path)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(tmp_path.glob("*.gputrace"))
+
+
+def test_a_held_command_ends_when_gputrace_is_killed_before_releasing_it(tmp_path: Path) -> None:
+    """The command waits on a pipe until tracing is attached; if gputrace dies first (SIGKILL while the
+    probes load), the command must not wait forever as an orphan."""
+    p = subprocess.Popen([sys.executable, "-m", "gputrace", "capture", "-o", "x.gputrace", "--", "sleep", "60"],
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    deadline = time.monotonic() + 10
+    while not children and time.monotonic() < deadline:
+        children = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
+                    for c in Path(f"/proc/{p.pid}/task/{t}/children").read_text().split()]
+        time.sleep(0.01)
+    assert children, "no held child"
+    p.kill()
+    p.wait()
+    held = children[0]
+    deadline = time.monotonic() + 10
+    while _waiting(held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _waiting(held), "the held command is still waiting"
+
+
+def _waiting(pid: int) -> bool:
+    """Alive and not a zombie (an ended child waits as one until its new parent reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -91,3 +91,25 @@ def test_full_disk_leaves_no_file(tmp_path: Path) -> None:
         assert list(mnt.iterdir()) == []
     finally:
         os.system(f"umount {mnt}")
+
+
+def test_rows_written_before_a_field_was_added_still_read(tmp_path: Path) -> None:
+    """StackSample gained `cpu` (default -1): a capture with 4-field rows reads; a row missing a field
+    without a default is corrupt."""
+    from gputrace.records import StackSample
+
+    path = tmp_path / "old.gputrace"
+    w = CaptureWriter(path, host_header(["test"]))
+    w.write_rows("StackSample", [[100, 42, 43, 7], [101, 42, 43, 7, 1]])
+    w.close({"complete": True})
+    with CaptureReader(path) as r:
+        samples = [x for x in r.records() if isinstance(x, StackSample)]
+        assert r.problem == ""
+    assert samples == [StackSample(100, 42, 43, 7, -1), StackSample(101, 42, 43, 7, 1)]
+    bad = tmp_path / "bad.gputrace"
+    w = CaptureWriter(bad, host_header(["test"]))
+    w.write_rows("StackSample", [[100, 42, 43]])
+    w.close({"complete": True})
+    with CaptureReader(bad) as r:
+        assert not [x for x in r.records() if isinstance(x, StackSample)]
+        assert "StackSample row has 3 fields, expected 5" in r.problem

@@ -1,10 +1,14 @@
 """Waits in page faults on file mappings, traced for real: a file read through a mapping on a loop-device
-ext4, next to a pread() of another file and a sync() right after a file fault that did not wait."""
+ext4, next to a pread() of another file and a sync() right after a file fault that did not wait; the same
+file seen through an overlayfs mount (a container's root), named by its overlay path."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from workloads.ebpfcap import ebpf_capture, of, read_capture
@@ -58,6 +62,43 @@ def test_mapped_reads_are_page_faults_on_the_file(tmp_path: Path) -> None:
     # sync() waited in D right after a file fault, outside any traced syscall: still not a fault's wait
     last = max(f.end_ns for f in faults)
     assert any(o.start_ns > last for o in waits), "sync() did not wait in D: the check proves nothing"
+
+
+@contextmanager
+def overlay_mount(lower: Path, work: Path) -> Iterator[Path]:
+    """An overlayfs mount of `lower` with a fresh upper layer beside it, at work/merged; absolute layer
+    paths, as container runtimes give them."""
+    upper, scratch, merged = work / "upper", work / "work", work / "merged"
+    for d in (upper, scratch, merged):
+        d.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={lower},upperdir={upper},workdir={scratch}", str(merged)],
+                   check=True, capture_output=True)  # fmt: skip
+    try:
+        yield merged
+    finally:
+        subprocess.run(["umount", str(merged)], check=False, capture_output=True)
+
+
+def test_faults_on_an_overlay_file_name_the_overlay_path(tmp_path: Path) -> None:
+    """The fault names the lower layer's inode on the loop device; maps shows the overlay's device. The
+    FileMap record still carries the path the process mapped."""
+    with loop_filesystem(tmp_path) as fs:
+        lower = fs.mountpoint / "lower"
+        lower.mkdir()
+        write_file(lower / "mapped.bin", MAPPED_SIZE)
+        write_file(lower / "plain.bin", PLAIN_SIZE)
+        (lower / "scratch").mkdir()
+        layer_ino = (lower / "mapped.bin").stat().st_ino
+        with overlay_mount(lower, fs.mountpoint) as merged:
+            mapped = merged / "mapped.bin"
+            merged_dev = mapped.stat().st_dev
+            records, tid = _run(tmp_path / "o.gputrace", fs, mapped, merged / "plain.bin", merged / "scratch")
+    assert f"{os.major(merged_dev)}:{os.minor(merged_dev)}" != fs.majmin  # maps and the fault disagree
+    names = {(m.dev, m.ino): m.path for m in of(records, FileMap)}
+    assert names.get((fs.majmin, layer_ino)) == str(mapped), names
+    faults = [f for f in of(records, PageFault) if f.tid == tid]
+    assert faults and {f.obj for f in faults} == {str(mapped)}
 
 
 def _inode(records: list[object], path: Path) -> int:

@@ -1,5 +1,6 @@
-"""The syscall hook: raw tracepoints sys_enter/sys_exit here, the classic per-syscall ones as a fallback;
-both record the same calls with the same arguments."""
+"""The hooks: raw tracepoints here, classic ones as a fallback, for the syscalls (raw sys_enter/sys_exit or
+the per-syscall tracepoints) and for the scheduler (raw sched_switch/sched_waking reading the task's tid at
+the offset BTF gives, or the classic tracepoints' fields). Both kinds record the same things."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.errors import UserError
+from gputrace.probes import ebpf_hooks
+from gputrace.probes.btf import struct_offset
 from gputrace.probes.ebpf import EbpfSource, wanted_tracepoints
-from gputrace.records import SourceStatus, Syscall
+from gputrace.probes.ebpf_host import program_skips
+from gputrace.records import Drops, OffCpu, SourceStatus, Syscall
 
 # Reads with distinct counts (the `arg` the kernel program copies from the registers), a failed open
 # (its negative return), a path open, and getpid (not a traced syscall: it must leave no record).
@@ -60,8 +64,10 @@ def test_raw_path_is_used_here_and_classic_records_the_same(tmp_path: Path) -> N
 
     assert raw.hook == "raw" and raw_meta["syscall_hook"] == "raw" and raw_meta["syscall_hook_note"] == ""
     assert classic.hook == "classic" and classic_meta["syscall_hook"] == "classic"
-    assert of(raw_records, SourceStatus)[0].detail == "syscalls via raw tracepoints sys_enter/sys_exit"
-    assert of(classic_records, SourceStatus)[0].detail == "syscalls via classic syscall tracepoints"
+    assert of(raw_records, SourceStatus)[0].detail == ("syscalls via raw tracepoints sys_enter/sys_exit; "
+                                                       "scheduler via raw tracepoints")
+    assert of(classic_records, SourceStatus)[0].detail == ("syscalls via classic syscall tracepoints; "
+                                                           "scheduler via raw tracepoints")
     assert raw.attached == classic.attached and len(raw.attached) == len(raw_meta["syscalls"])  # type: ignore[arg-type]
 
     calls = _calls(raw_records, data)
@@ -87,3 +93,68 @@ def test_wanted_tracepoints_follow_the_hook() -> None:
 def test_unknown_hook_is_a_user_error() -> None:
     with pytest.raises(UserError, match="unknown syscall hook 'fentry'"):
         EbpfSource([1], syscall_hook="fentry")
+
+
+HANDOFF = Path(__file__).parent / "workloads" / "handoff.py"  # prints the main and releaser tids at the end
+
+
+def _handoffs(tmp_path: Path, name: str, **options: object) -> tuple[EbpfSource, list[object], dict[str, object],
+                                                                      tuple[int, int]]:
+    proc = subprocess.Popen([sys.executable, str(HANDOFF), "5", "20", "--gate"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    path = tmp_path / f"{name}.gputrace"
+    with ebpf_capture(path, [proc.pid], **options) as src:
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        out = proc.stdout.read()
+        assert proc.wait(timeout=10) == 0
+    records, reader = read_capture(path)
+    main_tid, releaser_tid = map(int, out.split())
+    return src, records, reader.meta["ebpf"], (main_tid, releaser_tid)
+
+
+def _waits(records: list[object], tid: int) -> list[OffCpu]:
+    return [w for w in of(records, OffCpu) if w.tid == tid and w.end_ns - w.start_ns > 10_000_000]
+
+
+def test_raw_and_classic_scheduler_hooks_name_the_same_wakers(tmp_path: Path) -> None:
+    for hook in ("auto", "classic"):
+        src, records, meta, (main_tid, releaser_tid) = _handoffs(tmp_path, hook, sched_hook=hook)
+        want = "raw" if hook == "auto" else "classic"
+        assert src.sched == want and meta["sched_hook"] == want and meta["sched_hook_note"] == ""
+        assert of(records, SourceStatus)[0].detail.endswith(f"scheduler via {want} tracepoints")
+        waits = _waits(records, main_tid)
+        assert len(waits) == 5, hook
+        assert {(w.waker_tid, w.waker_pid) for w in waits} == {(releaser_tid, main_tid)}, hook
+        assert all(w.start_ns < w.wake_ns <= w.end_ns for w in waits)
+        # The releaser's sleeps end in a timer interrupt: named as such, not after whoever was running.
+        sleeps = _waits(records, releaser_tid)
+        assert len(sleeps) >= 4 and {w.waker_comm for w in sleeps} == {"[timer]"}, hook
+        layout = [d for d in of(records, Drops) if d.what == "layout"]
+        assert layout and layout[0].count == 0
+
+
+def test_each_raw_scheduler_program_reports_its_skips(tmp_path: Path) -> None:
+    src, _, _, _ = _handoffs(tmp_path, "skips")
+    assert src.sched == "raw"
+    assert {name for _, name in ebpf_hooks.SCHED_TRACEPOINTS} <= set(src.skipped())
+    assert program_skips(None) == {}
+
+
+def test_a_wrong_task_offset_records_nothing_and_counts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw programs check the offset on every switch (the previous task is `current`): if BTF were
+    wrong, waits go missing and a drop says why, instead of spans with made-up tids."""
+    comm = struct_offset("task_struct", "comm")
+    assert comm is not None
+    monkeypatch.setattr(ebpf_hooks, "task_pid_offset", lambda: comm)
+    _, records, _, (main_tid, _) = _handoffs(tmp_path, "bad-offset")
+    assert _waits(records, main_tid) == []
+    assert [d.count for d in of(records, Drops) if d.what == "layout"][0] > 0
+
+
+def test_sched_hook_choice() -> None:
+    assert ebpf_hooks.choose("sched", "auto") == ("raw", "")  # this kernel has BTF and raw tracepoints
+    assert ebpf_hooks.choose("sched", "classic") == ("classic", "")
+    with pytest.raises(UserError, match="unknown sched hook 'fentry'"):
+        EbpfSource([1], sched_hook="fentry")

@@ -9,20 +9,7 @@ from pathlib import Path
 from gputrace.capture import CaptureReader
 from gputrace.records import OffCpu
 
-HANDOFF = """
-import threading, time
-sem = threading.Semaphore(0)
-def release():
-    for _ in range(10):
-        time.sleep(0.03)
-        sem.release()
-t = threading.Thread(target=release)
-t.start()
-for _ in range(10):
-    sem.acquire()
-t.join()
-print(threading.get_native_id(), t.native_id)
-"""
+HANDOFF = Path(__file__).parent / "workloads" / "handoff.py"
 
 
 def test_semaphore_handoffs_name_the_releasing_thread(tmp_path: Path) -> None:
@@ -31,7 +18,7 @@ def test_semaphore_handoffs_name_the_releasing_thread(tmp_path: Path) -> None:
     for i in range(3):
         out = tmp_path / f"h{i}.gputrace"
         r = subprocess.run([sys.executable, "-m", "gputrace", "capture", "--no-perfetto", "-o", str(out), "--",
-                            sys.executable, "-c", HANDOFF], capture_output=True, text=True, timeout=120)
+                            sys.executable, str(HANDOFF), "10", "30"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         main_tid, releaser_tid = map(int, r.stdout.split())
         with CaptureReader(out) as reader:

@@ -435,16 +435,17 @@ def test_cpu_samples_are_perf_samples_with_interned_root_first_callstacks(tmp_pa
         StackSample(T0 + 1 * MS, 100, 101, 7),  # its frames come later: the sample waits for them
         StackFrames(100, 7, HOT),
         StackFrames(100, 8, IDLE),
-        *[StackSample(T0 + (2 + i) * MS, 100, 101, 7 if i % 3 else 8) for i in range(30)],
-        StackSample(T0 + 40 * MS, 100, 100, 8),
+        *[StackSample(T0 + (2 + i) * MS, 100, 101, 7 if i % 3 else 8, i % 2) for i in range(30)],
+        StackSample(T0 + 40 * MS, 100, 100, 8, 1),
         StackFrames(200, 7, HOT),  # another process, the same stack: one callstack for both
-        StackSample(T0 + 41 * MS, 200, 201, 7),
+        StackSample(T0 + 41 * MS, 200, 201, 7),  # no CPU recorded (an older capture)
     ]
     check, result = _export(tmp_path, recs)
     assert result.notes == []
     stacks = {(r.pid, r.stack): r.frames for r in recs if isinstance(r, StackFrames)}
-    want = [(r.ts, r.pid, r.tid, stacks[(r.pid, r.stack)][::-1]) for r in recs if isinstance(r, StackSample)]
-    assert sorted((s.ts, s.pid, s.tid, s.frames) for s in check.samples) == sorted(want)
+    want = [(r.ts, r.pid, r.tid, r.cpu, stacks[(r.pid, r.stack)][::-1]) for r in recs if isinstance(r, StackSample)]
+    assert sorted((s.ts, s.pid, s.tid, s.cpu, s.frames) for s in check.samples) == sorted(want)
+    assert {s.cpu for s in check.samples} == {-1, 0, 1}
     assert check.samples[0].frames[0] == "main (python3.11)" and check.samples[0].leaf == HOT[0]
     # each name, module, frame and stack interned once, however many samples use it
     assert _interned(tmp_path / "t.pftrace") == {"function_names": 4, "mapping_paths": 3, "mappings": 3,

@@ -6,6 +6,7 @@ its thread's hottest frames from the samples in its window, and says nothing whe
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from workloads.ebpfcap import source_capture
+from workloads.piped import PipedChild
 
 from gputrace.analysis import analyze
 from gputrace.analysis.load import load
@@ -37,12 +39,11 @@ def spin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-class Spinner:
+class Spinner(PipedChild):
     """The C workload, or a shell that forks it later (``via_shell``), after a ready handshake."""
 
     def __init__(self, exe: Path, via_shell: bool = False) -> None:
-        argv = ["sh", "-c", f'read go; "{exe}"; true'] if via_shell else [str(exe)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        super().__init__(["sh", "-c", f'read go; "{exe}"; true'] if via_shell else [str(exe)])
         self.tid = 0 if via_shell else self.ready()
 
     def ready(self) -> int:
@@ -50,23 +51,9 @@ class Spinner:
         assert word == "ready"
         return int(tid)
 
-    def readline(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline().strip()
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
     def work(self, ms: int) -> None:
         self.send(str(ms))
         assert self.readline().startswith("done ")
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
 
 
 @contextmanager
@@ -126,6 +113,8 @@ def test_hottest_frame_is_the_spinning_function(spin: Path, tmp_path: Path) -> N
     recs = records(path)
     samples = [r for r in recs if isinstance(r, StackSample) and r.tid == child.tid]
     assert len(samples) >= 80, len(samples)  # 499 Hz for 400 ms is ~200 on CPU
+    cpus = {s.cpu for s in samples}  # the CPU each ran on, as the kernel said
+    assert cpus and cpus <= set(range(os.cpu_count() or 1)), cpus
     top = hottest(recs, child.tid)
     assert top[0][0] == f"{HOT} (spin)", top
     assert top[0][1] >= len(samples) // 2, top

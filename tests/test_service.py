@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from gputrace.capture import CaptureReader
-from gputrace.daemon.service import ProtocolError, authorize, recv_frame, send_frame
+from gputrace.daemon.service_auth import authorize
 from gputrace.daemon.service_jobs import JobTable, Limits, prepare_state_dir
+from gputrace.daemon.service_protocol import ProtocolError, recv_frame, send_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -264,7 +265,7 @@ def test_a_caller_gone_before_its_request_is_served_starts_nothing(svc: Svc) -> 
 
 CONNECT_THEN_SETUID = """
 import os, socket, sys
-from gputrace.daemon.service import recv_frame, send_frame
+from gputrace.daemon.service_protocol import recv_frame, send_frame
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from workloads.piped import PipedChild
 
 from gputrace.probes.uprobes import SYMBOLS, UprobeEvent, UprobeSource, find_library, program_text, visible_path
 from gputrace.records import CudaApi, SourceStatus
@@ -94,29 +95,16 @@ def libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return lib
 
 
-class Child:
+class Child(PipedChild):
+    """The CHILD script: loads the library (now, or on ``load``) and calls the functions it is sent."""
+
     def __init__(self, lib: Path, when: str = "now") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(lib), when], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        super().__init__([sys.executable, "-c", CHILD, str(lib), when])
         assert self.readline() == "ready"
-
-    def readline(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline().strip()
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
 
     def run(self, names: list[str]) -> dict[str, int]:
         self.send(json.dumps(names))
         return json.loads(self.readline())
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture

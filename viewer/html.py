@@ -13,7 +13,7 @@ from typing import Any
 
 from gputrace.capture import check_output_path
 from gputrace.errors import UserError
-from gputrace.viewer.terminal import describe, ms, pct
+from gputrace.viewer.terminal import describe, ended, ms, pct
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
@@ -39,6 +39,8 @@ def page(report: dict[str, Any], title: str) -> str:
              f"<p>host {e(cap['host'])} · {e(ms(cap['end_ns'] - cap['start_ns']))} captured</p>"]
     if not cap["complete"]:
         parts.append(f"<p class=alert>INCOMPLETE CAPTURE: {e(cap.get('problem') or 'records were lost')}</p>")
+    elif cap.get("stop_reason"):
+        parts.append(f"<p>complete: {e(ended(cap['stop_reason']))}</p>")
     lost = {k: v for k, v in cap["drops"].items() if v}
     if lost:
         parts.append("<p class=alert>LOST RECORDS: " + e(", ".join(f"{k} {v}" for k, v in lost.items())) + "</p>")

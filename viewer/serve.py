@@ -133,22 +133,55 @@ def open_in_browser(url: str) -> bool:
 
 def trace_for(path: Path, tmpdir: Path, log: Callable[[str], None]) -> Path:
     """The Perfetto trace to serve for ``path``: the file itself, or for a capture its trace (exported if needed)."""
+    from gputrace.capture import open_capture
+
     if not path.is_file():
-        raise UserError(f"{path}: no such file")
-    if path.suffix != ".gputrace":
+        what = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+        raise UserError(f"{path}: {what}" + (", not a trace" if path.is_dir() else ""))
+    kind = _kind_of(path)
+    if kind == "empty":
+        raise UserError(f"{path} is empty: not a trace")
+    if kind == "trace":
+        return path
+    if kind == "unknown" and path.suffix != ".gputrace":
+        log(f"gputrace: warning: {path} does not look like a trace the Perfetto UI opens; serving it anyway")
         return path
     beside = path.with_suffix(".pftrace")
-    if beside.is_file():
-        log(f"{path} is a capture; opening its Perfetto trace {beside}")
-        return beside
+    if beside != path and beside.is_file() and _kind_of(beside) not in ("empty", "capture"):
+        if beside.stat().st_mtime >= path.stat().st_mtime:
+            log(f"{path} is a capture; opening its Perfetto trace {beside}")
+            return beside
+        log(f"{beside} is older than {path} (from an earlier capture?); not using it")
+    if kind != "capture":
+        open_capture(path).close()  # raises what is wrong with it
     out = tmpdir / beside.name
     log(f"{path} is a capture; exporting it to a temporary Perfetto trace first "
         f"(to keep one: gputrace export {path} --perfetto {beside.name})")
-    export_perfetto(path, out)
+    export_perfetto(path, out, log)
     return out
 
 
-def export_perfetto(capture: Path, out: Path) -> None:
+# How the files the Perfetto UI opens begin: protobuf (field 1, TracePacket), gzip, JSON, systrace text.
+_TRACE_STARTS = (b"\x0a", b"\x1f\x8b", b"{", b"[", b"#")
+
+
+def _kind_of(path: Path) -> str:
+    """'capture', 'trace', 'empty' or 'unknown', by the first bytes, whatever the name."""
+    from gputrace.capture import HEADER_PREFIX
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(HEADER_PREFIX))
+    except OSError as e:
+        raise UserError(f"cannot open {path}: {e.strerror}") from None
+    if not head:
+        return "empty"
+    if head.startswith(HEADER_PREFIX):
+        return "capture"
+    return "trace" if head.startswith(_TRACE_STARTS) else "unknown"
+
+
+def export_perfetto(capture: Path, out: Path, log: Callable[[str], None] = lambda _: None) -> None:
     from gputrace.capture import open_capture
 
     try:
@@ -159,6 +192,10 @@ def export_perfetto(capture: Path, out: Path) -> None:
         report = _report(reader)
     with open_capture(capture) as reader:
         PerfettoExporter(out, report=report).write(reader)
+        complete, problem = reader.complete, reader.problem
+    if not complete:
+        log(f"gputrace: warning: the capture is incomplete: {problem or 'records were lost'}; "
+            "the trace has what was readable")
 
 
 def _report(reader: Any) -> dict[str, Any] | None:

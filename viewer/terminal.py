@@ -44,6 +44,8 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
     if not cap["complete"]:
         why = cap.get("problem") or "records were lost"
         console.print(Text(f"INCOMPLETE CAPTURE: {why}. Stalls marked ! overlap missing data.", style="bold red"))
+    elif cap.get("stop_reason"):
+        console.print(f"complete: {ended(cap['stop_reason'])}")
     lost = {k: v for k, v in cap["drops"].items() if v}
     if lost:
         detail = ", ".join(f"{k} {v:,}" for k, v in lost.items())
@@ -54,10 +56,26 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
         console.print(Text(f"SKIPPED {cap['malformed_records']:,} malformed records", style="bold red"))
 
 
+_ENDED = {
+    "stopped": "ended by Ctrl-C, SIGTERM or a stop request",
+    "duration": "ended after -d/--duration",
+    "command exited": "ended when the command exited",
+    "targets exited": "ended when the traced processes exited",
+}
+
+
+def ended(stop_reason: str) -> str:
+    """How a capture ended, from its trailer's stop_reason, in words."""
+    return _ENDED.get(stop_reason, f"ended: {stop_reason}")
+
+
 def _no_gpu(report: dict[str, Any], console: Console) -> None:
     console.print(Text("No GPU activity in this capture: no kernel, copy or memset was recorded, so there is no "
                        "GPU timeline to find stalls in.", style="bold yellow"))
-    console.print("Was the job using the GPU, and was the GPU agent armed (gputrace capture -- CMD)? Captured:")
+    if report["capture"]["complete"]:
+        console.print("Was the job using the GPU, and was the GPU agent armed (gputrace capture -- CMD)? Captured:")
+    else:  # GPU records arrive in batches: a cut-off capture may have lost every one of them
+        console.print("The capture is incomplete: its GPU records may be in the part that is missing. Captured:")
     t = Table("record kind", "count", box=None)
     for kind, n in report["capture"].get("records", {}).items():
         t.add_row(kind, f"{n:,}")

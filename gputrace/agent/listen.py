@@ -1,11 +1,12 @@
-"""Session-side plumbing of the agent channel (daemon/agents.py): listening sockets and the hand-off
-from the socket thread to the capture's sink."""
+"""Session-side plumbing of the agent channel (daemon/agents.py): listening sockets, also inside another
+process's root (a container's), and the hand-off from the socket thread to the capture's sink."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+import stat
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -78,3 +79,96 @@ def unlink_if_ours(path: Path, ino: int) -> None:
     with contextlib.suppress(OSError):
         if os.lstat(path).st_ino == ino:
             path.unlink()
+
+
+class Listener:
+    """A listening socket the session made at ``path`` (inode ``ino``), in a directory it holds open."""
+
+    def __init__(self, sock: socket.socket, path: Path, ino: int, dir_fd: int | None = None) -> None:
+        self.sock, self.path, self.ino, self.dir_fd = sock, path, ino, dir_fd
+
+    def close(self) -> None:
+        """Remove the socket file if it is still ours, close everything."""
+        if self.dir_fd is None:
+            unlink_if_ours(self.path, self.ino)
+        else:
+            with contextlib.suppress(OSError):
+                if os.stat(self.path.name, dir_fd=self.dir_fd, follow_symlinks=False).st_ino == self.ino:
+                    os.unlink(self.path.name, dir_fd=self.dir_fd)
+            os.close(self.dir_fd)
+        self.sock.close()
+
+
+def foreign_root(pid: int) -> bool:
+    """Whether ``pid`` sees another filesystem than ours: another mount namespace or root (a container)."""
+    try:
+        ours = [os.stat(f"/proc/self/{p}") for p in ("ns/mnt", "root")]
+        theirs = [os.stat(f"/proc/{pid}/{p}") for p in ("ns/mnt", "root")]
+    except OSError:
+        return False
+    return any((a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) for a, b in zip(ours, theirs, strict=True))
+
+
+def listen_in_root(pid: int, directory: Path, name: str) -> Listener:
+    """A listening socket at ``directory/name`` as process ``pid`` sees it (inside its container).
+
+    The directory is walked from the process's root one component at a time without following symlinks
+    (a link planted in the container cannot send root's mkdir or chmod to a host path), and missing ones are
+    made (0755). The socket is made world-connectable through a handle on the file just bound, never through
+    its name. UserError says what was wrong."""
+    where = f"{directory} in the root of pid {pid}"
+    if not directory.is_absolute() or ".." in directory.parts or not name or "/" in name:
+        raise UserError(f"agent socket {where}: not a plain absolute path")
+    try:
+        fd = _walk(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), directory.parts[1:])
+    except OSError as e:
+        raise UserError(f"agent socket {where}: {e.strerror or e} (a symlink on the way is refused)") from None
+    try:
+        return _bind_in(fd, name)
+    except OSError as e:
+        os.close(fd)
+        raise UserError(f"agent socket {where}/{name}: {e.strerror or e}") from None
+
+
+def _walk(fd: int, parts: tuple[str, ...]) -> int:
+    """The directory ``parts`` below ``fd`` (which it takes over), made where missing."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        for part in parts:
+            try:
+                nxt = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _bind_in(dir_fd: int, name: str) -> Listener:
+    with contextlib.suppress(FileNotFoundError):
+        old = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISSOCK(old.st_mode) or stat.S_ISLNK(old.st_mode):
+            os.unlink(name, dir_fd=dir_fd)  # left by a session that died
+    path = Path(f"/proc/self/fd/{dir_fd}") / name
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.bind(str(path))
+        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            st = os.fstat(handle)
+            if not stat.S_ISSOCK(st.st_mode):
+                raise OSError(f"{name} was replaced while it was being made")
+            os.chmod(f"/proc/self/fd/{handle}", 0o666)
+        finally:
+            os.close(handle)
+        s.listen(64)
+    except BaseException:
+        s.close()
+        raise
+    s.setblocking(False)
+    return Listener(s, path, st.st_ino, dir_fd)

@@ -1,7 +1,9 @@
 """Checks on everything an agent sends, done by the session: a peer is a traced process, not a friend.
 
 Only GPU-side record kinds are accepted, each row with the right arity and field types, and a row's pid
-must be the peer's own (SO_PEERCRED): a process cannot speak for another one.
+must be the peer's own (SO_PEERCRED): a process cannot speak for another one. A peer in a container's pid
+namespace names itself and its threads by its own ids; they are rewritten to the session's
+(gputrace/agent/pidns.py).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gputrace.agent.pidns import PeerIds
 from gputrace.agent.wire import PROTOCOL, FrameError
 from gputrace.records import (
     AgentInfo,
@@ -66,29 +69,38 @@ class Schema:
         self.checks = [CHECKS[t] for t in types]
         self.dims = [i for i, t in enumerate(types) if t.startswith("tuple")]
         self.pid_at = fields.index("pid") if "pid" in fields else -1
+        self.tid_at = fields.index("tid") if "tid" in fields else -1
         self.span = (fields.index("start_ns"), fields.index("end_ns")) if "start_ns" in fields else None
 
-    def build(self, row: Any, pid: int) -> tuple[Any, ...]:
+    def build(self, row: Any, ids: PeerIds) -> tuple[Any, ...]:
         if not isinstance(row, list) or len(row) != self.arity:
             raise FrameError(f"{self.kind} row is not a list of {self.arity} fields")
         for i, check in enumerate(self.checks):
             if not check(row[i]):
                 raise FrameError(f"{self.kind} field {self.cls._fields[i]} has a bad value")
-        if self.pid_at >= 0 and row[self.pid_at] != pid:
-            raise FrameError(f"{self.kind} row claims pid {row[self.pid_at]}, peer is pid {pid}")
+        if self.pid_at >= 0:
+            if row[self.pid_at] != ids.own_pid:
+                raise FrameError(f"{self.kind} row claims pid {row[self.pid_at]}, peer is pid {_named(ids)}")
+            row[self.pid_at] = ids.host_pid
+        if self.tid_at >= 0 and ids.nested:
+            row[self.tid_at] = ids.tid(row[self.tid_at])
         if self.span and not 0 <= row[self.span[0]] <= row[self.span[1]]:
             raise FrameError(f"{self.kind} row ends before it starts")
         for i in self.dims:
             row[i] = tuple(row[i])
         if self.cls is Drops:  # a peer's losses are filed under the agent source and its pid
-            row = [row[0], "agent", f"pid{pid}.{row[2]}", row[3]]
+            row = [row[0], "agent", f"pid{ids.host_pid}.{row[2]}", row[3]]
         return self.cls._make(row)  # type: ignore[no-any-return]
 
 
 SCHEMAS = {cls.__name__: Schema(cls) for cls in ALLOWED_KINDS}
 
 
-def batch_records(msg: dict[str, Any], pid: int) -> list[tuple[Any, ...]]:
+def _named(ids: PeerIds) -> str:
+    return f"{ids.host_pid} ({ids.own_pid} in its pid namespace)" if ids.nested else str(ids.host_pid)
+
+
+def batch_records(msg: dict[str, Any], ids: PeerIds) -> list[tuple[Any, ...]]:
     """The records of a ``batch`` message, or FrameError naming the first thing wrong."""
     groups = msg.get("records")
     if not isinstance(groups, list):
@@ -100,7 +112,7 @@ def batch_records(msg: dict[str, Any], pid: int) -> list[tuple[Any, ...]]:
         schema = SCHEMAS.get(group[0]) if isinstance(group[0], str) else None
         if schema is None:
             raise FrameError(f"record kind {str(group[0])[:40]!r} is not accepted from an agent")
-        out.extend(schema.build(row, pid) for row in group[1])
+        out.extend(schema.build(row, ids) for row in group[1])
     return out
 
 
@@ -108,13 +120,14 @@ def _short_str(v: Any, limit: int = 4096) -> bool:
     return type(v) is str and len(v) <= limit
 
 
-def hello_fields(msg: dict[str, Any], pid: int) -> dict[str, Any]:
-    """The checked content of a ``hello``; its pid must be the peer's."""
+def hello_fields(msg: dict[str, Any], ids: PeerIds) -> dict[str, Any]:
+    """The checked content of a ``hello``; its pid must be the peer's (as the peer sees it); the ids
+    returned are the session's."""
     if msg.get("protocol", PROTOCOL) != PROTOCOL:
         raise FrameError(f"agent speaks protocol {str(msg.get('protocol'))[:20]}, this session {PROTOCOL}")
-    if msg.get("pid") != pid:
-        raise FrameError(f"hello claims pid {str(msg.get('pid'))[:20]}, peer is pid {pid}")
-    tid = msg.get("tid")
+    if msg.get("pid") != ids.own_pid:
+        raise FrameError(f"hello claims pid {str(msg.get('pid'))[:20]}, peer is pid {_named(ids)}")
+    tid: Any = msg.get("tid")
     backends = msg.get("backends", [])
     unavailable = msg.get("unavailable", {})
     strings = [msg.get(k, "") for k in ("interpreter", "cuda_version", "driver_version")]
@@ -125,7 +138,7 @@ def hello_fields(msg: dict[str, Any], pid: int) -> dict[str, Any]:
     if not (isinstance(unavailable, dict) and len(unavailable) <= 16
             and all(_short_str(k, 64) and _short_str(v) for k, v in unavailable.items())):
         raise FrameError("hello with a bad unavailable map")
-    return {"pid": pid, "tid": tid, "interpreter": strings[0], "cuda_version": strings[1],
+    return {"pid": ids.host_pid, "tid": ids.tid(tid), "interpreter": strings[0], "cuda_version": strings[1],
             "driver_version": strings[2], "backends": backends, "unavailable": unavailable}
 
 

@@ -106,6 +106,7 @@ class Capture:
     malformed: int = 0  # records skipped because a field had the wrong type
     first_ns: int = 0
     last_ns: int = 0
+    tracing_ns: int = 0  # when tracing began (0: a capture from before the session recorded it)
     complete: bool = True
     problem: str = ""
     reader_drops: dict[str, int] = field(default_factory=dict)
@@ -354,9 +355,19 @@ def load(reader: CaptureReader) -> Capture:
     cap.problem = reader.problem
     cap.reader_drops = dict(reader.drops)
     cap.trailer = dict(reader.trailer or {})
+    cap.tracing_ns = _tracing_ns(cap.trailer, reader.meta.get("session"))
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
     return cap
+
+
+def _tracing_ns(trailer: dict[str, Any], session: Any) -> int:
+    """When tracing began: the trailer says so, and the session's metadata for a capture cut off before it."""
+    for where in (trailer, session if isinstance(session, dict) else {}):
+        ns = where.get("tracing_ns")
+        if type(ns) is int and ns > 0:
+            return ns
+    return 0
 
 
 def _block_names(meta: Any) -> dict[str, str]:

@@ -28,7 +28,7 @@ def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
     stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "capture": _capture(cap),
+        "capture": _capture(cap, timelines),
         "devices": [_device(cap, tl) for tl in timelines],
         "summary": _summary(timelines, stalls),
         "stalls": stalls,
@@ -39,9 +39,17 @@ def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
     return report
 
 
-def _capture(cap: Capture) -> dict[str, Any]:
+def capture_start(cap: Capture, timelines: list[DeviceTimeline]) -> int:
+    """When tracing began, not when the capture file was opened: compiling and loading the probes comes between
+    (seconds). Captures written before the session recorded it start at the header's start_ns. GPU work seen
+    earlier than that (an agent's records from before) moves the start back, so no stall is before it."""
+    start = cap.tracing_ns or int(cap.header.get("start_ns") or cap.first_ns)
+    return min([start, *(tl.first_ns for tl in timelines)])
+
+
+def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
     drops = {k: int(v) for k, v in cap.reader_drops.items() if isinstance(v, int)}
-    start = int(cap.header.get("start_ns") or cap.first_ns)
+    start = capture_start(cap, timelines)
     end = int(cap.trailer.get("end_ns") or cap.last_ns)
     out = {"start_ns": start, "end_ns": max(end, start), "pids": sorted(p for p in cap.pids if p > 0),
            "host": str(cap.header.get("host", "")), "drops": drops, "complete": cap.complete,

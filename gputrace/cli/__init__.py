@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 
 from gputrace import __version__
-from gputrace.errors import UserError
+from gputrace.errors import PermissionDenied, UserError
 
 DESCRIPTION = """\
 gputrace explains GPU idle time: it traces a job's syscalls, block I/O and scheduling with eBPF and its
@@ -62,14 +65,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()  # a full disk under `report --json > r.json` shows here, not at exit
+        return rc
     except UserError as e:
         print(f"gputrace: error: {e}", file=sys.stderr)
         return e.exit_code
+    except PermissionError as e:  # a root-only file or directory met outside the checks that name it
+        what = f"{e.filename}: " if e.filename else ""
+        print(f"gputrace: error: {what}{e.strerror or e} (run as root, e.g. with sudo)", file=sys.stderr)
+        return PermissionDenied.exit_code
     except KeyboardInterrupt:
+        print("gputrace: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 1
+    except OSError as e:
+        if e.filename is not None or e.errno not in _OUTPUT_ERRNOS:
+            raise
+        _drop_stdout()
+        print(f"gputrace: error: writing the output: {e.strerror}; it is incomplete", file=sys.stderr)
+        return 1
+
+
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}  # stdout's file or device failed
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail a second time."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

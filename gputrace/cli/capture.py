@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+import time
 from pathlib import Path
 
 from gputrace.cli import common
@@ -16,8 +19,10 @@ EXAMPLES = """\
   gputrace capture -p 4242 -p 4243 -o run1.gputrace   several processes, named output
   gputrace capture --min-gap-ms 5 -- ./train.sh       count only GPU gaps of 5 ms or more
 
+-p takes process ids; a thread id stands for its process (said before tracing starts).
 Ctrl-C ends the capture cleanly. Writes NAME.gputrace (the capture: re-analyse it any time) and
-NAME.pftrace (open it with `gputrace view`). Needs root (or CAP_BPF + CAP_PERFMON).
+NAME.pftrace (open it with `gputrace view`). Needs root (or CAP_BPF + CAP_PERFMON and a readable
+tracefs).
 OVERHEAD: a few hundred ns per traced syscall of the traced processes; see docs/probes.md.
 """
 
@@ -43,22 +48,18 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    _check_numbers(args)
     if args.ebpf:
         from gputrace.probes.ebpf import EbpfSource
 
         print(EbpfSource([], threshold_ns=int(args.syscall_threshold_us * 1000)).program_text())
         return 0
-    if args.duration is not None and args.duration <= 0:
-        raise UserError("-d/--duration must be > 0 seconds")
-    if args.syscall_threshold_us < 0:
-        raise UserError("--syscall-threshold-us must be >= 0")
-    if not 0 <= args.sample_hz <= 10_000:
-        raise UserError("--sample-hz must be 0 (off) to 10000")
     from gputrace.daemon.session import CaptureOptions, run_capture
 
+    tracing: list[float] = []  # when tracing began, once it has
     opts = CaptureOptions(
         output=Path(args.output) if args.output else None,
-        pids=args.pid,
+        pids=process_ids(args.pid),
         command=command or None,
         duration_s=args.duration,
         force=args.force,
@@ -66,6 +67,80 @@ def run(args: argparse.Namespace) -> int:
         threshold_us=args.syscall_threshold_us,
         perfetto=not args.no_perfetto,
         sample_hz=args.sample_hz,
+        on_tracing=lambda: tracing.append(time.time()),
     )
-    result = run_capture(opts)
+    if sys.stderr.isatty():  # compiling the probes is seconds of silence otherwise (the command is held meanwhile)
+        print("gputrace: compiling and loading the eBPF probes (a few seconds)...", file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # the session takes it over while it traces
+    try:
+        result = run_capture(opts)
+    except KeyboardInterrupt as e:  # outside the traced window: the session cleaned up, say what is left
+        _interrupted(opts.output, tracing)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return result.exit_code if result.exit_code is not None else 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding like Ctrl-C so the session removes its partial file and its held command."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Before anything starts: a bad number found after the capture would cost the whole run."""
+    if args.duration is not None:
+        common.require_positive("-d/--duration", args.duration, "seconds")
+    common.require_positive("--min-gap-ms", args.min_gap_ms)
+    if not args.syscall_threshold_us >= 0 or args.syscall_threshold_us == float("inf"):
+        raise UserError("--syscall-threshold-us must be a number >= 0")
+    if not 0 <= args.sample_hz <= 10_000:
+        raise UserError("--sample-hz must be 0 (off) to 10000")
+
+
+def process_ids(ids: list[int]) -> list[int]:
+    """-p takes processes; a thread id (as top or ps -L show them) stands for its process, said once."""
+    out: list[int] = []
+    for tid in ids:
+        pid = _tgid(tid)
+        if pid != tid:
+            print(f"gputrace: {tid} is a thread of pid {pid}; tracing pid {pid}", file=sys.stderr)
+        if pid not in out:
+            out.append(pid)
+    return out
+
+
+def _tgid(tid: int) -> int:
+    """The process a thread id belongs to; the id itself when /proc cannot say (the session reports why)."""
+    try:
+        status = Path(f"/proc/{tid}/status").read_text()
+    except (OSError, ValueError):
+        return tid
+    for line in status.splitlines():
+        if line.startswith("Tgid:"):
+            return int(line.split()[1])
+    return tid
+
+
+def _interrupted(output: Path | None, tracing: list[float]) -> None:
+    """Ctrl-C outside the traced window (while the probes load, or during the analysis afterwards)."""
+    if not tracing:
+        print("gputrace: interrupted before tracing began; nothing was written", file=sys.stderr)
+        return
+    written = _written_capture(output, tracing[0])
+    if written is None:
+        print("gputrace: interrupted; the capture was not written", file=sys.stderr)
+        return
+    print(f"gputrace: interrupted after tracing ended; the capture {written} was written, but its summary "
+          f"and Perfetto trace may be missing: gputrace report {written}; "
+          f"gputrace export {written} --perfetto {written.with_suffix('.pftrace')}", file=sys.stderr)
+
+
+def _written_capture(output: Path | None, since: float) -> Path | None:
+    """The capture this run wrote: the named output, or the newest default-named one written since tracing."""
+    candidates = [output] if output is not None else list(Path(".").glob("gputrace-*.gputrace"))
+    fresh = [p for p in candidates if p.is_file() and p.stat().st_mtime >= since - 1]  # not an earlier one (-f)
+    return max(fresh, key=lambda p: p.stat().st_mtime) if fresh else None

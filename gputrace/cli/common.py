@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
+
+from gputrace.errors import UserError
 
 
 def add_pid(p: argparse.ArgumentParser) -> None:
@@ -29,6 +34,26 @@ def add_min_gap(p: argparse.ArgumentParser) -> None:
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError("must be a number > 0")
     return value
+
+
+def require_positive(flag: str, value: float, unit: str = "") -> None:
+    """A flag's value must be a finite number > 0 (argparse's float() also accepts 'nan' and 'inf')."""
+    if not (value > 0 and math.isfinite(value)):
+        raise UserError(f"{flag} must be a number > 0{' ' + unit if unit else ''}, not {value:g}")
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError("must be 0 to 65535 (0: any free port)")
+    return value
+
+
+def refuse_same_file(out: Path, source: str | os.PathLike[str]) -> None:
+    """Writing the output over the file being read would destroy it (with --force, silently)."""
+    src = Path(source)
+    if out.exists() and src.exists() and out.samefile(src):
+        raise UserError(f"{out} is the capture being read; choose another output name")

@@ -99,6 +99,7 @@ def request(path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> 
 def _capture(args: argparse.Namespace) -> int:
     if not args.pid:
         raise UserError("give the processes to capture with -p/--pid PID")
+    common.require_positive("--min-gap-ms", args.min_gap_ms)
     req = {"op": "capture", "pids": args.pid, "duration_s": args.duration, "min_gap_ms": args.min_gap_ms,
            "wait": not args.no_wait, **({"name": args.name} if args.name else {})}
     replies = request(args.socket, req, timeout_s=None if not args.no_wait else 30.0)

@@ -24,7 +24,8 @@ EXAMPLES = """\
 The Perfetto trace shows every traced thread (syscalls, off-CPU time and who woke it), block I/O per device,
 GPU streams, CUDA API calls with arrows to the work they launched, NVML counters, and per device a
 "stalls" track whose slices name what each GPU idle gap waited on, with arrows from the evidence.
-A cut-off capture is exported up to the cut, with a warning.
+A cut-off capture is exported up to the cut, with a warning. --otlp exits 1 when some spans were not
+delivered and 2 when none were (the counts are printed either way).
 """
 
 
@@ -40,13 +41,13 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.min_gap_ms <= 0:
-        raise UserError("--min-gap-ms must be > 0")
-    min_gap_ns = int(args.min_gap_ms * 1e6)
+    common.require_positive("--min-gap-ms", args.min_gap_ms)
+    min_gap_ns = max(1, int(args.min_gap_ms * 1e6))
     if args.otlp:
         return _run_otlp(args, min_gap_ns)
     out = Path(args.perfetto)
     check_output_path(out, force=args.force)
+    common.refuse_same_file(out, args.capture)
     with open_capture(args.capture) as reader:
         report, why = load_report(reader, min_gap_ns)
         if why:
@@ -67,6 +68,7 @@ def export_perfetto(capture_path: str | os.PathLike[str], out_path: str | os.Pat
     """Write ``out_path`` from a capture (stalls drawn when ``report`` is given); refuses to overwrite."""
     out = Path(out_path)
     check_output_path(out, force=force)
+    common.refuse_same_file(out, capture_path)
     with open_capture(capture_path) as reader:
         return perfetto_from_reader(reader, out, report=report)
 
@@ -104,6 +106,9 @@ def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
         _warn(f"the capture is incomplete: {problem or 'records were lost'}; exported what was readable")
     dropped = f" ({result.dropped:,} dropped)" if result.dropped else ""
     print(f"Sent {result.items:,} spans to {result.target}{dropped}")
+    if result.dropped:  # some batches failed: a script must not take this for a full export
+        _warn(f"{result.dropped:,} of {result.items + result.dropped:,} spans were not delivered")
+        return 1
     return 0
 
 

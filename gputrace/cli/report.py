@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from gputrace.cli import common
-from gputrace.errors import UserError
 
 ORDER = 20
 HELP = "analyse a capture: GPU stalls by cause and culprit (terminal, --json or --html)"
@@ -32,15 +31,17 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gputrace.analysis import analyze
-    from gputrace.capture import open_capture
+    from gputrace.capture import check_output_path, open_capture
 
-    if not args.min_gap_ms > 0:
-        raise UserError("--min-gap-ms must be > 0")
+    common.require_positive("--min-gap-ms", args.min_gap_ms)
     html_out = Path(args.html) if args.html else None
-    if html_out is not None and html_out.exists() and not args.force:
-        raise UserError(f"{html_out} exists; use --force to overwrite it")
+    if html_out is not None:
+        check_output_path(html_out, force=args.force)
+        common.refuse_same_file(html_out, args.capture)
     with open_capture(args.capture) as reader:
         report = analyze(reader, min_gap_ns=max(1, int(args.min_gap_ms * 1e6)))
+        if reader.trailer and reader.trailer.get("stop_reason"):  # how the capture ended, for "complete" to say
+            report["capture"].setdefault("stop_reason", reader.trailer["stop_reason"])
     if html_out is not None:
         from gputrace.viewer import html
 

@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gputrace.cli import common
 from gputrace.viewer.serve import DEFAULT_PORT, TraceServer, has_graphical_browser, open_in_browser, trace_for
 
 HELP = "open a Perfetto trace (or a capture's trace) in the Perfetto UI"
@@ -24,7 +25,7 @@ ssh -L 9001:127.0.0.1:9001 HOST, then open the printed URL locally.
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE", help="a .pftrace file, or a .gputrace capture")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+    p.add_argument("--port", type=common.port, default=DEFAULT_PORT,
                    help=f"local port to serve on (default {DEFAULT_PORT}, what the Perfetto UI expects)")
     p.add_argument("--no-browser", action="store_true", help="only print the URL; do not try to open a browser")
 

@@ -670,17 +670,50 @@ static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now
 
 /* ------------------------------------------------------------------------------- scheduling ---- */
 
+/* The scheduler's tracepoints come in two kinds. Classic ones (TRACEPOINT_PROBE) share one per-CPU
+ * guard with every classic and perf-event program: the kernel skips them while another such program runs
+ * on the CPU, e.g. a timer interrupt's wakeup landing in our block_io_start program. Raw tracepoints only
+ * skip when the same program nests in itself, so the scheduler and interrupt hooks are raw where the
+ * task_struct layout is known from BTF (GT_TASK_PID_OFF, from probes/btf.py). A raw program reads the
+ * tid from the task pointer the tracepoint passes. */
+#if GT_RAW_SCHED
+#define GT_SCHED_PROBE(name) int gt_##name(struct bpf_raw_tracepoint_args *ctx)
+static __always_inline u32 gt_task_tid(u64 task)
+{
+    u32 pid = 0;
+    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)task + GT_TASK_PID_OFF);
+    return pid;
+}
+/* ctx->args: (bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state) */
+#define GT_SWITCH_PREV gt_task_tid(ctx->args[1])
+#define GT_SWITCH_NEXT gt_task_tid(ctx->args[2])
+#define GT_SWITCH_STATE ((u32)ctx->args[3])
+#define GT_WAKING_PID gt_task_tid(ctx->args[0]) /* ctx->args: (struct task_struct *p) */
+#else
+#define GT_SCHED_PROBE(name) int gt_##name(struct tracepoint__sched__##name *args)
+#define GT_SWITCH_PREV ((u32)args->prev_pid)
+#define GT_SWITCH_NEXT ((u32)args->next_pid)
+#define GT_SWITCH_STATE ((u32)args->prev_state)
+#define GT_WAKING_PID ((u32)args->pid)
+#endif
+
 /* `current` is prev here, so its tgid is at hand; next is known only by tid, hence `offcpu` by tid. */
-TRACEPOINT_PROBE(sched, sched_switch)
+GT_SCHED_PROBE(sched_switch)
 {
     u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
-    u32 prev = args->prev_pid;
+    u32 prev = (u32)id;
+#if GT_RAW_SCHED
+    if (GT_SWITCH_PREV != prev) { /* the offset from BTF is wrong: record nothing rather than nonsense */
+        count_drop(GT_DROP_LAYOUT);
+        return 0;
+    }
+#endif
     if (prev != 0 && is_target(id >> 32)) {
         struct gt_offcpu_val v = {};
         v.ts = now;
         v.pid = id >> 32;
-        v.state = (u32)args->prev_state;
+        v.state = GT_SWITCH_STATE;
 #ifdef HAVE_FILEMAP_FAULT
         v.fault_ns = in_file_fault(prev, now);
 #endif
@@ -692,7 +725,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         else if (v.state & GT_STATE_D)
             iowait_add(1);
     }
-    u32 next = args->next_pid;
+    u32 next = GT_SWITCH_NEXT;
     struct gt_offcpu_val *o = offcpu.lookup(&next);
     if (!o)
         return 0;
@@ -747,12 +780,13 @@ static __always_inline int irq_leave(u32 kind)
     return 0;
 }
 
-TRACEPOINT_PROBE(irq, irq_handler_entry) { return irq_enter(0); }
-TRACEPOINT_PROBE(irq, irq_handler_exit) { return irq_leave(0); }
-TRACEPOINT_PROBE(irq, softirq_entry) { return irq_enter(1); }
-TRACEPOINT_PROBE(irq, softirq_exit) { return irq_leave(1); }
-TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { return irq_enter(2); }
-TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { return irq_leave(2); }
+/* No arguments are read, so one context type serves both kinds of tracepoint. */
+int gt_irq_handler_entry(void *ctx) { return irq_enter(0); }
+int gt_irq_handler_exit(void *ctx) { return irq_leave(0); }
+int gt_softirq_entry(void *ctx) { return irq_enter(1); }
+int gt_softirq_exit(void *ctx) { return irq_leave(1); }
+int gt_hrtimer_expire_entry(void *ctx) { return irq_enter(2); }
+int gt_hrtimer_expire_exit(void *ctx) { return irq_leave(2); }
 
 static __always_inline int in_irq_kind(u32 kind, u64 now)
 {
@@ -773,9 +807,9 @@ static __always_inline int irq_kind(u64 now)
 
 /* sched_waking runs in the waker's context (sched_wakeup may run on the target's CPU), so `current` is
  * the waker, traced or not, unless the wakeup comes from an interrupt. */
-TRACEPOINT_PROBE(sched, sched_waking)
+GT_SCHED_PROBE(sched_waking)
 {
-    u32 tid = args->pid;
+    u32 tid = GT_WAKING_PID;
     struct gt_offcpu_val *o = offcpu.lookup(&tid);
     if (!o)
         return 0;

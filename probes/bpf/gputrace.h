@@ -33,7 +33,8 @@
 #define GT_DROP_OFFCPU 5   /* off-CPU map full */
 #define GT_DROP_TARGETS 6  /* target set full: a child is not followed */
 #define GT_DROP_FAULT 7    /* file-fault map full: a thread's wait in a page fault is not named */
-#define GT_DROP_MAX 8
+#define GT_DROP_LAYOUT 8   /* a raw scheduler program read a wrong tid (bad task_struct offset): skipped */
+#define GT_DROP_MAX 9
 
 /* Per-syscall flags (the `sysinfo` array, filled from probes/syscalls.py). */
 #define GT_F_FD 0x1             /* args[0] is an fd */

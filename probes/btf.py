@@ -1,0 +1,134 @@
+"""Struct member offsets of the running kernel, read from its BTF (/sys/kernel/btf/vmlinux).
+
+bcc compiles against whatever kernel headers are installed, which may belong to another kernel (see
+FACTS.md), so `offsetof` there can be wrong for this one. The few fields our raw-tracepoint programs read
+(`task_struct.pid`) take their offsets from here instead and go in as cflags. Only the parts of BTF needed
+to walk struct members are decoded; every length is checked, and anything unexpected reads as absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from pathlib import Path
+
+VMLINUX = Path("/sys/kernel/btf/vmlinux")
+MAGIC = 0xEB9F
+_HEADER = struct.Struct("<HBBIIIII")  # magic, version, flags, hdr_len, type_off, type_len, str_off, str_len
+_TYPE = struct.Struct("<III")  # name_off, info, size/type
+_MEMBER = struct.Struct("<III")  # name_off, type, offset
+KIND_STRUCT, KIND_UNION = 4, 5
+# Bytes after the common part, per kind: fixed, and per vlen entry.
+_EXTRA = {1: (4, 0), 3: (12, 0), 4: (0, 12), 5: (0, 12), 6: (0, 8), 13: (0, 8), 14: (4, 0), 15: (0, 12),
+          17: (4, 0), 19: (0, 12)}
+_KNOWN_KINDS = frozenset(range(1, 20))
+
+
+class BtfError(ValueError):
+    """The data is not BTF this module can read."""
+
+
+class Btf:
+    """The types of one BTF blob, indexed by id; struct members read on demand."""
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) < _HEADER.size:
+            raise BtfError("shorter than a BTF header")
+        magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise BtfError(f"bad magic {magic:#x}")
+        types_at, strings_at = hdr_len + type_off, hdr_len + str_off
+        if types_at + type_len > len(data) or strings_at + str_len > len(data):
+            raise BtfError("sections run past the end")
+        self._data = data
+        self._strings = data[strings_at:strings_at + str_len]
+        self._offsets = self._index(types_at, types_at + type_len)
+        self._by_name: dict[tuple[int, str], list[int]] | None = None
+
+    def _index(self, pos: int, end: int) -> list[int]:
+        """Where each type starts; ids count from 1 (id 0 is void)."""
+        offsets = [0]
+        while pos < end:
+            if pos + _TYPE.size > end:
+                raise BtfError("type section ends inside a type")
+            _, info, _ = _TYPE.unpack_from(self._data, pos)
+            kind, vlen = info >> 24 & 0x1F, info & 0xFFFF
+            if kind not in _KNOWN_KINDS:
+                raise BtfError(f"unknown type kind {kind}")
+            fixed, each = _EXTRA.get(kind, (0, 0))
+            offsets.append(pos)
+            pos += _TYPE.size + fixed + each * vlen
+        if pos != end:
+            raise BtfError("type section ends inside a type")
+        return offsets
+
+    def name(self, off: int) -> str:
+        end = self._strings.find(b"\0", off)
+        return self._strings[off:end if end >= 0 else None].decode(errors="replace")
+
+    def _type(self, tid: int) -> tuple[str, int, int, int, int]:
+        """(name, kind, kind_flag, vlen, where the members start) of type `tid`."""
+        pos = self._offsets[tid]
+        name_off, info, _ = _TYPE.unpack_from(self._data, pos)
+        return self.name(name_off), info >> 24 & 0x1F, info >> 31, info & 0xFFFF, pos + _TYPE.size
+
+    def find(self, kind: int, name: str) -> list[int]:
+        """Ids of the types of `kind` called `name` (a name can repeat, e.g. a forward declaration)."""
+        if self._by_name is None:
+            self._by_name = {}
+            for tid in range(1, len(self._offsets)):
+                tname, tkind, _, _, _ = self._type(tid)
+                if tname and tkind in (KIND_STRUCT, KIND_UNION):
+                    self._by_name.setdefault((tkind, tname), []).append(tid)
+        return self._by_name.get((kind, name), [])
+
+    def member_offset(self, tid: int, member: str) -> int | None:
+        """Byte offset of `member` in struct/union `tid`, looking into anonymous struct/union members.
+        None when absent or a bitfield."""
+        _, kind, kind_flag, vlen, pos = self._type(tid)
+        if kind not in (KIND_STRUCT, KIND_UNION):
+            return None
+        for i in range(vlen):
+            name_off, mtype, bits = _MEMBER.unpack_from(self._data, pos + i * _MEMBER.size)
+            if kind_flag:
+                if bits >> 24:  # a bitfield has no byte offset
+                    continue
+                bits &= 0xFFFFFF
+            mname = self.name(name_off)
+            if mname == member:
+                return None if bits % 8 else bits // 8
+            if not mname and 0 < mtype < len(self._offsets):
+                inner = self.member_offset(self._resolve(mtype), member)
+                if inner is not None:
+                    return bits // 8 + inner
+        return None
+
+    def _resolve(self, tid: int) -> int:
+        """Skip typedefs and qualifiers (const, volatile, restrict, type tags)."""
+        for _ in range(32):
+            _, kind, _, _, _ = self._type(tid)
+            if kind not in (8, 9, 10, 11, 18):
+                return tid
+            tid = _TYPE.unpack_from(self._data, self._offsets[tid])[2]
+            if not 0 < tid < len(self._offsets):
+                return 0
+        return 0
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_btf(path: Path = VMLINUX) -> Btf | None:
+    try:
+        return Btf(path.read_bytes())
+    except (OSError, BtfError):
+        return None
+
+
+def struct_offset(struct_name: str, member: str, btf: Btf | None = None) -> int | None:
+    """Byte offset of `struct_name.member` in the running kernel, or None when unknown (no BTF, no such
+    struct, several definitions that disagree)."""
+    btf = btf if btf is not None else kernel_btf()
+    if btf is None:
+        return None
+    found = {btf.member_offset(tid, member) for tid in btf.find(KIND_STRUCT, struct_name)}
+    found.discard(None)
+    return found.pop() if len(found) == 1 else None

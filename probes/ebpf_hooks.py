@@ -1,0 +1,120 @@
+"""Which kind of tracepoint each group of the eBPF source's programs hangs on, and attaching them.
+
+Two groups choose between raw and classic tracepoints (docs/probes.md "Hooks"):
+- syscalls: raw `sys_enter`/`sys_exit` (one program pair, arguments read from x86_64's pt_regs), or the
+  classic per-syscall tracepoints;
+- the scheduler and interrupt hooks (`sched_switch`, `sched_waking`, irq/softirq/hrtimer entry and exit):
+  raw where BTF gives `task_struct.pid`'s offset, else classic. Classic programs share one per-CPU guard,
+  so the kernel skips one that fires while another runs on the CPU; a raw program is only skipped when it
+  nests in itself.
+The other programs (process tree, file faults, block I/O) stay classic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.errors import UserError
+from gputrace.probes.btf import struct_offset
+from gputrace.probes.ebpf_host import tracepoint_exists
+from gputrace.probes.syscalls import raw_syscalls_supported
+
+HOOKS = ("auto", "raw", "classic")
+# (category, tracepoint): each served by the program gt_<tracepoint>.
+SCHED_TRACEPOINTS = (
+    ("sched", "sched_switch"),
+    ("sched", "sched_waking"),
+    ("irq", "irq_handler_entry"),
+    ("irq", "irq_handler_exit"),
+    ("irq", "softirq_entry"),
+    ("irq", "softirq_exit"),
+    ("timer", "hrtimer_expire_entry"),
+    ("timer", "hrtimer_expire_exit"),
+)
+
+
+class RawAttachFailed(Exception):
+    """The kernel refused a group's raw tracepoints: load again with the classic ones."""
+
+    def __init__(self, group: str, why: str) -> None:
+        super().__init__(why)
+        self.group = group
+
+
+def check_hook(group: str, want: str) -> None:
+    if want not in HOOKS:
+        raise UserError(f"unknown {group} hook {want!r} (one of: {', '.join(HOOKS)})")
+
+
+def choose(group: str, want: str) -> tuple[str, str]:
+    """(hook, why it is not raw) for `group` ("syscall" or "sched") given what was asked."""
+    if want == "classic":
+        return "classic", ""
+    why = _raw_unsupported(group)
+    if not why:
+        return "raw", ""
+    if want == "raw":
+        raise UserError(f"raw {group} tracepoints are unsupported here ({why}): use classic")
+    return "classic", why
+
+
+def _raw_unsupported(group: str) -> str:
+    if not raw_syscalls_supported():
+        return "needs x86_64 and BPF raw tracepoints"
+    if group == "sched" and task_pid_offset() is None:
+        return "task_struct.pid not found in /sys/kernel/btf/vmlinux"
+    return ""
+
+
+def task_pid_offset() -> int | None:
+    return struct_offset("task_struct", "pid")
+
+
+def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
+    flags = [f"-DGT_RAW_SYSCALLS={int(syscall_hook == 'raw')}", f"-DGT_RAW_SCHED={int(sched_hook == 'raw')}"]
+    if sched_hook == "raw":
+        flags.append(f"-DGT_TASK_PID_OFF={task_pid_offset()}")
+    return flags
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def attach_syscalls(bpf: Any, hook: str, want: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """Attach the syscall programs for `names`; (attached, missing tracepoints)."""
+    if hook == "raw":
+        _attach_raw(bpf, "syscall", want, [("sys_enter", "gt_sys_enter"), ("sys_exit", "gt_sys_exit")])
+        return list(names), []
+    attached, missing = [], []
+    for name in names:
+        enter, exit_ = f"sys_enter_{name}", f"sys_exit_{name}"
+        if not (tracepoint_exists("syscalls", enter) and tracepoint_exists("syscalls", exit_)):
+            missing.append(f"syscalls:{enter}")
+            continue
+        bpf.attach_tracepoint(tp=f"syscalls:{enter}".encode(), fn_name=b"gt_sys_enter")
+        bpf.attach_tracepoint(tp=f"syscalls:{exit_}".encode(), fn_name=b"gt_sys_exit")
+        attached.append(name)
+    return attached, missing
+
+
+def attach_sched(bpf: Any, hook: str, want: str) -> list[str]:
+    """Attach the scheduler and interrupt programs; the tracepoints this kernel lacks."""
+    present = [(c, n) for c, n in SCHED_TRACEPOINTS if tracepoint_exists(c, n)]
+    if hook == "raw":
+        _attach_raw(bpf, "sched", want, [(n, f"gt_{n}") for _, n in present])
+    else:
+        for category, name in present:
+            bpf.attach_tracepoint(tp=f"{category}:{name}".encode(), fn_name=f"gt_{name}".encode())
+    return [f"{c}:{n}" for c, n in SCHED_TRACEPOINTS if (c, n) not in present]
+
+
+def _attach_raw(bpf: Any, group: str, want: str, pairs: list[tuple[str, str]]) -> None:
+    try:
+        for tp, fn in pairs:
+            bpf.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+    except Exception as e:  # bcc raises bare Exception when the kernel refuses
+        if want == "raw":
+            raise UserError(f"attaching the raw {group} tracepoints failed: {_first_line(e)}") from None
+        raise RawAttachFailed(group, _first_line(e)) from None
