@@ -29,7 +29,8 @@ from gputrace.agent.pidns import PeerIds
 from gputrace.records import AgentInfo, SourceStatus
 from gputrace.source import Sink
 
-from .service_caps import peer_credentials, peer_pidfd, pidfd_exited
+from .agents_peer import Peer
+from .service_caps import peer_credentials, peer_pidfd
 
 log = logging.getLogger("gputrace.agents")
 
@@ -37,38 +38,6 @@ QUEUE_MAX_RECORDS = 262144
 AUTHORIZE_GRACE_S = 1.0  # a child may connect before the session has seen its fork
 STOP_TIMEOUT_S = 2.0
 RECV_BYTES = 256 << 10
-
-
-class _Peer:
-    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
-        self.sock, self.pid, self.uid = sock, pid, uid
-        self.pidfd: int | None = None
-        self.vanished = False  # gone before it could be pinned (kernels before 6.16)
-        self.frames = wire.FrameBuffer()
-        self.hello: dict[str, Any] | None = None
-        self.since = time.monotonic()
-        self.authorized = False
-        self.said_bye = False
-        self.sent_stop = False
-        self.records = 0
-        self.drops: dict[str, int] = {}
-        self.end = ""
-        self.ids: PeerIds | None = None  # its ids as it sees them, read at hello
-
-    @property
-    def active(self) -> bool:
-        """Had GPU work to report: only then does losing it mid-capture matter."""
-        return self.records > 0 or bool(self.hello and self.hello["backends"])
-
-    def exited(self) -> bool:
-        return self.vanished or (self.pidfd is not None and pidfd_exited(self.pidfd))
-
-    def summary(self) -> dict[str, Any]:
-        h = self.hello or {}
-        ns = {"pid_in_namespace": self.ids.own_pid} if self.ids and self.ids.nested else {}
-        return {"pid": self.pid, **ns, "uid": self.uid, "interpreter": h.get("interpreter", ""),
-                "backends": h.get("backends", []), "unavailable": h.get("unavailable", {}),
-                "records": self.records, "end": self.end}
 
 
 class AgentServer:
@@ -88,8 +57,8 @@ class AgentServer:
         self.stats = {"accepted": 0, "refused": 0, "cut_off": 0, "ended_early": 0, "records": 0}
         self.rejections: list[str] = []  # "pid N: reason", for the log and the tests
         self.rejected_records = 0
-        self._peers: dict[socket.socket, _Peer] = {}
-        self._gone: list[_Peer] = []
+        self._peers: dict[socket.socket, Peer] = {}
+        self._gone: list[Peer] = []
         self._offers: list[Listener] = []
         self._listener_ino = 0
         self._new_listeners: list[socket.socket] = []
@@ -242,7 +211,7 @@ class AgentServer:
             return
         conn.setblocking(False)
         pid, uid, _gid = peer_credentials(conn)
-        peer = _Peer(conn, pid, uid)
+        peer = Peer(conn, pid, uid)
         try:
             peer.pidfd = peer_pidfd(conn)
         except ProcessLookupError:
@@ -253,7 +222,7 @@ class AgentServer:
             self._peers[conn] = peer
         self._authorize(peer)
 
-    def _authorize(self, peer: _Peer) -> None:
+    def _authorize(self, peer: Peer) -> None:
         if peer.exited():
             self.stats["refused"] += 1
             self._reject(peer, "exited before it was authorised; refused")
@@ -276,7 +245,7 @@ class AgentServer:
         for peer in [p for p in self._peers.values() if not p.authorized]:
             self._authorize(peer)
 
-    def _read(self, peer: _Peer) -> None:
+    def _read(self, peer: Peer) -> None:
         try:
             data = peer.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -295,7 +264,7 @@ class AgentServer:
         except wire.FrameError as e:
             self._cut_off(peer, str(e))
 
-    def _message(self, peer: _Peer, msg: dict[str, Any]) -> None:
+    def _message(self, peer: Peer, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if peer.hello is None and kind != "hello":
             raise wire.FrameError(f"first message is {kind[:20]!r}, not hello")
@@ -313,7 +282,7 @@ class AgentServer:
         else:
             raise wire.FrameError(f"unknown message type {kind[:20]!r}")
 
-    def _hello(self, peer: _Peer, hello: dict[str, Any]) -> None:
+    def _hello(self, peer: Peer, hello: dict[str, Any]) -> None:
         peer.hello = hello
         now = clock.monotonic_ns()
         self._forward([AgentInfo(now, peer.pid, hello["tid"], hello["interpreter"], hello["cuda_version"],
@@ -326,7 +295,7 @@ class AgentServer:
         else:
             self._send(peer, {"type": "start", "flush_ms": self.flush_ms})
 
-    def _batch(self, peer: _Peer, msg: dict[str, Any]) -> None:
+    def _batch(self, peer: Peer, msg: dict[str, Any]) -> None:
         try:
             assert peer.ids is not None  # set at hello, which came first
             records = validate.batch_records(msg, peer.ids)
@@ -345,7 +314,7 @@ class AgentServer:
         if records and self._fwd is not None:
             self._fwd.put(records)
 
-    def _send(self, peer: _Peer, msg: dict[str, Any]) -> None:
+    def _send(self, peer: Peer, msg: dict[str, Any]) -> None:
         """A control message, never waited on. A peer that already hung up is left to the read side,
         which sees its bye or its EOF; only one that will not take a few bytes is cut off."""
         frame = wire.encode(msg)
@@ -368,18 +337,18 @@ class AgentServer:
                     self._cut_off(peer, str(e))
 
     # ------------------------------------------------------------------------------- peer ends ---
-    def _reject(self, peer: _Peer, reason: str) -> None:
+    def _reject(self, peer: Peer, reason: str) -> None:
         text = f"pid {peer.pid}: {reason}"
         self.rejections.append(text)
         log.warning("gputrace: agent %s", text)
 
-    def _cut_off(self, peer: _Peer, reason: str, brief: str | None = None) -> None:
+    def _cut_off(self, peer: Peer, reason: str, brief: str | None = None) -> None:
         """End a peer that broke the protocol: counted, logged with ``reason``, its end told as ``brief``."""
         self.stats["cut_off"] += 1
         self._reject(peer, f"cut off: {reason}")
         self._drop(peer, f"cut off: {brief or reason}", cut=True)
 
-    def _drop(self, peer: _Peer, reason: str, *, cut: bool, quiet: bool = False) -> None:
+    def _drop(self, peer: Peer, reason: str, *, cut: bool, quiet: bool = False) -> None:
         with self._lock:
             if self._peers.pop(peer.sock, None) is None:
                 return

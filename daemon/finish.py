@@ -22,7 +22,7 @@ def analyse_and_export(result: CaptureResult, opts: CaptureOptions, log: Callabl
     from gputrace.analysis import summary_lines
     from gputrace.exporters.perfetto import PerfettoExporter
 
-    from .session import perfetto_path_for
+    from .session_targets import perfetto_path_for
 
     result.report = analyse(result.capture_path, opts.min_gap_ms)
     for line in summary_lines(result.report):

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from gputrace import clock
-from gputrace.caps import missing_tracing_caps
 from gputrace.capture import CaptureWriter, check_output_path, host_header
-from gputrace.errors import PermissionDenied, UserError
+from gputrace.errors import UserError
 from gputrace.records import SourceStatus
 
 from .launch import HeldChild
+from .session_targets import comm_of, default_output, perfetto_path_for, require_privileges
 from .writer import QueueSink
 
 Log = Callable[[str], None]
@@ -67,39 +67,9 @@ def run_capture(opts: CaptureOptions, stop: threading.Event | None = None, log: 
     """Capture the target processes until ``stop`` is set, the duration ends, or the targets exit."""
     if bool(opts.pids) == bool(opts.command):
         raise UserError("give either -p/--pid PID... or -- CMD ARGS... (one of them)")
-    _require_privileges()
-    comms = {pid: _comm_of(pid) for pid in opts.pids}
+    require_privileges()
+    comms = {pid: comm_of(pid) for pid in opts.pids}
     return _Session(opts, stop or threading.Event(), log, comms).run()
-
-
-def _require_privileges() -> None:
-    missing = missing_tracing_caps()
-    if missing:
-        raise PermissionDenied(f"tracing needs {' and '.join(missing)} (run as root, e.g. with sudo)")
-
-
-def _comm_of(pid: int) -> str:
-    if pid <= 0:
-        raise UserError(f"invalid pid {pid}")
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        raise UserError(f"no process with pid {pid}") from None
-    except PermissionError:
-        raise PermissionDenied(f"cannot read /proc/{pid} (needs CAP_SYS_PTRACE or root)") from None
-    comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
-    if state in "ZX":
-        raise UserError(f"process {pid} ({comm}) has exited")
-    return comm
-
-
-def default_output(comm: str, pid: int) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in comm) or "proc"
-    return Path(f"gputrace-{safe}.{pid}.gputrace")
-
-
-def perfetto_path_for(capture: Path) -> Path:
-    return capture.with_suffix(".pftrace")
 
 
 class _Session:

@@ -58,16 +58,16 @@ from gputrace.records import (
 from . import ExportResult
 from . import perfetto_proto as pp
 from .perfetto_args import activity_slice, header_int, size_text, stall_args, unit_of
+from .perfetto_canvas import Canvas
 from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
 from .perfetto_samples import CpuSamples
-from .perfetto_tracks import LaneSet, PacketSink, Tracks
+from .perfetto_tracks import LaneSet, PacketSink
 
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
 # Known kinds not placed on the timeline: fd and mapped-file paths are already on the syscalls and faults,
 # aggregates are in the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
 _NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap"}
 _COLLECTIVE_CAP = 10_000
-_NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
 
 
 class PerfettoExporter:
@@ -106,24 +106,22 @@ def _create_new(path: Path) -> int:
         raise UserError(f"{path} exists (an earlier export was cut off, or planted); remove it") from None
 
 
-class _Run:
+class _Run(Canvas):
     """The state of one export: tracks, lanes and pending flow ends — nothing per event."""
 
     def __init__(self, sink: PacketSink, header: dict[str, Any], report: dict[str, Any] | None,
                  pending_cap: int) -> None:
-        self.sink, self.put, self.header = sink, sink.put, header
-        self.tracks = Tracks(sink)
+        super().__init__(sink)
+        self.header = header
         self.flows = FlowIds()
         self.stall_links = StallLinks(report, self.flows)
         self.launches = LaunchMatcher(self.flows, pending_cap)
         self.samples = CpuSamples(sink.put, self.tracks.thread, pending_cap)
         self.report = report
-        self.lanes: dict[tuple[object, ...], LaneSet] = {}
         self.devices: dict[int, tuple[str, bool]] = {}
         self.collectives: dict[tuple[int, int], Collective] = {}
         self.skipped: dict[str, int] = {}
         self.not_drawn: dict[str, int] = {}
-        self.fixed = 0
         self.malformed = 0
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
@@ -186,37 +184,6 @@ class _Run:
             notes.append(f"{self.stall_links.unmatched} stall evidence entr(ies) matched no slice: no flow")
         return notes + self.samples.notes()
 
-    # -- helpers --------------------------------------------------------------------------------------
-
-    def slice(self, uuid: int, s: int, e: int, name: str, cat: bytes, args: dict[str, Any],
-              flows: list[int] | tuple[int, ...] = ()) -> None:
-        self.put(pp.track_event(pp.SLICE_BEGIN, s, uuid, name, category=cat, annots=pp.debug_args(args),
-                                flows=flows))
-        self.put(pp.track_event(pp.SLICE_END, e, uuid))
-
-    def span(self, s: int, e: int) -> tuple[int, int]:
-        s, e = pp.clamp_ts(s), pp.clamp_ts(e)
-        if e < s:
-            self.fixed += 1
-            e = s
-        return s, e
-
-    def laneset(self, key: tuple[object, ...], make: Any, nest: bool = False) -> LaneSet:
-        ls = self.lanes.get(key)
-        if ls is None:
-            ls = self.lanes[key] = LaneSet(make, nest)
-        return ls
-
-    def thread_lanes(self, pid: int, tid: int, what: str) -> LaneSet:
-        """Slices of one kind on a thread: lane 0 is the thread track itself (syscalls) or a named child."""
-        def make(n: int) -> int:
-            t = self.tracks.thread(pid, tid)
-            if what == "" and n == 0:
-                return t
-            label = what or "syscalls"
-            return self.tracks.track(("tc", pid, tid, what, n), label if n == 0 else f"{label} #{n + 1}", t)
-        return self.laneset(("tl", pid, tid, what), make, nest=what in _NESTING)
-
     # -- processes ------------------------------------------------------------------------------------
 
     def proc_info(self, r: ProcInfo) -> None:
@@ -242,11 +209,6 @@ class _Run:
 
     def exit(self, r: ProcExit) -> None:
         self.instant(self.tracks.thread(r.pid, r.tid), r.ts, "exit", _CAT["process"], {})
-
-    def instant(self, uuid: int, ts: int, name: str, cat: bytes, args: dict[str, Any],
-                flows: list[int] | tuple[int, ...] = ()) -> None:
-        self.put(pp.track_event(pp.INSTANT, ts, uuid, name, category=cat, annots=pp.debug_args(args),
-                                flows=flows))
 
     # -- kernel ---------------------------------------------------------------------------------------
 
@@ -402,9 +364,6 @@ class _Run:
     def agent(self, r: AgentInfo) -> None:
         args = {"interpreter": r.interpreter, "cuda": r.cuda_version, "driver": r.driver_version}
         self.instant(self.tracks.thread(r.pid, r.tid), r.ts, f"GPU agent ({r.source})", _CAT["cuda"], args)
-
-    def meta_track(self) -> int:
-        return self.tracks.track(("meta",), "gputrace", description="capture sources and their losses")
 
     def source_status(self, r: SourceStatus) -> None:
         self.instant(self.meta_track(), r.ts, f"{r.source}: {r.status}", _CAT["process"], {"detail": r.detail})

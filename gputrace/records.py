@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 
 class ProcInfo(NamedTuple):
-    """Metadata of a traced process, taken from /proc when it is first seen."""
+    """Metadata of a traced process, taken from /proc when it is first seen. ``nspid``: its pid in its own
+    pid namespace (a container) when that is not the session's, else 0."""
 
     ts: int
     pid: int
@@ -22,6 +23,7 @@ class ProcInfo(NamedTuple):
     comm: str
     cmdline: list[str]
     exe: str
+    nspid: int = 0
 
 
 class ThreadInfo(NamedTuple):

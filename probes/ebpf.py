@@ -11,13 +11,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
+from gputrace.probes import ebpf_build as build
 from gputrace.probes import ebpf_final as final
 from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes import events, procfs
@@ -25,7 +25,6 @@ from gputrace.probes.ebpf_host import (
     BPF_DIR,
     check_host,
     file_faults_supported,
-    format_has,
     program_skips,
     program_text,
     tracepoint_exists,
@@ -135,7 +134,8 @@ class EbpfSource:
         self._thread.start()
 
     def _load(self, bcc: Any, sink: Sink) -> None:
-        self._bpf = self._compile(bcc)
+        flags = build.cflags(self.threshold_ns, self.ring_pages, self.hook, self.sched)
+        self._bpf = build.compile_program(bcc, flags)
         try:
             self._setup(sink)
         except BaseException as e:
@@ -266,31 +266,7 @@ class EbpfSource:
     def program_text(self) -> str:
         return program_text()
 
-    # ---------------------------------------------------------------------------- compilation ---
-
-    def _cflags(self) -> list[str]:
-        flags = [
-            f"-I{BPF_DIR}",
-            f"-DTHRESHOLD_NS={self.threshold_ns}ULL",
-            f"-DEVENT_PAGES={self.ring_pages}",
-            *hooks.cflags(self.hook, self.sched),
-        ]
-        if tracepoint_exists("block", "block_io_start"):
-            flags.append("-DHAVE_BLOCK_IO_START")
-        if format_has("sched", "sched_process_exit", "group_dead"):
-            flags.append("-DHAVE_GROUP_DEAD")
-        if file_faults_supported():
-            flags.append("-DHAVE_FILEMAP_FAULT")
-        return flags
-
-    def _compile(self, bcc: Any) -> Any:
-        try:
-            with warnings.catch_warnings():  # bcc 0.26 warns on str paths but cannot join bytes ones
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return bcc.BPF(src_file=str(BPF_DIR / "gputrace.bpf.c"), cflags=self._cflags())
-        except Exception as e:  # bcc raises bare Exception on compile/load failures
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"loading the eBPF program failed: {first} (check: gputrace doctor)") from None
+    # ------------------------------------------------------------------------------------ setup ---
 
     def _fill_sysinfo(self) -> dict[int, tuple[str, int]]:
         numbers = syscall_numbers()

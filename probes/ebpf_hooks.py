@@ -31,6 +31,8 @@ SCHED_TRACEPOINTS = (
     ("timer", "hrtimer_expire_entry"),
     ("timer", "hrtimer_expire_exit"),
 )
+# Raw only: a wakeup that came before its task was off its CPU (see gputrace.bpf.c, early_wake).
+RAW_ONLY = (("sched", "sched_wakeup"),)
 
 
 class RawAttachFailed(Exception):
@@ -61,8 +63,8 @@ def choose(group: str, want: str) -> tuple[str, str]:
 def _raw_unsupported(group: str) -> str:
     if not raw_syscalls_supported():
         return "needs x86_64 and BPF raw tracepoints"
-    if group == "sched" and task_pid_offset() is None:
-        return "task_struct.pid not found in /sys/kernel/btf/vmlinux"
+    if group == "sched" and (task_pid_offset() is None or task_tgid_offset() is None):
+        return "task_struct.pid/tgid not found in /sys/kernel/btf/vmlinux"
     return ""
 
 
@@ -70,10 +72,14 @@ def task_pid_offset() -> int | None:
     return struct_offset("task_struct", "pid")
 
 
+def task_tgid_offset() -> int | None:
+    return struct_offset("task_struct", "tgid")
+
+
 def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     flags = [f"-DGT_RAW_SYSCALLS={int(syscall_hook == 'raw')}", f"-DGT_RAW_SCHED={int(sched_hook == 'raw')}"]
     if sched_hook == "raw":
-        flags.append(f"-DGT_TASK_PID_OFF={task_pid_offset()}")
+        flags += [f"-DGT_TASK_PID_OFF={task_pid_offset()}", f"-DGT_TASK_TGID_OFF={task_tgid_offset()}"]
     return flags
 
 
@@ -101,13 +107,14 @@ def attach_syscalls(bpf: Any, hook: str, want: str, names: list[str]) -> tuple[l
 
 def attach_sched(bpf: Any, hook: str, want: str) -> list[str]:
     """Attach the scheduler and interrupt programs; the tracepoints this kernel lacks."""
-    present = [(c, n) for c, n in SCHED_TRACEPOINTS if tracepoint_exists(c, n)]
+    wanted = SCHED_TRACEPOINTS + (RAW_ONLY if hook == "raw" else ())
+    present = [(c, n) for c, n in wanted if tracepoint_exists(c, n)]
     if hook == "raw":
         _attach_raw(bpf, "sched", want, [(n, f"gt_{n}") for _, n in present])
     else:
         for category, name in present:
             bpf.attach_tracepoint(tp=f"{category}:{name}".encode(), fn_name=f"gt_{name}".encode())
-    return [f"{c}:{n}" for c, n in SCHED_TRACEPOINTS if (c, n) not in present]
+    return [f"{c}:{n}" for c, n in wanted if (c, n) not in present]
 
 
 def _attach_raw(bpf: Any, group: str, want: str, pairs: list[tuple[str, str]]) -> None:

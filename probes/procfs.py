@@ -63,7 +63,21 @@ def proc_info(pid: int) -> ProcInfo | None:
     except OSError:
         exe = ""
     cmdline = [_text(a) for a in args[:_MAX_ARGS]]
-    return ProcInfo(clock.monotonic_ns(), pid, ppid_of(pid), comm(pid), cmdline, exe)
+    chain = ns_chain(PROC / str(pid) / "status")
+    nspid = chain[-1] if len(chain) > 1 and chain[0] == pid else 0
+    return ProcInfo(clock.monotonic_ns(), pid, ppid_of(pid), comm(pid), cmdline, exe, nspid)
+
+
+def ns_chain(status: Path) -> list[int]:
+    """The NSpid line of a status file: the id in each pid namespace, the reader's first, the task's own
+    last; [] when unreadable (gone, or a kernel without the line)."""
+    for line in _read(status, 8192).splitlines():
+        if line.startswith(b"NSpid:"):
+            try:
+                return [int(x) for x in line.split()[1:]]
+            except ValueError:
+                return []
+    return []
 
 
 def thread_state(pid: int, tid: int) -> str:

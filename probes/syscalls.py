@@ -103,6 +103,7 @@ OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("sched", "sched_process_exit", "process and thread exit"),
     ("sched", "sched_switch", "off-CPU intervals"),
     ("sched", "sched_waking", "who woke a waiting thread"),
+    ("sched", "sched_wakeup", "who woke a thread still switching out when its wakeup began"),
     ("irq", "irq_handler_entry", "wakeups from hard interrupts (no task to blame)"),
     ("irq", "irq_handler_exit", "wakeups from hard interrupts (no task to blame)"),
     ("irq", "softirq_entry", "wakeups from softirqs (network receive, block completion)"),

@@ -4,6 +4,7 @@ capture by the host's. Real namespaces (unshare), real agents, real captures."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,12 @@ def _in_pid_namespace(args: list[str], env: dict[str, str] | None = None) -> tup
     return p, child
 
 
+def _end(p: subprocess.Popen[str], host_pid: int) -> None:
+    """Kill the namespace's pid 1 (which takes everything in it along), then reap unshare."""
+    os.kill(host_pid, signal.SIGKILL)
+    p.wait(10)
+
+
 def _child_of(pid: int) -> int:
     for name in os.listdir("/proc"):
         if name.isdigit() and procfs.ppid_of(int(name)) == pid:
@@ -86,6 +93,8 @@ def test_peer_ids_map_the_namespace_s_ids_to_the_host_s(tmp_path: Path) -> None:
     assert ids.tid(own_pid) == host_pid and ids.tid(own_thread) == host_thread
     assert ids.tid(4_000_000) == 0 and ids.unmapped == 1  # not one of its threads
     assert ns_chain(Path(f"/proc/{host_pid}/status")) == [host_pid, 1]
+    info, own = procfs.proc_info(host_pid), procfs.proc_info(os.getpid())
+    assert info is not None and info.nspid == 1 and own is not None and own.nspid == 0
     p.communicate("\n", timeout=10)
     mine = PeerIds(os.getpid())
     assert not mine.nested and mine.own_pid == os.getpid() and mine.tid(12345) == 12345
@@ -162,9 +171,13 @@ def test_the_example_in_a_pid_namespace_names_its_slow_worker(tmp_path: Path) ->
     assert dev["simulated"] and dev["busy_ns"] > 0
     stalls = report["stalls"]
     assert len(stalls) >= 10
-    culprits = {s["culprit"]["pid"] for s in stalls if s["cause"] == "cpu"}
-    assert culprits and all(c > 1 for c in culprits)  # host pids, never the namespace's
+    culprits = {(s["culprit"]["pid"], s["culprit"].get("pid_in_namespace")) for s in stalls if s["cause"] == "cpu"}
     assert len(culprits) == 1  # the one slow worker
+    [(host, inside)] = culprits
+    assert host > 1 and inside is not None and 1 < inside < host  # its host pid, and its pid in there
+    workers = run.stdout.split("loader workers (pids ")[1].split(")")[0]  # as the job saw them
+    assert str(inside) in workers.split(", ")
+    assert f"pid {host} (python; pid {inside} in its namespace)" in run.stdout + run.stderr
 
 
 # An armed service in a container: dormant until a session offers itself in its attach dir.
@@ -207,7 +220,7 @@ def test_an_armed_agent_in_a_container_is_offered_inside_its_own_root(tmp_path: 
     wait_for(lambda: h.server.stats["records"] > 5, what="records from the armed agent")
     h.server.stop()
     assert not inside.exists(), "the offer is withdrawn when the capture ends"
-    p.kill()
+    _end(p, host_pid)
     recs = h.finish()
     assert {k.pid for k in of(recs, "GpuKernel")} == {host_pid} and not h.server.rejections
 
@@ -229,6 +242,6 @@ def test_a_symlink_planted_in_the_container_is_not_followed(tmp_path: Path) -> N
     else:
         raise AssertionError("the offer followed a symlink")
     finally:
-        p.kill()
+        _end(p, host_pid)
         h.finish()
     assert list(evil.iterdir()) == []

@@ -120,7 +120,8 @@ def test_sampled_stacks_become_perfetto_cpu_samples(spin: Path, tmp_path: Path) 
 
     stacks = {(r.pid, r.stack): r.frames for r in recs if isinstance(r, StackFrames)}
     want = sorted((r.ts, r.tid, r.cpu, stacks[(r.pid, r.stack)][::-1]) for r in recs if isinstance(r, StackSample))
-    assert sorted((s.ts, s.tid, s.cpu, s.frames) for s in check.samples) == want and len(want) >= 60
+    # 499 Hz for 300 ms on CPU is ~150 samples; fewer on a loaded machine
+    assert sorted((s.ts, s.tid, s.cpu, s.frames) for s in check.samples) == want and len(want) >= 30
     assert {s.cpu for s in check.samples} <= set(range(os.cpu_count() or 1))  # each on the CPU it ran on
     hot = [s for s in check.samples if s.leaf == f"{HOT} (spin)"]
     assert len(hot) >= len(check.samples) // 2 and {s.tid for s in hot} == {child.tid}

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gputrace.analysis.report import culprit_label
+from gputrace.analysis.report import culprit_label, pid_text
 
 TOP_STALLS = 10
 
@@ -124,7 +124,7 @@ def describe(s: dict[str, Any]) -> str:
     c = s["culprit"]
     if s["cause"] == "unknown":
         return "nothing recorded explains it" + (f" ({s['why']})" if s.get("why") else "")
-    who = f"pid {c['pid']} ({c['comm']})" if c.get("pid") else ""
+    who = pid_text(c) if c.get("pid") else ""
     what = " ".join(x for x in (c.get("op", ""), c.get("object", "")) if x)
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):

@@ -14,26 +14,13 @@ import os
 import time
 from pathlib import Path
 
+from gputrace.probes.procfs import ns_chain
+
+__all__ = ["PeerIds", "ns_chain"]
+
 PROC = Path("/proc")
 _RESCAN_S = 0.02  # at most this often per peer: a peer sending unknown tids cannot keep /proc busy
 _MAX_THREADS = 65536
-
-
-def ns_chain(status: Path) -> list[int]:
-    """The NSpid line of a status file: the id in each pid namespace, the reader's first, the task's own
-    last; [] when unreadable (gone, or a kernel without the line)."""
-    try:
-        with open(status, "rb") as f:
-            text = f.read(8192)
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith(b"NSpid:"):
-            try:
-                return [int(x) for x in line.split()[1:]]
-            except ValueError:
-                return []
-    return []
 
 
 class PeerIds:

@@ -96,6 +96,7 @@ class Capture:
     samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
     stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (pid, stack id) -> frames, leaf first
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
+    nspids: dict[int, int] = field(default_factory=dict)  # pid -> its pid in its own pid namespace, if other
     tgid: dict[int, int] = field(default_factory=dict)  # tid -> pid
     pids: set[int] = field(default_factory=set)
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
@@ -227,6 +228,8 @@ def _nvml(ld: _Loader, r: NvmlSample) -> None:
 
 def _proc(ld: _Loader, r: ProcInfo) -> None:
     ld.cap.comms[r.pid] = r.comm
+    if type(r.nspid) is int and 0 < r.nspid != r.pid:
+        ld.cap.nspids[r.pid] = r.nspid
     ld.cap.kernel_pids.add(r.pid)
     ld.cap.tgid.setdefault(r.pid, r.pid)
     ld.cap.pids.add(r.pid)

@@ -23,6 +23,7 @@ def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
     for tl in timelines:
         for st in tl.stalls:
             s = attributor.stall(st)
+            _namespaced(cap, s["culprit"])
             s["overlaps_drops"] = lost_anywhere or any(a < st.end_ns and b > st.start_ns for a, b in losses)
             stalls.append(s)
     stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
@@ -37,6 +38,19 @@ def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
     report["top_culprits"] = top_culprits(stalls)
     report["min_gap_ns"] = min_gap_ns
     return report
+
+
+def _namespaced(cap: Capture, culprit: dict[str, Any]) -> None:
+    """A culprit in a container's pid namespace also gets the pid it has there (its logs use that one)."""
+    nspid = cap.nspids.get(culprit.get("pid", 0))
+    if nspid:
+        culprit["pid_in_namespace"] = nspid
+
+
+def pid_text(c: dict[str, Any]) -> str:
+    """'pid 4242 (python)', or 'pid 4242 (python; pid 3 in its namespace)' for a process in a container."""
+    inside = f"; pid {c['pid_in_namespace']} in its namespace" if c.get("pid_in_namespace") else ""
+    return f"pid {c['pid']} ({c.get('comm', '')}{inside})"
 
 
 def capture_start(cap: Capture, timelines: list[DeviceTimeline]) -> int:
@@ -140,7 +154,7 @@ def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
     if cause == "collective":
         return "collective", c.get("object") or c.get("op", "")
     if c.get("pid"):
-        return "process", f"pid {c['pid']} ({c.get('comm', '')})"
+        return "process", pid_text(c)
     return cause, c.get("op", "") or cause
 
 

@@ -684,10 +684,34 @@ static __always_inline u32 gt_task_tid(u64 task)
     bpf_probe_read_kernel(&pid, sizeof(pid), (void *)task + GT_TASK_PID_OFF);
     return pid;
 }
+/* The raw prev_state is the task's __state; the classic tracepoint reports it as one TASK_REPORT bit
+ * (__trace_sched_switch_state), and so must we: a task preempted after it set TASK_INTERRUPTIBLE (before
+ * it called schedule()) is runnable, not asleep ("R", TASK_REPORT_MAX); TASK_IDLE is "I", not "D";
+ * TASK_RTLOCK_WAIT is "D"; otherwise the highest bit of __state & TASK_REPORT. */
+#define GT_TASK_REPORT 0x7f
+#define GT_TASK_REPORT_MAX 0x100
+#define GT_TASK_IDLE 0x402
+#define GT_TASK_RTLOCK_WAIT 0x1000
+#define GT_REPORT_IDLE 0x80
+static __always_inline u32 report_state(u8 preempt, u32 state)
+{
+    if (preempt)
+        return GT_TASK_REPORT_MAX;
+    if (state == GT_TASK_IDLE)
+        return GT_REPORT_IDLE;
+    if (state == GT_TASK_RTLOCK_WAIT)
+        return GT_STATE_D;
+    state &= GT_TASK_REPORT;
+#pragma unroll
+    for (int bit = 6; bit >= 0; bit--)
+        if (state & (1u << bit))
+            return 1u << bit;
+    return 0;
+}
 /* ctx->args: (bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state) */
 #define GT_SWITCH_PREV gt_task_tid(ctx->args[1])
 #define GT_SWITCH_NEXT gt_task_tid(ctx->args[2])
-#define GT_SWITCH_STATE ((u32)ctx->args[3])
+#define GT_SWITCH_STATE report_state((u8)ctx->args[0], (u32)ctx->args[3])
 #define GT_WAKING_PID gt_task_tid(ctx->args[0]) /* ctx->args: (struct task_struct *p) */
 #else
 #define GT_SCHED_PROBE(name) int gt_##name(struct tracepoint__sched__##name *args)
@@ -805,33 +829,94 @@ static __always_inline int irq_kind(u64 now)
     return 0;
 }
 
+/* Who is waking a task: `current`, unless the wakeup comes from an interrupt. */
+struct gt_waker {
+    u64 wake_ns;
+    u32 waker_pid;
+    u32 waker_tid;
+    char waker_comm[GT_COMM_LEN];
+};
+
+static __always_inline void current_waker(struct gt_waker *w)
+{
+    w->wake_ns = bpf_ktime_get_ns();
+    int kind = irq_kind(w->wake_ns);
+    if (kind) {
+        w->waker_pid = 0;
+        w->waker_tid = 0;
+        if (kind == 1)
+            __builtin_memcpy(w->waker_comm, "[irq]\0\0\0\0\0\0\0\0\0\0", GT_COMM_LEN);
+        else if (kind == 2)
+            __builtin_memcpy(w->waker_comm, "[softirq]\0\0\0\0\0\0", GT_COMM_LEN);
+        else
+            __builtin_memcpy(w->waker_comm, "[timer]\0\0\0\0\0\0\0\0", GT_COMM_LEN);
+    } else {
+        u64 id = bpf_get_current_pid_tgid();
+        w->waker_pid = id >> 32;
+        w->waker_tid = (u32)id;
+        bpf_get_current_comm(w->waker_comm, sizeof(w->waker_comm));
+    }
+}
+
+static __always_inline void set_waker(struct gt_offcpu_val *o, struct gt_waker *w)
+{
+    o->wake_ns = w->wake_ns;
+    o->waker_pid = w->waker_pid;
+    o->waker_tid = w->waker_tid;
+    __builtin_memcpy(o->waker_comm, w->waker_comm, GT_COMM_LEN);
+}
+
+#if GT_RAW_SCHED
+/* A wakeup can come while its task is still on its CPU, switching out: try_to_wake_up() fires
+ * sched_waking before it waits for the switch to finish, so the task's off-CPU entry does not exist yet.
+ * The waker is kept here (traced tasks only: the raw program can read the wakee's tgid) and taken at the
+ * task's sched_wakeup, which comes once it is off its CPU. */
+BPF_TABLE("lru_hash", u32, struct gt_waker, early_wake, 4096);
+
+static __always_inline u32 gt_task_tgid(u64 task)
+{
+    u32 tgid = 0;
+    bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)task + GT_TASK_TGID_OFF);
+    return tgid;
+}
+#endif
+
 /* sched_waking runs in the waker's context (sched_wakeup may run on the target's CPU), so `current` is
  * the waker, traced or not, unless the wakeup comes from an interrupt. */
 GT_SCHED_PROBE(sched_waking)
 {
     u32 tid = GT_WAKING_PID;
+    struct gt_waker w = {};
     struct gt_offcpu_val *o = offcpu.lookup(&tid);
-    if (!o)
+    if (o) {
+        current_waker(&w);
+        set_waker(o, &w);
         return 0;
-    o->wake_ns = bpf_ktime_get_ns();
-    int kind = irq_kind(o->wake_ns);
-    if (kind) {
-        o->waker_pid = 0;
-        o->waker_tid = 0;
-        if (kind == 1)
-            __builtin_memcpy(o->waker_comm, "[irq]\0\0\0\0\0\0\0\0\0\0", GT_COMM_LEN);
-        else if (kind == 2)
-            __builtin_memcpy(o->waker_comm, "[softirq]\0\0\0\0\0\0", GT_COMM_LEN);
-        else
-            __builtin_memcpy(o->waker_comm, "[timer]\0\0\0\0\0\0\0\0", GT_COMM_LEN);
-    } else {
-        u64 id = bpf_get_current_pid_tgid();
-        o->waker_pid = id >> 32;
-        o->waker_tid = (u32)id;
-        bpf_get_current_comm(o->waker_comm, sizeof(o->waker_comm));
     }
+#if GT_RAW_SCHED
+    if (is_target(gt_task_tgid(ctx->args[0]))) {
+        current_waker(&w);
+        early_wake.update(&tid, &w);
+    }
+#endif
     return 0;
 }
+
+#if GT_RAW_SCHED
+/* ctx->args: (struct task_struct *p). The wakeup of a task whose sleep began after its sched_waking. */
+int gt_sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
+{
+    u32 tid = gt_task_tid(ctx->args[0]);
+    struct gt_waker *w = early_wake.lookup(&tid);
+    if (!w)
+        return 0;
+    struct gt_offcpu_val *o = offcpu.lookup(&tid);
+    if (o && !o->wake_ns && w->wake_ns <= o->ts)
+        set_waker(o, w);
+    early_wake.delete(&tid);
+    return 0;
+}
+#endif
 
 /* ------------------------------------------------------------------------------------ block ---- */
 

@@ -1,0 +1,46 @@
+"""One agent connected to the session's agent socket: the state the AgentServer keeps per peer."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+from gputrace.agent import wire
+from gputrace.agent.pidns import PeerIds
+
+from .service_caps import pidfd_exited
+
+
+class Peer:
+    """One connected agent: its socket, its identity and pidfd, and what it said and sent."""
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sock, self.pid, self.uid = sock, pid, uid
+        self.pidfd: int | None = None
+        self.vanished = False  # gone before it could be pinned (kernels before 6.16)
+        self.frames = wire.FrameBuffer()
+        self.hello: dict[str, Any] | None = None
+        self.since = time.monotonic()
+        self.authorized = False
+        self.said_bye = False
+        self.sent_stop = False
+        self.records = 0
+        self.drops: dict[str, int] = {}
+        self.end = ""
+        self.ids: PeerIds | None = None  # its ids as it sees them, read at hello
+
+    @property
+    def active(self) -> bool:
+        """Had GPU work to report: only then does losing it mid-capture matter."""
+        return self.records > 0 or bool(self.hello and self.hello["backends"])
+
+    def exited(self) -> bool:
+        return self.vanished or (self.pidfd is not None and pidfd_exited(self.pidfd))
+
+    def summary(self) -> dict[str, Any]:
+        h = self.hello or {}
+        ns = {"pid_in_namespace": self.ids.own_pid} if self.ids and self.ids.nested else {}
+        return {"pid": self.pid, **ns, "uid": self.uid, "interpreter": h.get("interpreter", ""),
+                "backends": h.get("backends", []), "unavailable": h.get("unavailable", {}),
+                "records": self.records, "end": self.end}

@@ -1,0 +1,38 @@
+"""How the eBPF source's program is built: its cflags, from the source's settings and the host's features,
+and the compile, whose failure becomes a user error."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from gputrace.errors import UserError
+from gputrace.probes import ebpf_hooks as hooks
+from gputrace.probes.ebpf_host import BPF_DIR, file_faults_supported, format_has, tracepoint_exists
+
+
+def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str) -> list[str]:
+    """The -D/-I flags for probes/bpf/gputrace.bpf.c: feature probes, never kernel version checks."""
+    flags = [
+        f"-I{BPF_DIR}",
+        f"-DTHRESHOLD_NS={threshold_ns}ULL",
+        f"-DEVENT_PAGES={ring_pages}",
+        *hooks.cflags(hook, sched),
+    ]
+    if tracepoint_exists("block", "block_io_start"):
+        flags.append("-DHAVE_BLOCK_IO_START")
+    if format_has("sched", "sched_process_exit", "group_dead"):
+        flags.append("-DHAVE_GROUP_DEAD")
+    if file_faults_supported():
+        flags.append("-DHAVE_FILEMAP_FAULT")
+    return flags
+
+
+def compile_program(bcc: Any, flags: list[str]) -> Any:
+    try:
+        with warnings.catch_warnings():  # bcc 0.26 warns on str paths but cannot join bytes ones
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bcc.BPF(src_file=str(BPF_DIR / "gputrace.bpf.c"), cflags=flags)
+    except Exception as e:  # bcc raises bare Exception on compile/load failures
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"loading the eBPF program failed: {first} (check: gputrace doctor)") from None
