@@ -53,22 +53,30 @@ def test_command_is_traced_and_its_exit_code_returned(tmp_path: Path) -> None:
     assert sleeps and sleeps[0].end_ns - sleeps[0].start_ns >= 250_000_000
 
 
-def test_pid_capture_ends_when_target_exits(tmp_path: Path) -> None:
-    target = subprocess.Popen([sys.executable, "-c", "import sys,time; sys.stdin.readline(); time.sleep(0.5)"],
-                              stdin=subprocess.PIPE, text=True)
+def capture_until_exit(tmp_path: Path, target: subprocess.Popen[str], pid: int) -> list[str]:
+    """`capture -p PID -o t.gputrace` of `target`, which waits for a line on stdin and then exits: the
+    lines gputrace printed before `tracing ...` (the handshake), once the capture ended by itself."""
     try:
-        cap = subprocess.Popen(GPUTRACE + ["capture", "-p", str(target.pid), "-o", "t.gputrace"], cwd=tmp_path,
+        cap = subprocess.Popen(GPUTRACE + ["capture", "-p", str(pid), "-o", "t.gputrace"], cwd=tmp_path,
                                stderr=subprocess.PIPE, text=True)
-        assert cap.stderr is not None
-        line = cap.stderr.readline()  # handshake: tracing has started
-        assert "tracing" in line, line
-        assert target.stdin is not None
+        assert cap.stderr is not None and target.stdin is not None
+        before = []
+        while not (line := cap.stderr.readline()).startswith("gputrace: tracing"):
+            assert line, "gputrace ended before tracing"
+            before.append(line.rstrip("\n"))
         target.stdin.write("go\n")
         target.stdin.flush()
         _, err = cap.communicate(timeout=60)
         assert cap.returncode == 0, err
     finally:
         target.kill()
+    return before
+
+
+def test_pid_capture_ends_when_target_exits(tmp_path: Path) -> None:
+    target = subprocess.Popen([sys.executable, "-c", "import sys,time; sys.stdin.readline(); time.sleep(0.5)"],
+                              stdin=subprocess.PIPE, text=True)
+    assert capture_until_exit(tmp_path, target, target.pid) == []
     with CaptureReader(tmp_path / "t.gputrace") as reader:
         list(reader.records())
         assert reader.complete

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_capture_cli import capture_until_exit
 
 from gputrace.analysis.synth import Builder
 from gputrace.capture import CaptureReader
@@ -63,22 +64,11 @@ def test_thread_id_stands_for_its_process(tmp_path: Path) -> None:
               "t.join()\n")
     target = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
-    assert target.stdout is not None and target.stdin is not None
-    try:
-        tid = int(target.stdout.readline())
-        assert tid != target.pid
-        cap = subprocess.Popen(GPUTRACE + ["capture", "-p", str(tid), "-o", "t.gputrace"], cwd=tmp_path,
-                               stderr=subprocess.PIPE, text=True)
-        assert cap.stderr is not None
-        first = cap.stderr.readline()
-        assert first.strip() == f"gputrace: {tid} is a thread of pid {target.pid}; tracing pid {target.pid}"
-        assert "tracing" in cap.stderr.readline()  # handshake: tracing has started
-        target.stdin.write("go\n")
-        target.stdin.flush()
-        _, err = cap.communicate(timeout=60)
-        assert cap.returncode == 0, err
-    finally:
-        target.kill()
+    assert target.stdout is not None
+    tid = int(target.stdout.readline())
+    assert tid != target.pid
+    before = capture_until_exit(tmp_path, target, tid)
+    assert f"gputrace: {tid} is a thread of pid {target.pid}; tracing pid {target.pid}" in before
     with CaptureReader(tmp_path / "t.gputrace") as reader:
         assert reader.header["targets"] == [target.pid]
         list(reader.records())
