@@ -872,6 +872,7 @@ static __always_inline void set_waker(struct gt_offcpu_val *o, struct gt_waker *
  * The waker is kept here (traced tasks only: the raw program can read the wakee's tgid) and taken at the
  * task's sched_wakeup, which comes once it is off its CPU. */
 BPF_TABLE("lru_hash", u32, struct gt_waker, early_wake, 4096);
+#define EARLY_WAKE_NS 1000000ULL
 
 static __always_inline u32 gt_task_tgid(u64 task)
 {
@@ -911,7 +912,9 @@ int gt_sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
     if (!w)
         return 0;
     struct gt_offcpu_val *o = offcpu.lookup(&tid);
-    if (o && !o->wake_ns && w->wake_ns <= o->ts)
+    /* Within EARLY_WAKE_NS of the switch, either side: the waking may also have run on another CPU while
+     * sched_switch, its clock already read, was still filling in the entry. */
+    if (o && !o->wake_ns && w->wake_ns + EARLY_WAKE_NS > o->ts && w->wake_ns < o->ts + EARLY_WAKE_NS)
         set_waker(o, w);
     early_wake.delete(&tid);
     return 0;
