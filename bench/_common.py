@@ -1,4 +1,5 @@
-"""What the overhead benchmarks share: a C harness that times a workload on request, and a sink that counts.
+"""What the overhead benchmarks share: a C harness that times a workload on request, a sink that counts, and
+one source capturing into a real file as the session would.
 
 Each benchmark writes only its work.c: ``void setup(char **args)`` (the arguments after n) and
 ``void work(long n)``. timer.c runs work(n) once per line it reads and prints the time per iteration, so
@@ -8,7 +9,8 @@ rounds untraced and traced run in one process and compare like with like.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +88,20 @@ class CountSink:
 
     def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
         pass
+
+
+@contextmanager
+def source_capture(path: Path, src: Any) -> Iterator[Any]:
+    """Run one source (started, yielded, stopped) into a capture file at ``path``."""
+    from gputrace.capture import CaptureWriter, host_header
+    from gputrace.daemon.writer import QueueSink
+
+    writer = CaptureWriter(path, host_header(["bench"]))
+    sink = QueueSink(writer)
+    src.start(sink)
+    try:
+        yield src
+    finally:
+        src.stop()
+        sink.close()
+        writer.close({"drops": src.drops(), "complete": True})

@@ -27,8 +27,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from gputrace.capture import CaptureWriter, host_header
-from gputrace.daemon.writer import QueueSink
+from _common import source_capture
+
 from gputrace.probes.ebpf import EbpfSource
 
 LOOP = """
@@ -93,17 +93,9 @@ def run_loop(data: Path, ops: int, wrap: list[str], trace: Callable[[int], Any] 
 @contextmanager
 def gputrace_source(pid: int, out: Path, hook: str = "auto") -> Iterator[None]:
     path = out / f"bench-{pid}.gputrace"
-    writer = CaptureWriter(path, host_header(["bench"]))
-    sink = QueueSink(writer)
-    src = EbpfSource([pid], syscall_hook=hook)
-    src.start(sink)
-    try:
+    with source_capture(path, EbpfSource([pid], syscall_hook=hook)):
         yield
-    finally:
-        src.stop()
-        sink.close()
-        writer.close({"drops": src.drops(), "complete": True})
-        path.unlink()
+    path.unlink()
 
 
 @contextmanager

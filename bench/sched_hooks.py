@@ -22,18 +22,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 
-from gputrace.capture import CaptureReader, CaptureWriter, host_header
-from gputrace.daemon.writer import QueueSink
+from _common import source_capture
+
+from gputrace.capture import CaptureReader
 from gputrace.probes.ebpf import EbpfSource
-from gputrace.probes.ebpf_hooks import SCHED_TRACEPOINTS
+from gputrace.probes.ebpf_hooks import RAW_ONLY, SCHED_TRACEPOINTS
 from gputrace.records import OffCpu
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHED = {name for _, name in SCHED_TRACEPOINTS}
+SCHED = {name for _, name in SCHED_TRACEPOINTS + RAW_ONLY}
 HOOKS = ("raw", "classic")
 
 PINGPONG = """
@@ -57,27 +57,6 @@ t.join()
 """
 
 
-@contextmanager
-def traced(pid: int, hook: str | None, path: Path) -> Iterator[EbpfSource | None]:
-    if hook is None:
-        yield None
-        return
-    writer = CaptureWriter(path, host_header(["bench"]))
-    sink = QueueSink(writer)
-    src = EbpfSource([pid], sched_hook=hook)
-    src.start(sink)
-    try:
-        yield src
-    finally:
-        src.stop()
-        sink.close()
-        writer.close({"drops": src.drops(), "complete": True})
-
-
-def cleanup(path: Path) -> None:
-    path.unlink(missing_ok=True)
-
-
 def job(hook: str, out: Path, steps: int) -> dict[str, int]:
     """Trace one run of the job; what the kernel skipped and how many waits lack a waker."""
     cmd = [sys.executable, str(ROOT / "examples/train_sim.py"), "--slow-worker", "1", "--cold", "--steps",
@@ -86,15 +65,14 @@ def job(hook: str, out: Path, steps: int) -> dict[str, int]:
                              "sys.argv[1:])", *cmd], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert gate.stdin is not None
     path = out / f"{hook}.gputrace"
-    with traced(gate.pid, hook, path) as src:
+    with source_capture(path, EbpfSource([gate.pid], sched_hook=hook)) as src:
         gate.stdin.write("go\n")
         gate.stdin.close()
         gate.wait()
-    assert src is not None
     skips = src.skipped()
     with CaptureReader(path) as reader:
         waits = [r for r in reader.records() if isinstance(r, OffCpu) and r.state != "R"]  # not preempted
-    cleanup(path)
+    path.unlink()
     return {"skipped": sum(skips.values()), "skipped_sched": sum(n for k, n in skips.items() if k in SCHED),
             "waits": len(waits), "no_waker": sum(1 for w in waits if not w.waker_tid and not w.waker_comm)}
 
@@ -104,12 +82,13 @@ def pingpong(hook: str | None, out: Path, n: int) -> float:
                          text=True)
     assert p.stdin is not None and p.stdout is not None
     assert p.stdout.readline() == "ready\n"
-    with traced(p.pid, hook, out / f"pp-{hook}.gputrace"):
+    path = out / f"pp-{hook}.gputrace"
+    with source_capture(path, EbpfSource([p.pid], sched_hook=hook)) if hook else nullcontext():
         p.stdin.write("go\n")
         p.stdin.flush()
         ns = float(p.stdout.readline())
     p.wait()
-    cleanup(out / f"pp-{hook}.gputrace")
+    path.unlink(missing_ok=True)
     return ns
 
 

@@ -43,14 +43,15 @@ MAX_CONNECTIONS = 32
 
 class Service:
     def __init__(self, socket_path: Path, state_dir: Path, limits: Limits, *, otlp: str | None = None,
-                 otlp_protocol: str = "grpc", log: Any = None, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 otlp_protocol: str = "grpc", log: Any = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 stopping: threading.Event | None = None) -> None:
         self.socket_path = socket_path
         self.request_timeout_s = request_timeout_s
         self.state_dir = state_dir
         self.log = log or _log
         self.jobs = JobTable(state_dir, limits, self.log, otlp=otlp, otlp_protocol=otlp_protocol)
         self.started = time.time()
-        self.stopping = threading.Event()
+        self.stopping = stopping or threading.Event()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.pin_callers, self.pin_targets = pidfd_support()
         self.listener = self._listen()
@@ -227,8 +228,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     service = Service(args.socket, args.state_dir, limits, otlp=args.otlp, otlp_protocol=args.otlp_protocol,
-                      request_timeout_s=args.request_timeout_s)
-    service.stopping = stopping
+                      request_timeout_s=args.request_timeout_s, stopping=stopping)
     if not args.keep_caps:
         _log(drop_privileges())
     service.serve()

@@ -25,6 +25,7 @@ from gputrace.probes.ebpf_host import (
     BPF_DIR,
     check_host,
     file_faults_supported,
+    final_status,
     program_skips,
     program_text,
     tracepoint_exists,
@@ -191,9 +192,7 @@ class EbpfSource:
         detail = f"{self.events} kernel events"
         if self._on_proc_errors:
             detail += f"; the on_proc callback failed {self._on_proc_errors} times"
-        if self._poll_error:
-            return SourceStatus(now, self.name, "ended_early", f"{detail}; polling stopped: {self._poll_error}")
-        return SourceStatus(now, self.name, "stopped", detail)
+        return final_status(self.name, now, detail, self._poll_error)
 
     def skipped(self) -> dict[str, int]:
         """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.errors import PermissionDenied, UserError
+from gputrace.records import SourceStatus
 
 TRACEFS = Path("/sys/kernel/tracing")
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
@@ -140,6 +141,13 @@ def file_faults_supported() -> bool:
     kernel with BTF (bpf_task_pt_regs takes a BTF task pointer)."""
     return (platform.machine() == "x86_64" and Path("/sys/kernel/btf/vmlinux").exists()
             and tracepoint_exists("filemap", "mm_filemap_fault"))
+
+
+def final_status(source: str, now: int, detail: str, poll_error: str) -> SourceStatus:
+    """A kernel source's last status: stopped, or ended early when its ring-buffer polling failed."""
+    if poll_error:
+        return SourceStatus(now, source, "ended_early", f"{detail}; polling stopped: {poll_error}")
+    return SourceStatus(now, source, "stopped", detail)
 
 
 def program_skips(bpf: Any, *, final: dict[str, int] | None = None) -> dict[str, int]:

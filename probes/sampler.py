@@ -20,7 +20,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
-from gputrace.probes.ebpf_host import BPF_DIR, check_host, format_has, program_skips, unload
+from gputrace.probes.ebpf_host import BPF_DIR, check_host, final_status, format_has, program_skips, unload
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
 
@@ -316,6 +316,4 @@ class StackSampler:
         detail = f"{self.samples} samples, {self._next_stack} stacks"
         if self._no_user_stack:
             detail += f"; {self._no_user_stack} samples had no user stack to read (an exiting task)"
-        if self._poll_error:
-            return SourceStatus(now, self.name, "ended_early", f"{detail}; polling stopped: {self._poll_error}")
-        return SourceStatus(now, self.name, "stopped", detail)
+        return final_status(self.name, now, detail, self._poll_error)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from agent_harness import PYTHON, Harness, of, wait_for
 
-from gputrace.agent.pidns import PeerIds, ns_chain
+from gputrace.agent.pidns import PeerIds
 from gputrace.probes import procfs
+from gputrace.probes.procfs import ns_chain
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_sim.py"

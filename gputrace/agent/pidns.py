@@ -16,8 +16,6 @@ from pathlib import Path
 
 from gputrace.probes.procfs import ns_chain
 
-__all__ = ["PeerIds", "ns_chain"]
-
 PROC = Path("/proc")
 _RESCAN_S = 0.02  # at most this often per peer: a peer sending unknown tids cannot keep /proc busy
 _MAX_THREADS = 65536
