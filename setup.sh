@@ -4,12 +4,23 @@
 #      (or the distribution's nearest headers, linked under /lib/modules/$(uname -r)),
 #   2. tracefs/debugfs mounted,
 #   3. a virtual environment in .venv made from the system Python with system site packages
-#      (so `import bcc` works), with gputrace installed into it.
+#      (so `import bcc` works), with gputrace installed into it,
+#   4. with --test, what only the tests need: a Python 3.14 in build/python3.14 to attach to with
+#      sys.remote_exec (the distribution's is older), from Debian's python3.14 packages (see below).
 # Every step says what it did. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+with_test=0
+for arg in "$@"; do
+    case "$arg" in
+        --test) with_test=1 ;;
+        -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; echo "usage: ./setup.sh [--test]"; exit 0 ;;
+        *) die "unknown argument $arg (usage: ./setup.sh [--test])" ;;
+    esac
+done
 
 [ "$(id -u)" = 0 ] || die "run as root (installs packages, links kernel headers, mounts tracefs)"
 command -v apt-get >/dev/null || die "needs a Debian/Ubuntu host with apt-get"
@@ -74,4 +85,40 @@ else
     say "gputrace already installed in .venv"
 fi
 .venv/bin/python -c 'import bcc' 2>/dev/null || die ".venv cannot import bcc (python3-bpfcc)"
+
+# The tests attach the agent to a running Python 3.14 with sys.remote_exec, which needs a 3.14 interpreter.
+# Debian stable has none, so apt fetches Debian unstable's python3.14 binary packages (signatures checked
+# against the system's Debian archive keyring, in a private apt state under build/, so the system's own
+# sources are untouched), they are unpacked into build/python3.14 with the C library they were built
+# against, and the interpreter is pointed at that library (patchelf). Nothing is installed system-wide.
+if [ "$with_test" = 1 ]; then
+    py314=$PWD/build/python3.14
+    if "$py314/usr/bin/python3.14" -c 'import sys; sys.remote_exec' 2>/dev/null; then
+        say "test interpreter $py314/usr/bin/python3.14 already present"
+    else
+        command -v patchelf >/dev/null || apt_install patchelf
+        st=$PWD/build/apt-unstable
+        rm -rf "$st" "$py314"
+        mkdir -p "$st/lists/partial" "$st/archives/partial" "$py314"
+        echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian unstable main" \
+            >"$st/sources.list"
+        touch "$st/status"
+        aopt=(-o "Dir::Etc::SourceList=$st/sources.list" -o Dir::Etc::SourceParts=/dev/null
+              -o "Dir::State::Lists=$st/lists" -o "Dir::State::status=$st/status" -o "Dir::Cache=$st"
+              -o "Dir::Cache::archives=$st/archives" -o APT::Sandbox::User=root)
+        apt-get "${aopt[@]}" update -qq || die "cannot read Debian unstable's package lists (needed by --test)"
+        debs=(python3.14-minimal libpython3.14-minimal libpython3.14-stdlib libc6 libexpat1 zlib1g)
+        (cd "$st/archives" && apt-get "${aopt[@]}" download -qq "${debs[@]}") \
+            || die "cannot download ${debs[*]} from Debian unstable (needed by --test)"
+        for deb in "$st"/archives/*.deb; do dpkg-deb -x "$deb" "$py314"; done
+        loader=$(ls "$py314"/usr/lib/*-linux-gnu/ld-linux*.so.* | head -n 1)
+        libdir=$(dirname "$loader")
+        patchelf --set-interpreter "$loader" --force-rpath --set-rpath "$libdir" \
+            "$py314/usr/bin/python3.14"
+        "$py314/usr/bin/python3.14" -c 'import sys; sys.remote_exec' \
+            || die "the unpacked Python 3.14 does not run (needed by --test)"
+        rm -rf "$st"
+        say "unpacked Debian's python3.14 $("$py314/usr/bin/python3.14" -c 'import platform; print(platform.python_version())') into $py314 for the tests (patchelf: its own libc)"
+    fi
+fi
 say "ready: .venv/bin/gputrace doctor   # checks this host"

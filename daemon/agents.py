@@ -95,13 +95,17 @@ class AgentServer:
         could not follow a link into the session's directory. For a process in a container the file is
         named by its pid there and made in the attach dir as it sees it (inside its root).
         """
+        self._add_offer(self._make_offer(pid))
+
+    def _make_offer(self, pid: int) -> Listener:
         name = f"{PeerIds(int(pid)).own_pid}.sock"
         if foreign_root(pid):
-            offer = listen_in_root(pid, self.attach_dir, name)
-        else:
-            self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-            listener, ino = listen_at(self.attach_dir / name)
-            offer = Listener(listener, self.attach_dir / name, ino)
+            return listen_in_root(pid, self.attach_dir, name)
+        self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        listener, ino = listen_at(self.attach_dir / name)
+        return Listener(listener, self.attach_dir / name, ino)
+
+    def _add_offer(self, offer: Listener) -> None:
         with self._lock:
             self._offers.append(offer)
             self._new_listeners.append(offer.sock)
@@ -119,10 +123,23 @@ class AgentServer:
         return "injected"
 
     def inject(self, pid: int) -> Path:
-        """Load the agent into a running, unarmed Python >= 3.14 (UserError saying why when impossible)."""
-        from gputrace.agent.inject import inject
+        """Load the agent into a running, unarmed Python >= 3.14 (UserError saying why when impossible).
 
-        return inject(pid, str(self.sock_path))
+        A process in a container cannot see our socket or files: it gets a socket of its own in its attach
+        dir, as offers do, and the script beside it (both removed when the session ends)."""
+        from gputrace.agent.inject import inject, script_name
+
+        if not foreign_root(pid):
+            return inject(pid, str(self.sock_path))
+        offer = self._make_offer(pid)
+        offer.files.append(script_name(PeerIds(int(pid)).own_pid))
+        try:
+            script = inject(pid, str(offer.path_inside), offer.dir_fd)
+        except BaseException:
+            offer.close()
+            raise
+        self._add_offer(offer)
+        return script
 
     def stop(self) -> None:
         """Ask every agent to flush and say bye (bounded wait), then close and hand over what came."""

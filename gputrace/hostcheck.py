@@ -62,7 +62,7 @@ def run_checks(tracepoints: list[tuple[str, str, str]] | None = None, *, load_pr
     checks += [check_kprobes(), check_uprobes(), check_bcc_import(), check_kernel_headers()]
     if load_program:
         checks.append(check_bcc_program())
-    checks += [check_cuda(), check_cupti(), check_nvml(), check_socket_dir()]
+    checks += [check_cuda(), check_cupti(), check_nvml(), check_attach(), check_socket_dir()]
     return checks
 
 
@@ -307,6 +307,24 @@ def check_nvml() -> Check:
     finally:
         pynvml.nvmlShutdown()
     return Check("NVML", OK, f"{count} device(s), driver {driver}")
+
+
+def check_attach(yama: str = "/proc/sys/kernel/yama/ptrace_scope") -> Check:
+    """Whether `capture -p` can inject the agent into an unarmed Python >= 3.14 (gputrace.agent.inject)."""
+    name = "attach to Python 3.14"
+    try:
+        scope = int(Path(yama).read_text().strip())
+    except (OSError, ValueError):
+        scope = 0  # no Yama: ptrace follows uids and capabilities alone
+    armed = "start such jobs armed (gputrace env)"
+    if scope >= 3:
+        return Check(name, INFO, "kernel.yama.ptrace_scope = 3: ptrace is disabled, no process can take the agent "
+                     "by injection", armed)
+    if scope >= 1:
+        return Check(name, INFO, f"kernel.yama.ptrace_scope = {scope}: only interpreters that only root can change "
+                     "(e.g. /usr/bin/python3.14) take the agent; not a container's, nor a copy in a venv",
+                     f"{armed}, or sysctl kernel.yama.ptrace_scope=0")
+    return Check(name, OK, "running unarmed Python >= 3.14 processes take the agent (sys.remote_exec)")
 
 
 # ------------------------------------------------------------------------------------------ sockets ---

@@ -172,9 +172,14 @@ def test_the_example_in_a_pid_namespace_names_its_slow_worker(tmp_path: Path) ->
     assert dev["simulated"] and dev["busy_ns"] > 0
     stalls = report["stalls"]
     assert len(stalls) >= 10
-    culprits = {(s["culprit"]["pid"], s["culprit"].get("pid_in_namespace")) for s in stalls if s["cause"] == "cpu"}
-    assert len(culprits) == 1  # the one slow worker
-    [(host, inside)] = culprits
+    by_culprit: dict[tuple[int, int | None], int] = {}
+    for s in stalls:
+        if s["cause"] == "cpu":
+            key = (s["culprit"]["pid"], s["culprit"].get("pid_in_namespace"))
+            by_culprit[key] = by_culprit.get(key, 0) + s["duration_ns"]
+    # The slow worker, for nearly all of it (on a busy host the trainer may also wait for a CPU itself).
+    (host, inside), most = max(by_culprit.items(), key=lambda kv: kv[1])
+    assert most >= 0.8 * sum(by_culprit.values()), by_culprit
     assert host > 1 and inside is not None and 1 < inside < host  # its host pid, and its pid in there
     workers = run.stdout.split("loader workers (pids ")[1].split(")")[0]  # as the job saw them
     assert str(inside) in workers.split(", ")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gputrace.hostcheck import FAIL, OK, WARN, check_socket_dir, check_tracepoints, failed_required
+from gputrace.hostcheck import FAIL, INFO, OK, WARN, check_attach, check_socket_dir, check_tracepoints, failed_required
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -86,3 +86,14 @@ def test_unwritable_socket_dir_fails(tmp_path: Path) -> None:
                         f"c = check_socket_dir({str(ROOT)!r}); print(c.status, c.detail)"],
                        capture_output=True, text=True, timeout=60, cwd="/")
     assert r.stdout.startswith("FAIL cannot bind a unix socket in"), r.stdout + r.stderr
+
+
+def test_attach_line_follows_the_yama_scope(tmp_path: Path) -> None:
+    yama = tmp_path / "ptrace_scope"
+    assert check_attach(str(tmp_path / "no-yama")).status == OK
+    for scope, status, says in [("0", OK, "take the agent"), ("1", INFO, "only root can change"),
+                                ("2", INFO, "only root can change"), ("3", INFO, "ptrace is disabled")]:
+        yama.write_text(scope + "\n")
+        c = check_attach(str(yama))
+        assert (c.status, says in c.detail) == (status, True), c
+        assert c.status == OK or "gputrace env" in c.fix

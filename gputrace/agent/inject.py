@@ -1,18 +1,34 @@
 """Attach the agent to a running, unarmed Python process with ``sys.remote_exec`` (Python >= 3.14).
 
 ``sys.remote_exec`` only works between interpreters of the same version, so the call is made by the
-target's own interpreter (its /proc/PID/exe), in a helper process. Before trying, everything that would
-make it fail is checked and reported as one clear line: not Python, too old, remote debugging disabled,
-no permission to ptrace it.
+target's own interpreter (its /proc/PID/exe), in a helper process. That file is the target owner's (or a
+container's) to choose, so the helper runs with the target's credentials, in its namespaces and root
+(gputrace.agent.nsexec), never with ours. Before trying, everything that would make it fail is checked and
+reported as one clear line: not Python, too old, remote debugging disabled, no permission to ptrace it.
+
+A process in a container is given the session's socket and the script in its own root (the caller makes
+them there: daemon/agents.py); the script carries the agent's modules, which the container lacks.
 """
 
 from __future__ import annotations
 
+import ast
+import base64
+import contextlib
+import functools
+import importlib.util
+import json
 import os
 import re
+import signal
 import subprocess
+import zlib
 from pathlib import Path
 
+from gputrace.agent import nsexec
+from gputrace.agent.listen import foreign_root
+from gputrace.agent.nsexec import trusted_binary
+from gputrace.agent.pidns import PeerIds
 from gputrace.errors import PermissionDenied, UserError
 
 MIN_VERSION = (3, 14)
@@ -20,10 +36,10 @@ HELPER_TIMEOUT_S = 10.0
 _VERSION_RE = re.compile(r"python(\d+)\.(\d+)")
 
 
-def inject(pid: int, sock_path: str) -> Path:
-    """Make ``pid`` run the agent and connect to ``sock_path``; returns the script it was given.
-
-    The script lies beside the socket, so the session's cleanup removes it with the socket.
+def inject(pid: int, sock_path: str, dir_fd: int | None = None) -> Path:
+    """Make ``pid`` run the agent and connect to ``sock_path`` (as it sees that path); returns the script it
+    was given, which lies beside the socket (in ``dir_fd`` when the caller made the socket in a container),
+    so the session's cleanup removes it with the socket.
     """
     exe = target_exe(pid)
     version = python_version(pid, exe)
@@ -33,8 +49,8 @@ def inject(pid: int, sock_path: str) -> Path:
             f"Python >= 3.14 (sys.remote_exec). Start it armed instead: see `gputrace env`"
         )
     check_remote_debug_allowed(pid)
-    check_ptrace_permission(pid)
-    script = write_script(pid, sock_path)
+    check_ptrace_permission(pid, exe)
+    script = write_script(PeerIds(int(pid)).own_pid, sock_path, dir_fd)
     run_helper(exe, pid, script)
     return script
 
@@ -77,20 +93,29 @@ def check_remote_debug_allowed(pid: int) -> None:
         raise UserError(f"pid {pid} disables remote debugging (-X disable_remote_debug); start it armed instead")
 
 
-def check_ptrace_permission(pid: int) -> None:
-    """What the kernel will demand of the helper's ptrace access: same user or CAP_SYS_PTRACE, and Yama."""
+def check_ptrace_permission(pid: int, exe: str) -> None:
+    """What the kernel will demand of the helper's ptrace access. Run by root, the helper has the target's
+    own credentials, which suffice unless Yama limits ptrace to ancestors: then it also gets CAP_SYS_PTRACE,
+    but only to run an interpreter of the host's that only root can change. Run by anyone else, it has
+    theirs: the target's user, and CAP_SYS_PTRACE for Yama."""
     scope = _read_int("/proc/sys/kernel/yama/ptrace_scope", 0)
     if scope >= 3:
         raise PermissionDenied("ptrace is disabled on this host (kernel.yama.ptrace_scope = 3)")
-    if _has_cap_sys_ptrace():
-        return
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         raise UserError(f"no process with pid {pid}") from None
+    if os.geteuid() == 0:
+        if scope >= 1 and (foreign_root(pid) or not trusted_binary(exe)):
+            why = "it runs in a container" if foreign_root(pid) else f"its interpreter {exe} is not root's alone"
+            raise PermissionDenied(
+                f"kernel.yama.ptrace_scope = {scope} lets only ancestors attach, and the attach helper cannot be "
+                f"given CAP_SYS_PTRACE for pid {pid} ({why}); start it armed instead: see `gputrace env`"
+            )
+        return
     if uid != os.geteuid():
-        raise PermissionDenied(f"pid {pid} belongs to uid {uid}: attaching needs root or CAP_SYS_PTRACE")
-    if scope >= 1:
+        raise PermissionDenied(f"pid {pid} belongs to uid {uid}: attaching needs root")
+    if scope >= 1 and not _has_cap_sys_ptrace():
         raise PermissionDenied(
             f"kernel.yama.ptrace_scope = {scope} lets only ancestors attach; attaching needs CAP_SYS_PTRACE"
         )
@@ -110,35 +135,136 @@ def _has_cap_sys_ptrace() -> bool:
     return False
 
 
-def write_script(pid: int, sock_path: str) -> Path:
-    """The code the target runs: load the agent (from this gputrace if it has none) and connect."""
-    home = str(Path(__file__).resolve().parents[2])
-    code = f"""\
-import importlib.util, os, sys
-if importlib.util.find_spec("gputrace") is None:
-    _init = os.path.join({home!r}, "gputrace", "__init__.py")
-    _spec = importlib.util.spec_from_file_location(
-        "gputrace", _init, submodule_search_locations=[os.path.dirname(_init)])
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["gputrace"] = _mod
-    _spec.loader.exec_module(_mod)
-from gputrace.agent import arming
-arming.attach({sock_path!r})
+def write_script(pid: int, sock_path: str, dir_fd: int | None = None) -> Path:
+    """The code the target runs, written beside ``sock_path`` (the socket as the target sees it), or into
+    ``dir_fd`` (that directory inside a container's root, opened by the caller); its path as the target sees it.
+
+    It carries the agent's own modules, so a target that cannot import gputrace (most can't) still runs
+    it: they are loaded from memory, leaving nothing behind that the target might need later.
+    """
+    name = script_name(pid)
+    code = _SCRIPT.format(sources=_packed_sources(), sock=sock_path).encode()
+    if dir_fd is None:
+        where = Path(sock_path).parent
+        fd = os.open(where / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)  # left by a session that died (a file or a link, never followed)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o644)
+        f.write(code)
+    return Path(sock_path).parent / name
+
+
+def script_name(pid: int) -> str:
+    return f"inject-{int(pid)}.py"
+
+
+_SCRIPT = """\
+def _gputrace_attach():
+    import base64, importlib.abc, importlib.util, json, sys, zlib
+    if importlib.util.find_spec("gputrace") is None:
+        sources = json.loads(zlib.decompress(base64.b64decode({sources!r})))
+
+        class Embedded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path=None, target=None):
+                if name in sources:
+                    return importlib.util.spec_from_loader(name, self, is_package=sources[name][0])
+                return None
+
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                code = compile(sources[module.__name__][1], "<gputrace>/" + module.__name__, "exec")
+                exec(code, module.__dict__)
+
+        sys.meta_path.append(Embedded())
+    from gputrace.agent import arming
+    arming.attach({sock!r})
+_gputrace_attach()
 """
-    script = Path(sock_path).parent / f"inject-{int(pid)}.py"
-    script.write_text(code)
-    script.chmod(0o644)
-    return script
+
+AGENT_ROOTS = ("gputrace.agent.arming", "gputrace.agent.runtime", "gputrace.sim", "gputrace.probes.cupti")
+
+
+@functools.cache
+def _packed_sources() -> str:
+    return base64.b64encode(zlib.compress(json.dumps(agent_sources()).encode(), 9)).decode()
+
+
+def agent_sources(roots: tuple[str, ...] = AGENT_ROOTS) -> dict[str, tuple[bool, str]]:
+    """The agent's modules, by name: (is a package, source). The closure of the gputrace modules that
+    ``roots`` import, anywhere in them (a function's import included), with every parent package."""
+    out: dict[str, tuple[bool, str]] = {}
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in out or not name.startswith("gputrace"):
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        source = Path(spec.origin).read_text()
+        is_pkg = spec.submodule_search_locations is not None
+        out[name] = (is_pkg, source)
+        package = name if is_pkg else name.rpartition(".")[0]
+        todo.extend(_parents(name))
+        todo.extend(_imported(source, package))
+    return out
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imported(source: str, package: str) -> list[str]:
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = importlib.util.resolve_name("." * node.level + base, package)
+            found.append(base)
+            found += [f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")]
+    return [n for n in found if n.startswith("gputrace")]
+
+
+def _is_module(name: str) -> bool:
+    if not name.startswith("gputrace"):
+        return False
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def run_helper(exe: str, pid: int, script: Path) -> None:
-    argv = [exe, "-I", "-c", f"import sys; sys.remote_exec({int(pid)}, {str(script)!r})"]
+    """``sys.remote_exec`` from the target's own interpreter. Run by root, it runs as the target would
+    (nsexec: its credentials, namespaces and root), so the file we execute gains nothing by being run by us."""
+    nspid = PeerIds(int(pid)).own_pid
+    call = ["-I", "-c", f"import sys; sys.remote_exec({nspid}, {str(script)!r})"]
+    if os.geteuid() == 0:
+        ptrace = _read_int("/proc/sys/kernel/yama/ptrace_scope", 0) >= 1
+        argv = nsexec.argv_for(pid, ["@exe", *call], ptrace=ptrace)
+    else:
+        argv = [exe, *call]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=HELPER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"pid {pid}: sys.remote_exec did not return within {HELPER_TIMEOUT_S:g} s") from None
+        helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
     except OSError as e:
         raise UserError(f"pid {pid}: cannot run its interpreter {exe}: {e.strerror}") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    try:
+        _, err = helper.communicate(timeout=HELPER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(helper.pid, signal.SIGKILL)  # the launcher and the helper it forked
+        helper.communicate()
+        raise UserError(f"pid {pid}: sys.remote_exec did not return within {HELPER_TIMEOUT_S:g} s") from None
+    if helper.returncode != 0:
+        last = (err.strip().splitlines() or ["no message"])[-1]
         raise UserError(f"pid {pid}: sys.remote_exec failed: {last}")

@@ -82,19 +82,30 @@ def unlink_if_ours(path: Path, ino: int) -> None:
 
 
 class Listener:
-    """A listening socket the session made at ``path`` (inode ``ino``), in a directory it holds open."""
+    """A listening socket the session made at ``path`` (inode ``ino``), in a directory it holds open
+    (``dir_fd``, for one inside another process's root, where ``path_inside`` is its path as seen there).
+    ``files``: names of other files the session made in that directory, removed with the socket."""
 
-    def __init__(self, sock: socket.socket, path: Path, ino: int, dir_fd: int | None = None) -> None:
+    def __init__(self, sock: socket.socket, path: Path, ino: int, dir_fd: int | None = None,
+                 path_inside: Path | None = None) -> None:
         self.sock, self.path, self.ino, self.dir_fd = sock, path, ino, dir_fd
+        self.path_inside = path_inside or path
+        self.files: list[str] = []
 
     def close(self) -> None:
-        """Remove the socket file if it is still ours, close everything."""
+        """Remove the socket file if it is still ours, and the other files; close everything."""
         if self.dir_fd is None:
             unlink_if_ours(self.path, self.ino)
+            for name in self.files:
+                with contextlib.suppress(OSError):
+                    (self.path.parent / name).unlink()
         else:
             with contextlib.suppress(OSError):
                 if os.stat(self.path.name, dir_fd=self.dir_fd, follow_symlinks=False).st_ino == self.ino:
                     os.unlink(self.path.name, dir_fd=self.dir_fd)
+            for name in self.files:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.dir_fd)
             os.close(self.dir_fd)
         self.sock.close()
 
@@ -124,10 +135,12 @@ def listen_in_root(pid: int, directory: Path, name: str) -> Listener:
     except OSError as e:
         raise UserError(f"agent socket {where}: {e.strerror or e} (a symlink on the way is refused)") from None
     try:
-        return _bind_in(fd, name)
+        listener = _bind_in(fd, name)
     except OSError as e:
         os.close(fd)
         raise UserError(f"agent socket {where}/{name}: {e.strerror or e}") from None
+    listener.path_inside = directory / name
+    return listener
 
 
 def _walk(fd: int, parts: tuple[str, ...]) -> int:

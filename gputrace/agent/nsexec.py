@@ -1,0 +1,216 @@
+"""Run a program as another process would: with its credentials, in its namespaces, under its root.
+
+The agent's attach helper (``sys.remote_exec``, gputrace.agent.inject) must run the target's own interpreter,
+a file that the target's owner, or a container, controls. Run as root with our privileges it would hand
+them that file's author. So it runs here with the target's user, groups and capability sets (never more
+than ours, and ``no_new_privs`` so executing cannot raise them), in the target's ipc, uts, net, cgroup, pid
+and mount namespaces, chrooted to its root: it can then do nothing the target could not do itself, and it
+names the target by its pid there and reaches files by the target's paths. Two things of the target's are
+not copied: its seccomp filter and its LSM profile; a helper with no capabilities gains little from that.
+
+``main`` is run as ``python -m gputrace.agent.nsexec PID [--ptrace] -- ARGV...`` by a fresh interpreter
+(setns, chroot and fork have no place in a multi-threaded daemon). ARGV[0] ``@exe`` means the target's
+executable itself, opened before entering anything. ``--ptrace`` adds CAP_SYS_PTRACE (for a Yama ptrace
+scope >= 1), which the caller grants only to a root-owned interpreter of the host (``trusted_binary``).
+Exit status: the program's, or 125 with one line on stderr when it could not be started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CAP_SYS_PTRACE = 19
+NAMESPACES = ("ipc", "uts", "net", "cgroup", "pid", "mnt")  # mnt last: the others are opened by /proc path
+LAUNCH_FAILED = 125
+_PR_SET_KEEPCAPS, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 8, 24, 38
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 47, 2
+_CAP_V3 = 0x20080522
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A process's ids and capability sets, as /proc/PID/status shows them."""
+
+    uids: tuple[int, int, int]
+    gids: tuple[int, int, int]
+    groups: tuple[int, ...]
+    inheritable: int
+    permitted: int
+    effective: int
+    bounding: int
+
+    @classmethod
+    def parse(cls, status: str) -> Credentials:
+        f = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+
+        def ids(key: str) -> tuple[int, int, int]:
+            r, e, s, *_ = (int(x) for x in f[key].split())
+            return r, e, s
+
+        def caps(key: str) -> int:
+            return int(f[key].strip(), 16)
+
+        return cls(ids("Uid"), ids("Gid"), tuple(int(g) for g in f.get("Groups", "").split()),
+                   caps("CapInh"), caps("CapPrm"), caps("CapEff"), caps("CapBnd"))
+
+    def limited_to(self, ours: Credentials) -> Credentials:
+        """These ids with capability sets no larger than ``ours``."""
+        return Credentials(self.uids, self.gids, self.groups, self.inheritable & ours.permitted,
+                           self.permitted & ours.permitted, self.effective & ours.permitted,
+                           self.bounding & ours.bounding)
+
+
+def credentials(proc_fd: int) -> Credentials:
+    with open("status", opener=lambda name, flags: os.open(name, flags, dir_fd=proc_fd)) as f:
+        return Credentials.parse(f.read())
+
+
+def own_namespace(pid: int, ns: str) -> bool:
+    """Whether ``pid`` shares our namespace ``ns`` (an unreadable one counts as shared)."""
+    try:
+        a, b = os.stat(f"/proc/self/ns/{ns}"), os.stat(f"/proc/{int(pid)}/ns/{ns}")
+    except OSError:
+        return True
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def trusted_binary(path: str) -> bool:
+    """Whether ``path`` and every directory above it are root's and writable by nobody else (as sudo asks of
+    what it runs): an interpreter that only root could have put there."""
+    p = Path(path)
+    if not p.is_absolute():
+        return False
+    for part in (p, *p.parents):
+        try:
+            st = os.stat(part)
+        except OSError:
+            return False
+        if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
+
+
+def argv_for(pid: int, argv: list[str], *, ptrace: bool = False) -> list[str]:
+    """The command line that runs ``argv`` as ``pid`` would (see the module's docstring)."""
+    home = str(Path(__file__).resolve().parents[2])
+    boot = f"import sys; sys.path.insert(0, {home!r}); from gputrace.agent.nsexec import main; sys.exit(main())"
+    return [sys.executable, "-I", "-c", boot, str(int(pid)), *(["--ptrace"] if ptrace else []), "--", *argv]
+
+
+# ---------------------------------------------------------------------------------- the launcher ---
+def main(args: list[str] | None = None) -> int:
+    args = sys.argv[1:] if args is None else args
+    try:
+        sep = args.index("--")
+        pid, flags, argv = int(args[0]), args[1:sep], args[sep + 1:]
+        if not argv or set(flags) - {"--ptrace"}:
+            raise ValueError
+    except (ValueError, IndexError):
+        print("usage: python -m gputrace.agent.nsexec PID [--ptrace] -- ARGV...", file=sys.stderr)
+        return 2
+    try:
+        return _launch(pid, argv, ptrace="--ptrace" in flags)
+    except OSError as e:
+        print(f"gputrace: cannot run {_what(argv)} as pid {pid}: {e.strerror or e}", file=sys.stderr)
+        return LAUNCH_FAILED
+
+
+def _what(argv: list[str]) -> str:
+    return "its interpreter" if argv[0] == "@exe" else argv[0]
+
+
+def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
+    proc = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # this process, not a later one
+    theirs = credentials(proc).limited_to(Credentials.parse(Path("/proc/self/status").read_text()))
+    if not _same(proc, "user"):
+        raise OSError(0, "it runs in another user namespace (a rootless container), which is not supported")
+    ns = {n: os.open(f"ns/{n}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc) for n in NAMESPACES if not _same(proc, n)}
+    root = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
+    exe = os.open("exe", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc) if argv[0] == "@exe" else -1
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name, fd in ns.items():
+        if libc.setns(fd, 0) != 0:  # os.setns is Python >= 3.12
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter its {name} namespace: {os.strerror(err)}")
+    os.fchdir(root)
+    os.chroot(".")
+    os.chdir("/")
+    child = os.fork()  # a new pid namespace holds only children
+    if child == 0:
+        try:
+            _become(libc, theirs, ptrace)
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+            if exe >= 0:
+                os.execve(exe, [_path_of(exe), *argv[1:]], env)
+            os.execve(argv[0], argv, env)
+        except OSError as e:
+            print(f"gputrace: cannot run {_what(argv)} as pid {pid}: {e.strerror or e}", file=sys.stderr)
+        os._exit(LAUNCH_FAILED)
+    code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    return code if code >= 0 else 128 - code
+
+
+def _same(proc: int, ns: str) -> bool:
+    try:
+        a, b = os.stat(f"/proc/self/ns/{ns}"), os.stat(f"ns/{ns}", dir_fd=proc)
+    except FileNotFoundError:
+        return True  # a kernel without this namespace kind
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _path_of(fd: int) -> str:
+    """The executable's path as the target sees it (we are in its root now), for its interpreter to find
+    its prefix by; "/proc/self/fd/N" where its /proc is not mounted."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"/proc/self/fd/{fd}"
+
+
+def _become(libc: ctypes.CDLL, c: Credentials, ptrace: bool) -> None:
+    """Take ``c``'s ids and capabilities for good (plus CAP_SYS_PTRACE when asked), then no_new_privs."""
+
+    def prctl(*a: int) -> None:
+        args = (*a, 0, 0, 0, 0)[:5]  # the unused ones must be 0
+        if libc.prctl(*(ctypes.c_ulong(x) for x in args)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl{a}: {os.strerror(err)}")
+
+    extra = 1 << CAP_SYS_PTRACE if ptrace else 0
+    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    for cap in range(last + 1):
+        if not (c.bounding | extra) >> cap & 1:
+            prctl(_PR_CAPBSET_DROP, cap)  # needs CAP_SETPCAP, which root still has here
+    prctl(_PR_SET_KEEPCAPS, 1)
+    os.setgroups(list(c.groups))
+    os.setresgid(*c.gids)
+    os.setresuid(*c.uids)
+    _capset(libc, effective=c.effective | extra, permitted=c.permitted | extra, inheritable=c.inheritable | extra)
+    if extra:
+        prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, CAP_SYS_PTRACE)
+    prctl(_PR_SET_NO_NEW_PRIVS, 1)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _capset(libc: ctypes.CDLL, *, effective: int, permitted: int, inheritable: int) -> None:
+    data = (_CapData * 2)(*(_CapData(effective >> s & 0xFFFFFFFF, permitted >> s & 0xFFFFFFFF,
+                                     inheritable >> s & 0xFFFFFFFF) for s in (0, 32)))
+    if libc.capset(ctypes.byref(_CapHeader(_CAP_V3, 0)), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
