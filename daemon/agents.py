@@ -24,7 +24,16 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.agent import arming, validate, wire
-from gputrace.agent.listen import Forwarder, Listener, foreign_root, listen_at, listen_in_root, unlink_if_ours
+from gputrace.agent.listen import (
+    Forwarder,
+    Listener,
+    as_owner,
+    foreign_root,
+    listen_at,
+    listen_in_root,
+    owner_for,
+    unlink_if_ours,
+)
 from gputrace.agent.pidns import PeerIds
 from gputrace.records import AgentInfo, SourceStatus
 from gputrace.source import Sink
@@ -134,7 +143,8 @@ class AgentServer:
         offer = self._make_offer(pid)
         offer.files.append(script_name(PeerIds(int(pid)).own_pid))
         try:
-            script = inject(pid, str(offer.path_inside), offer.dir_fd)
+            with as_owner(owner_for(pid)):
+                script = inject(pid, str(offer.path_inside), offer.dir_fd)
         except BaseException:
             offer.close()
             raise
@@ -174,6 +184,12 @@ class AgentServer:
         return out
 
     # ------------------------------------------------------------------------------ event loop ---
+    def heard_from(self) -> set[int]:
+        """The pids whose agents said hello, at any time in this session."""
+        with self._lock:
+            peers = list(self._peers.values()) + self._gone
+        return {p.pid for p in peers if p.hello is not None}
+
     def _live_peers(self) -> int:
         """Agents still owing a bye (a connection that never said hello owes nothing)."""
         with self._lock:

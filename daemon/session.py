@@ -81,6 +81,7 @@ class _Session:
         self.sources: list[Any] = []
         self.stopped: list[Any] = []
         self.notes: list[str] = []  # said once tracing has started
+        self.attached: dict[int, str] = {}  # explicit targets whose agent was reached: pid -> how
         self.ebpf: Any = None
         self.sampler: Any = None
         self.agents: Any = None
@@ -219,6 +220,7 @@ class _Session:
         """An explicit target: offer the session to its armed agent, or inject one (Python >= 3.14)."""
         try:
             how = self.agents.attach(pid)
+            self.attached[pid] = how
             self.notes.append(f"gputrace: GPU agent of pid {pid}: {how}")
         except UserError as e:
             self._status("agent", "degraded", f"pid {pid}: {e}")
@@ -267,6 +269,7 @@ class _Session:
     def _finish(self, reason: str) -> Path:
         assert self.sink is not None and self.writer is not None
         self._stop_sources()
+        self._agents_never_heard()
         self.sink.close()
         drops = self._drops()
         trailer = {
@@ -281,6 +284,20 @@ class _Session:
         path = self.writer.close(trailer)
         self.drops = drops
         return path
+
+    def _agents_never_heard(self) -> None:
+        """Say so when an agent we injected or offered never connected: no GPU records is then no news."""
+        heard = self.agents.heard_from() if self.attached else set()
+        for pid, how in self.attached.items():
+            if pid in heard:
+                continue
+            if how == "injected":
+                why = ("sys.remote_exec runs the agent when the process's main thread next runs Python code, "
+                       "and it ran none during the capture (blocked in a call that does not return to Python?)")
+            else:
+                why = f"its armed agent looks for offers once a second in {self.agents.attach_dir}: can it see that?"
+            self._status("agent", "degraded", f"pid {pid}: the agent never connected")
+            self.log(f"gputrace: pid {pid}: the GPU agent was {how} but never connected: {why}")
 
     def _drops(self) -> dict[str, int]:
         assert self.sink is not None

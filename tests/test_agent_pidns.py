@@ -4,11 +4,14 @@ capture by the host's. Real namespaces (unshare), real agents, real captures."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
 from agent_harness import PYTHON, Harness, of, wait_for
 
 from gputrace.agent.pidns import PeerIds
@@ -227,6 +230,39 @@ def test_an_armed_agent_in_a_container_is_offered_inside_its_own_root(tmp_path: 
     h.server.stop()
     assert not inside.exists(), "the offer is withdrawn when the capture ends"
     _end(p, host_pid)
+    recs = h.finish()
+    assert {k.pid for k in of(recs, "GpuKernel")} == {host_pid} and not h.server.rejections
+
+
+def test_an_armed_agent_in_a_rootless_container_trusts_the_offer_made_for_it(
+        request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """Started by nobody in a user namespace of its own: our root has no name in there, so the offer (and the
+    directories made for it) belong to the process's own user, the one owner besides root it trusts."""
+    from gputrace.agent import arming
+
+    base = Path(tempfile.mkdtemp(prefix="gputrace-rootless-"))
+    os.chmod(base, 0o755)  # nobody reads its script here
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    script = base / "armed.py"
+    script.write_text(ARMED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
+    env = {**env, **arming.environment(None, env), "GPUTRACE_ATTACH_DIR": ATTACH}
+    p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user",
+                          "--map-root-user", "--mount", "--pid", "--fork", "sh", "-c",
+                          f"mount -t tmpfs tmpfs /run && exec {PYTHON} {script}"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    host_pid = wait_for(lambda: _child_of(p.pid), what="the namespaced child")
+    h = Harness(base, authorize=lambda pid: procfs.ppid_of(pid) == p.pid, attach_dir=ATTACH)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        h.server.offer(host_pid)
+        inside = Path(f"/proc/{host_pid}/root{ATTACH}")
+        assert (inside / "1.sock").lstat().st_uid == 65534 and inside.stat().st_uid == 65534
+        assert inside.parent.stat().st_uid == 65534  # made for it too; /run itself is the container's
+        wait_for(lambda: h.server.stats["records"] > 5, what="records from the armed agent")
+        h.server.stop()
+    finally:
+        _end(p, host_pid)
     recs = h.finish()
     assert {k.pid for k in of(recs, "GpuKernel")} == {host_pid} and not h.server.rejections
 

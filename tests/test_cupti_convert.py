@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import cupti_shapes as shapes
 import pytest
 
@@ -161,3 +163,69 @@ def test_real_cupti_python_record_objects(clock: RealtimeConverter) -> None:
     assert (out[0].name, out[0].stream, out[0].grid, out[0].end_ns - out[0].start_ns) == (
         "gemm_kernel", 13, (4, 2, 1), 500)  # fmt: skip
     assert (out[1].tid, out[1].correlation_id, out[1].name) == (4243, 77, "cudaLaunchKernel_v7000")
+
+
+def test_every_kind_on_real_cupti_python_records_directly_and_through_a_recording(clock: RealtimeConverter) -> None:
+    """Each kind the converter reads, as cupti-python's own record classes (filled through their numpy
+    dtypes): converted directly, and dumped as a GPU recording is (dump_activity, JSON) then loaded and
+    converted again, which must give the same records: the recorder is right about the real classes."""
+    import ctypes
+    import json
+
+    import numpy as np
+    from cupti import cupti
+
+    from gputrace.probes.cupti_convert import dump_activity, load_activity
+
+    keep: list[ctypes.Array[ctypes.c_char]] = []
+
+    def text(s: str) -> int:
+        keep.append(ctypes.create_string_buffer(s.encode()))
+        return ctypes.addressof(keep[-1])
+
+    def record(cls: Any, dtype: Any, **fields: Any) -> Any:
+        a = np.zeros(1, dtype=dtype)
+        for k, v in fields.items():
+            if k == "pt":
+                a["object_id"]["pt"]["process_id"], a["object_id"]["pt"]["thread_id"] = v
+            else:
+                a[k] = v
+        return cls.from_data(a)
+
+    t = clock.to_realtime(monotonic_ns())
+    work = dict(device_id=0, context_id=1, stream_id=7)
+    records = [
+        record(cupti.ActivityDevice5, cupti.activity_device5_dtype, kind=8, id=0, name=text("NVIDIA H100 80GB HBM3"),
+               uuid=np.void(bytes(range(16)))),
+        record(cupti.ActivityContext3, cupti.activity_context3_dtype, kind=9, context_id=1, device_id=0),
+        record(cupti.ActivityMemcpy6, cupti.activity_memcpy6_dtype, kind=1, copy_kind=1, src_kind=1, dst_kind=3,
+               bytes=1 << 20, start=t, end=t + 90, correlation_id=11, **work),
+        record(cupti.ActivityMemset4, cupti.activity_memset4_dtype, kind=2, bytes=4096, start=t + 100, end=t + 110,
+               correlation_id=12, **work),
+        record(cupti.ActivityAPI, cupti.activity_api_dtype, kind=5, cbid=131, start=t + 120, end=t + 400,
+               process_id=4242, thread_id=4250, correlation_id=13),
+        record(cupti.ActivitySynchronization2, cupti.activity_synchronization2_dtype, kind=38, type=3,
+               start=t + 130, end=t + 390, correlation_id=13, context_id=1, stream_id=7),
+        record(cupti.ActivityMarker2, cupti.activity_marker2_dtype, kind=12, flags_=2, timestamp=t + 5, id=3,
+               object_kind=2, pt=(4242, 4250), name=text("data_wait"), domain=text("")),
+        record(cupti.ActivityMarker2, cupti.activity_marker2_dtype, kind=12, flags_=4, timestamp=t + 95, id=3,
+               object_kind=2, pt=(4242, 4250), name=text(""), domain=text("")),
+    ]  # fmt: skip
+    direct = ActivityConverter(4242, clock.to_monotonic, shapes.api_name)
+    out = direct.convert(records) + direct.finish()
+    dumped = json.loads(json.dumps([dump_activity(a, shapes.api_name) for a in records]))
+    again = ActivityConverter(4242, clock.to_monotonic, shapes.api_name)
+    replayed = again.convert([load_activity(d) for d in dumped]) + again.finish()
+    assert replayed == out and direct.skipped == again.skipped == {}
+    [dev] = of(out, GpuDevice)
+    assert (dev.name, dev.uuid) == ("NVIDIA H100 80GB HBM3", "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f")
+    [cp] = of(out, GpuMemcpy)
+    assert (cp.nbytes, cp.kind, cp.memory, cp.end_ns - cp.start_ns) == (1 << 20, "h2d", "pageable", 90)
+    [ms] = of(out, GpuMemset)
+    assert ms.nbytes == 4096 and ms.stream == 7
+    [sync] = of(out, GpuSync)
+    assert (sync.tid, sync.device, sync.kind, sync.end_ns - sync.start_ns) == (4250, 0, "stream", 260)
+    [nvtx] = of(out, NvtxRange)
+    assert (nvtx.tid, nvtx.name, nvtx.end_ns - nvtx.start_ns) == (4250, "data_wait", 90)
+    [api] = of(out, CudaApi)
+    assert api.name == "cudaStreamSynchronize_v3020" and api.tid == 4250

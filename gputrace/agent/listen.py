@@ -4,12 +4,13 @@ process's root (a container's), and the hand-off from the socket thread to the c
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import stat
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,17 +131,52 @@ def listen_in_root(pid: int, directory: Path, name: str) -> Listener:
     where = f"{directory} in the root of pid {pid}"
     if not directory.is_absolute() or ".." in directory.parts or not name or "/" in name:
         raise UserError(f"agent socket {where}: not a plain absolute path")
+    owner = owner_for(pid)
     try:
-        fd = _walk(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), directory.parts[1:])
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        with as_owner(owner):
+            fd = _walk(root, directory.parts[1:])
     except OSError as e:
         raise UserError(f"agent socket {where}: {e.strerror or e} (a symlink on the way is refused)") from None
     try:
-        listener = _bind_in(fd, name)
+        with as_owner(owner):
+            listener = _bind_in(fd, name)
     except OSError as e:
         os.close(fd)
         raise UserError(f"agent socket {where}/{name}: {e.strerror or e}") from None
     listener.path_inside = directory / name
     return listener
+
+
+def owner_for(pid: int) -> tuple[int, int] | None:
+    """Whose files we make for ``pid``: root's (None), unless it lives in another user namespace (a
+    rootless container), where our root has no name (its file systems refuse files of unnamed owners) and
+    its agent would not trust root's files; there, its own user's, the owner besides root it trusts."""
+    try:
+        ours, theirs = os.stat("/proc/self/ns/user"), os.stat(f"/proc/{pid}/ns/user")
+        if (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino):
+            return None
+        st = os.stat(f"/proc/{pid}")
+    except OSError:
+        return None
+    return st.st_uid, st.st_gid
+
+
+@contextlib.contextmanager
+def as_owner(owner: tuple[int, int] | None) -> Iterator[None]:
+    """Files made by this thread meanwhile belong to ``owner`` (uid, gid), and access to existing ones is
+    checked as theirs: the file-system ids, which are the calling thread's alone, are switched."""
+    if owner is None:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    old_gid = libc.setfsgid(owner[1])
+    old_uid = libc.setfsuid(owner[0])
+    try:
+        yield
+    finally:
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
 
 
 def _walk(fd: int, parts: tuple[str, ...]) -> int:

@@ -4,11 +4,13 @@ The agent's attach helper (``sys.remote_exec``, gputrace.agent.inject) must run 
 a file that the target's owner, or a container, controls. Run as root with our privileges it would hand
 them that file's author. So it runs here with the target's user, groups and capability sets (never more
 than ours, and ``no_new_privs`` so executing cannot raise them), in the target's ipc, uts, net, cgroup, pid
-and mount namespaces, chrooted to its root: it can then do nothing the target could not do itself, and it
-names the target by its pid there and reaches files by the target's paths. Two things of the target's are
-not copied: its seccomp filter and its LSM profile; a helper with no capabilities gains little from that.
+and mount namespaces, and its user namespace when it has one of its own (a rootless container: entered
+last, and the ids then given as that namespace names them), chrooted to its root: it can then do nothing
+the target could not do itself, and it names the target by its pid there and reaches files by its paths.
+Two things of the target's are not copied: its seccomp filter and its LSM profile; a helper with no
+capabilities gains little from that.
 
-``main`` is run as ``python -m gputrace.agent.nsexec PID [--ptrace] -- ARGV...`` by a fresh interpreter
+``main`` is run with ``PID [--ptrace] -- ARGV...`` by a fresh interpreter of ours (``argv_for``)
 (setns, chroot and fork have no place in a multi-threaded daemon). ARGV[0] ``@exe`` means the target's
 executable itself, opened before entering anything. ``--ptrace`` adds CAP_SYS_PTRACE (for a Yama ptrace
 scope >= 1), which the caller grants only to a root-owned interpreter of the host (``trusted_binary``).
@@ -57,6 +59,21 @@ class Credentials:
 
         return cls(ids("Uid"), ids("Gid"), tuple(int(g) for g in f.get("Groups", "").split()),
                    caps("CapInh"), caps("CapPrm"), caps("CapEff"), caps("CapBnd"))
+
+    def inside(self, uid_map: list[tuple[int, int, int]], gid_map: list[tuple[int, int, int]]) -> Credentials:
+        """These credentials with ids as a user namespace with these maps names them."""
+
+        def mapped(ids: tuple[int, ...], ranges: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+            out = []
+            for i in ids:
+                hit = next((inner + i - outer for inner, outer, n in ranges if outer <= i < outer + n), None)
+                if hit is None:
+                    raise OSError(0, f"id {i} has no name in its user namespace")
+                out.append(hit)
+            return out[0], out[1], out[2]
+
+        return Credentials(mapped(self.uids, uid_map), mapped(self.gids, gid_map), self.groups,
+                           self.inheritable, self.permitted, self.effective, self.bounding)
 
     def limited_to(self, ours: Credentials) -> Credentials:
         """These ids with capability sets no larger than ``ours``."""
@@ -127,11 +144,15 @@ def _what(argv: list[str]) -> str:
 def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
     proc = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # this process, not a later one
     theirs = credentials(proc).limited_to(Credentials.parse(Path("/proc/self/status").read_text()))
+    names = [n for n in NAMESPACES if not _same(proc, n)]
     if not _same(proc, "user"):
-        raise OSError(0, "it runs in another user namespace (a rootless container), which is not supported")
-    ns = {n: os.open(f"ns/{n}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc) for n in NAMESPACES if not _same(proc, n)}
+        # A rootless container: its ids are given in its own terms once we are in its user namespace.
+        theirs = theirs.inside(_id_map(proc, "uid_map"), _id_map(proc, "gid_map"))
+        names.append("user")  # last: entering the others needs our own privileges
+    ns = {n: os.open(f"ns/{n}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc) for n in names}
     root = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
     exe = os.open("exe", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc) if argv[0] == "@exe" else -1
+    os.setgroups(list(theirs.groups))  # the host's gids, while we may: a user namespace can forbid it
     libc = ctypes.CDLL(None, use_errno=True)
     for name, fd in ns.items():
         if libc.setns(fd, 0) != 0:  # os.setns is Python >= 3.12
@@ -155,6 +176,12 @@ def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
     return code if code >= 0 else 128 - code
 
 
+def _id_map(proc: int, name: str) -> list[tuple[int, int, int]]:
+    """A user namespace's uid_map or gid_map as we read it: (id inside, id here, count) ranges."""
+    with open(name, opener=lambda n, flags: os.open(n, flags, dir_fd=proc)) as f:
+        return [(int(a), int(b), int(c)) for a, b, c in (line.split() for line in f if line.strip())]
+
+
 def _same(proc: int, ns: str) -> bool:
     try:
         a, b = os.stat(f"/proc/self/ns/{ns}"), os.stat(f"ns/{ns}", dir_fd=proc)
@@ -173,7 +200,8 @@ def _path_of(fd: int) -> str:
 
 
 def _become(libc: ctypes.CDLL, c: Credentials, ptrace: bool) -> None:
-    """Take ``c``'s ids and capabilities for good (plus CAP_SYS_PTRACE when asked), then no_new_privs."""
+    """Take ``c``'s ids and capabilities for good (plus CAP_SYS_PTRACE when asked), then no_new_privs. (The
+    groups were set before entering a user namespace, which may forbid setgroups.)"""
 
     def prctl(*a: int) -> None:
         args = (*a, 0, 0, 0, 0)[:5]  # the unused ones must be 0
@@ -187,7 +215,6 @@ def _become(libc: ctypes.CDLL, c: Credentials, ptrace: bool) -> None:
         if not (c.bounding | extra) >> cap & 1:
             prctl(_PR_CAPBSET_DROP, cap)  # needs CAP_SETPCAP, which root still has here
     prctl(_PR_SET_KEEPCAPS, 1)
-    os.setgroups(list(c.groups))
     os.setresgid(*c.gids)
     os.setresuid(*c.uids)
     _capset(libc, effective=c.effective | extra, permitted=c.permitted | extra, inheritable=c.inheritable | extra)
