@@ -27,6 +27,8 @@ KEEP = {
     0: "CAP_CHOWN",             # hand finished captures to the caller (fchown)
     1: "CAP_DAC_OVERRIDE",      # link them into the caller's 0700 directory
     2: "CAP_DAC_READ_SEARCH",   # tracefs (root-only) and other users' files named by /proc links
+    6: "CAP_SETGID",            # run the attach helper (sys.remote_exec) as the target's own user, never as
+    7: "CAP_SETUID",            #   root: it executes the target's interpreter, a file its user chose
     19: "CAP_SYS_PTRACE",       # /proc/PID/fd, maps, exe of other users' processes; uprobes on their libcuda
     24: "CAP_SYS_RESOURCE",     # raise RLIMIT_MEMLOCK for BPF maps on kernels that still charge it
     38: "CAP_PERFMON",          # attach tracepoints and uprobes (perf_event_open), read kernel data in BPF

@@ -308,3 +308,16 @@ def test_an_injected_agent_that_never_runs_is_reported(tmp_path: Path, py314: Pa
         assert f"pid {p.pid}: the GPU agent was injected but never connected: sys.remote_exec" in done.stderr
     finally:
         _stop(p)
+
+
+def test_without_cap_sys_admin_a_container_is_refused_with_the_way_out(
+        container: tuple[subprocess.Popen[str], int, Path]) -> None:  # fmt: skip
+    """As under gputraced, which does not keep CAP_SYS_ADMIN: entering a container is impossible, said so."""
+    _, host_pid, _ = container
+    code = ("from gputrace.agent import inject\nfrom gputrace.errors import UserError\n"
+            f"try:\n    inject.inject({host_pid}, '/run/none/agent.sock')\nexcept UserError as e:\n    print(e)\n")
+    r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.stdout.strip() == (f"pid {host_pid} runs in a container, and entering it needs CAP_SYS_ADMIN, which this "
+                                "process does not hold (gputraced does not keep it): run `sudo gputrace capture -p "
+                                f"{host_pid}`, or start it armed"), r.stderr

@@ -475,3 +475,26 @@ def test_service_sends_each_capture_to_an_otlp_collector(tmp_path: Path) -> None
         server.stop(None)
     assert job["state"] == "done", job
     assert job["otlp"] == {"sent": len(received), "dropped": 0} and "gputrace capture" in received
+
+
+def test_a_user_s_running_python_3_14_gets_the_agent_through_the_service(svc: Svc) -> None:
+    """The service keeps no CAP_SYS_ADMIN, but attaching to its caller's own process on the host needs
+    none: the helper runs as that user (CAP_SETUID, CAP_SETGID)."""
+    py314 = ROOT / "build" / "python3.14" / "usr" / "bin" / "python3.14"
+    assert py314.is_file(), f"{py314} is missing: run ./setup.sh --test"
+    code = ("import time\nfrom gputrace.sim import Device\ns = Device(0).stream()\nprint('ready', flush=True)\n"
+            "while True:\n    s.launch('step', duration_ms=5); s.synchronize(); time.sleep(0.005)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
+    child = subprocess.Popen([*NOBODY, str(py314), "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**env, "PYTHONPATH": str(ROOT)})
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        r = svc.client("capture", "-p", str(child.pid), "-d", "3", "--name", "attached", user=NOBODY)
+    finally:
+        child.kill()
+        _, err = child.communicate(timeout=10)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert b"Traceback" not in err
+    with CaptureReader(svc.state / "65534" / "attached.gputrace") as reader:
+        kernels = [rec for rec in reader.records() if type(rec).__name__ == "GpuKernel"]
+    assert len(kernels) > 20 and {k.pid for k in kernels} == {child.pid}

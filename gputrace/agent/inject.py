@@ -106,6 +106,12 @@ def check_ptrace_permission(pid: int, exe: str) -> None:
     except OSError:
         raise UserError(f"no process with pid {pid}") from None
     if os.geteuid() == 0:
+        contained = not all(nsexec.own_namespace(pid, n) for n in (*nsexec.NAMESPACES, "user"))
+        if contained and not _has_cap(nsexec.CAP_SYS_ADMIN):
+            raise PermissionDenied(
+                f"pid {pid} runs in a container, and entering it needs CAP_SYS_ADMIN, which this process does "
+                f"not hold (gputraced does not keep it): run `sudo gputrace capture -p {pid}`, or start it armed"
+            )
         if scope >= 1 and (foreign_root(pid) or not trusted_binary(exe)):
             why = "it runs in a container" if foreign_root(pid) else f"its interpreter {exe} is not root's alone"
             raise PermissionDenied(
@@ -115,7 +121,7 @@ def check_ptrace_permission(pid: int, exe: str) -> None:
         return
     if uid != os.geteuid():
         raise PermissionDenied(f"pid {pid} belongs to uid {uid}: attaching needs root")
-    if scope >= 1 and not _has_cap_sys_ptrace():
+    if scope >= 1 and not _has_cap(nsexec.CAP_SYS_PTRACE):
         raise PermissionDenied(
             f"kernel.yama.ptrace_scope = {scope} lets only ancestors attach; attaching needs CAP_SYS_PTRACE"
         )
@@ -128,10 +134,10 @@ def _read_int(path: str, default: int) -> int:
         return default
 
 
-def _has_cap_sys_ptrace() -> bool:
+def _has_cap(cap: int) -> bool:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) & (1 << 19))
+            return bool(int(line.split()[1], 16) >> cap & 1)
     return False
 
 

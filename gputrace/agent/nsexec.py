@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-CAP_SYS_PTRACE = 19
+CAP_SETPCAP, CAP_SYS_PTRACE, CAP_SYS_ADMIN = 8, 19, 21
 NAMESPACES = ("ipc", "uts", "net", "cgroup", "pid", "mnt")  # mnt last: the others are opened by /proc path
 LAUNCH_FAILED = 125
 _PR_SET_KEEPCAPS, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 8, 24, 38
@@ -158,8 +158,9 @@ def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
         if libc.setns(fd, 0) != 0:  # os.setns is Python >= 3.12
             err = ctypes.get_errno()
             raise OSError(err, f"cannot enter its {name} namespace: {os.strerror(err)}")
-    os.fchdir(root)
-    os.chroot(".")
+    if ns or not _same_root(root):
+        os.fchdir(root)
+        os.chroot(".")  # CAP_SYS_CHROOT: only where the target's root is not ours
     os.chdir("/")
     child = os.fork()  # a new pid namespace holds only children
     if child == 0:
@@ -174,6 +175,11 @@ def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
         os._exit(LAUNCH_FAILED)
     code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     return code if code >= 0 else 128 - code
+
+
+def _same_root(root: int) -> bool:
+    a, b = os.stat("/"), os.fstat(root)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _id_map(proc: int, name: str) -> list[tuple[int, int, int]]:
@@ -210,10 +216,11 @@ def _become(libc: ctypes.CDLL, c: Credentials, ptrace: bool) -> None:
             raise OSError(err, f"prctl{a}: {os.strerror(err)}")
 
     extra = 1 << CAP_SYS_PTRACE if ptrace else 0
-    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-    for cap in range(last + 1):
-        if not (c.bounding | extra) >> cap & 1:
-            prctl(_PR_CAPBSET_DROP, cap)  # needs CAP_SETPCAP, which root still has here
+    ours = Credentials.parse(Path("/proc/self/status").read_text())
+    if ours.effective >> CAP_SETPCAP & 1:  # without it (under gputraced) no_new_privs alone bounds the exec
+        for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
+            if ours.bounding >> cap & 1 and not (c.bounding | extra) >> cap & 1:
+                prctl(_PR_CAPBSET_DROP, cap)
     prctl(_PR_SET_KEEPCAPS, 1)
     os.setresgid(*c.gids)
     os.setresuid(*c.uids)
