@@ -138,6 +138,14 @@ def test_a_target_without_gputrace_runs_the_agent_it_was_sent(py314: Path, reque
         assert fields["Uid"].split() == [str(NOBODY)] * 4 and fields["Groups"].strip() == ""
         assert int(fields["CapEff"], 16) == 0 and int(fields["CapPrm"], 16) == 0
         assert fields["NoNewPrivs"].strip() == "1"
+        # Under Yama, a root-owned interpreter gets CAP_SYS_PTRACE and nothing else, kept across exec.
+        ptrace = subprocess.run(nsexec.argv_for(p.pid, ["/bin/cat", "/proc/self/status"], ptrace=True),
+                                capture_output=True, text=True, timeout=30)
+        assert ptrace.returncode == 0, ptrace.stderr
+        fields = dict(line.split(":", 1) for line in ptrace.stdout.splitlines())
+        assert fields["Uid"].split() == [str(NOBODY)] * 4
+        assert {k: int(fields[k], 16) for k in ("CapEff", "CapPrm", "CapAmb")} == dict.fromkeys(
+            ("CapEff", "CapPrm", "CapAmb"), 1 << nsexec.CAP_SYS_PTRACE)
         wait_for(lambda: h.server.stats["records"] >= 3, what="the agent's records")
     finally:
         err = _stop(p)
