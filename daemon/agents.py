@@ -27,7 +27,6 @@ from gputrace.agent import arming, validate, wire
 from gputrace.agent.listen import (
     Forwarder,
     Listener,
-    as_owner,
     foreign_root,
     listen_at,
     listen_in_root,
@@ -143,8 +142,7 @@ class AgentServer:
         offer = self._make_offer(pid)
         offer.files.append(script_name(PeerIds(int(pid)).own_pid))
         try:
-            with as_owner(owner_for(pid)):
-                script = inject(pid, str(offer.path_inside), offer.dir_fd)
+            script = inject(pid, str(offer.path_inside), offer.dir_fd, owner_for(pid))
         except BaseException:
             offer.close()
             raise

@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 
 from gputrace.agent import nsexec
-from gputrace.agent.listen import foreign_root
+from gputrace.agent.listen import as_owner, foreign_root
 from gputrace.agent.nsexec import trusted_binary
 from gputrace.agent.pidns import PeerIds
 from gputrace.errors import PermissionDenied, UserError
@@ -36,10 +36,10 @@ HELPER_TIMEOUT_S = 10.0
 _VERSION_RE = re.compile(r"python(\d+)\.(\d+)")
 
 
-def inject(pid: int, sock_path: str, dir_fd: int | None = None) -> Path:
+def inject(pid: int, sock_path: str, dir_fd: int | None = None, owner: tuple[int, int] | None = None) -> Path:
     """Make ``pid`` run the agent and connect to ``sock_path`` (as it sees that path); returns the script it
-    was given, which lies beside the socket (in ``dir_fd`` when the caller made the socket in a container),
-    so the session's cleanup removes it with the socket.
+    was given, which lies beside the socket (in ``dir_fd`` when the caller made the socket in a container,
+    made as ``owner`` where that must be: listen.owner_for), so the session's cleanup removes it with the socket.
     """
     exe = target_exe(pid)
     version = python_version(pid, exe)
@@ -50,7 +50,8 @@ def inject(pid: int, sock_path: str, dir_fd: int | None = None) -> Path:
         )
     check_remote_debug_allowed(pid)
     check_ptrace_permission(pid, exe)
-    script = write_script(PeerIds(int(pid)).own_pid, sock_path, dir_fd)
+    with as_owner(owner):
+        script = write_script(PeerIds(int(pid)).own_pid, sock_path, dir_fd)
     run_helper(exe, pid, script)
     return script
 
