@@ -21,11 +21,11 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.capture import CaptureWriter, check_output_path, host_header
-from gputrace.errors import UserError
+from gputrace.errors import PermissionDenied, UserError
 from gputrace.records import SourceStatus
 
 from .launch import HeldChild
-from .session_targets import comm_of, default_output, perfetto_path_for, require_privileges
+from .session_targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
 from .writer import QueueSink
 
 Log = Callable[[str], None]
@@ -157,9 +157,18 @@ class _Session:
 
         assert self.sink is not None
         self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc)
-        self.ebpf.start(self.sink)  # raises UserError when eBPF cannot run at all: nothing to capture
+        try:
+            self.ebpf.start(self.sink)
+            self.sources.append(self.ebpf)
+        except PermissionDenied:
+            raise  # a user without the privileges to trace: said in one line, nothing written
+        except UserError as e:
+            # No eBPF on this host (no bcc, no headers, a sandbox without bpf()): the GPU side still works.
+            self.ebpf = ProcTargets(pids)
+            self._status("ebpf", "missing", str(e))
+            self.notes.append(f"gputrace: eBPF unavailable: {e}; capturing GPU activity (agents, NVML) only: no "
+                              "syscalls, block I/O, scheduling or CPU samples, so no stall gets a host-side cause")
         self.started_ns = clock.monotonic_ns()  # attached, the targets in its set: their events are recorded
-        self.sources.append(self.ebpf)
         if self.agents is None:  # attaching to running pids: no child environment needed it yet
             self._new_agents()
         self._try_start(self.agents)

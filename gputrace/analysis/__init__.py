@@ -38,6 +38,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lost = sum(v for v in cap["drops"].values() if v > 0)
     if lost:
         lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
+    if cap.get("ebpf_missing"):
+        lines.append(f"note: no eBPF in this capture ({cap['ebpf_missing']}): GPU stalls are found, but none "
+                     "can be given a host-side cause")
     skipped = cap.get("skipped_probes") or {}
     if skipped:
         lines.append(f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing "

@@ -72,6 +72,10 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
         out["problem"] = cap.problem
     if cap.malformed:
         out["malformed_records"] = cap.malformed
+    sources = cap.trailer.get("sources")
+    ebpf = sources.get("ebpf") if isinstance(sources, dict) else None
+    if isinstance(ebpf, list) and len(ebpf) == 2 and ebpf[0] == "missing":
+        out["ebpf_missing"] = str(ebpf[1])[:500]  # the capture ran without the kernel side: why
     skipped = cap.trailer.get("skipped")
     if isinstance(skipped, dict):
         out["skipped_probes"] = {str(k): int(v) for k, v in skipped.items() if type(v) is int and v > 0}
