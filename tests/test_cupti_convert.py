@@ -188,6 +188,8 @@ def test_every_kind_on_real_cupti_python_records_directly_and_through_a_recordin
         for k, v in fields.items():
             if k == "pt":
                 a["object_id"]["pt"]["process_id"], a["object_id"]["pt"]["thread_id"] = v
+            elif isinstance(v, bytes):  # a fixed-size byte field: V16 in 13.4, u1[16] in 13.0
+                a[k] = np.void(v) if dtype.fields[k][0].subdtype is None else np.frombuffer(v, dtype=np.uint8)
             else:
                 a[k] = v
         return cls.from_data(a)
@@ -196,7 +198,7 @@ def test_every_kind_on_real_cupti_python_records_directly_and_through_a_recordin
     work = dict(device_id=0, context_id=1, stream_id=7)
     records = [
         record(cupti.ActivityDevice5, cupti.activity_device5_dtype, kind=8, id=0, name=text("NVIDIA H100 80GB HBM3"),
-               uuid=np.void(bytes(range(16)))),
+               uuid=bytes(range(16))),
         record(cupti.ActivityContext3, cupti.activity_context3_dtype, kind=9, context_id=1, device_id=0),
         record(cupti.ActivityMemcpy6, cupti.activity_memcpy6_dtype, kind=1, copy_kind=1, src_kind=1, dst_kind=3,
                bytes=1 << 20, start=t, end=t + 90, correlation_id=11, **work),
