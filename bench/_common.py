@@ -9,8 +9,7 @@ rounds untraced and traced run in one process and compare like with like.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -88,20 +87,3 @@ class CountSink:
 
     def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
         pass
-
-
-@contextmanager
-def source_capture(path: Path, src: Any) -> Iterator[Any]:
-    """Run one source (started, yielded, stopped) into a capture file at ``path``."""
-    from gputrace.capture import CaptureWriter, host_header
-    from gputrace.daemon.writer import QueueSink
-
-    writer = CaptureWriter(path, host_header(["bench"]))
-    sink = QueueSink(writer)
-    src.start(sink)
-    try:
-        yield src
-    finally:
-        src.stop()
-        sink.close()
-        writer.close({"drops": src.drops(), "complete": True})

@@ -27,8 +27,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from _common import source_capture
-
+from gputrace.daemon.writer import source_capture
 from gputrace.probes.ebpf import EbpfSource
 
 LOOP = """
@@ -93,7 +92,7 @@ def run_loop(data: Path, ops: int, wrap: list[str], trace: Callable[[int], Any] 
 @contextmanager
 def gputrace_source(pid: int, out: Path, hook: str = "auto") -> Iterator[None]:
     path = out / f"bench-{pid}.gputrace"
-    with source_capture(path, EbpfSource([pid], syscall_hook=hook)):
+    with source_capture(path, EbpfSource([pid], syscall_hook=hook), ["bench"]):
         yield
     path.unlink()
 

@@ -25,9 +25,8 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from _common import source_capture
-
 from gputrace.capture import CaptureReader
+from gputrace.daemon.writer import source_capture
 from gputrace.probes.ebpf import EbpfSource
 from gputrace.probes.ebpf_hooks import RAW_ONLY, SCHED_TRACEPOINTS
 from gputrace.records import OffCpu
@@ -65,7 +64,7 @@ def job(hook: str, out: Path, steps: int) -> dict[str, int]:
                              "sys.argv[1:])", *cmd], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert gate.stdin is not None
     path = out / f"{hook}.gputrace"
-    with source_capture(path, EbpfSource([gate.pid], sched_hook=hook)) as src:
+    with source_capture(path, EbpfSource([gate.pid], sched_hook=hook), ["bench"]) as src:
         gate.stdin.write("go\n")
         gate.stdin.close()
         gate.wait()
@@ -83,7 +82,7 @@ def pingpong(hook: str | None, out: Path, n: int) -> float:
     assert p.stdin is not None and p.stdout is not None
     assert p.stdout.readline() == "ready\n"
     path = out / f"pp-{hook}.gputrace"
-    with source_capture(path, EbpfSource([p.pid], sched_hook=hook)) if hook else nullcontext():
+    with source_capture(path, EbpfSource([p.pid], sched_hook=hook), ["bench"]) if hook else nullcontext():
         p.stdin.write("go\n")
         p.stdin.flush()
         ns = float(p.stdout.readline())

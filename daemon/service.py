@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace import __version__
+from gputrace.caps import effective_caps
 from gputrace.errors import UserError
 
 from .service_auth import Caller, authorize, caller_of, confirm_caller
@@ -105,9 +106,10 @@ class Service:
         caller: Caller | None = None
         try:
             conn.settimeout(self.request_timeout_s)
-            peer_pid, uid, _ = peer_credentials(conn)
+            creds = peer_credentials(conn)
+            peer_pid, uid, _ = creds
             try:
-                caller = caller_of(conn)
+                caller = caller_of(conn, creds)
                 req = recv_frame(conn, MAX_REQUEST)
                 if req is None:
                     return
@@ -162,7 +164,7 @@ class Service:
         uptime = round(time.time() - self.started, 1)
         return {"ok": True, "version": __version__, "pid": os.getpid(), "uptime_s": uptime,
                 "socket": str(self.socket_path), "state_dir": str(self.state_dir), "running": len(running),
-                "caller_uid": uid, "capabilities": _effective_caps_hex(),
+                "caller_uid": uid, "capabilities": f"{effective_caps():016x}",
                 "pidfd": {"callers": self.pin_callers, "targets": self.pin_targets}}
 
 
@@ -190,13 +192,6 @@ def _reply_and_close(conn: socket.socket, obj: dict[str, Any]) -> None:
 def _try_send(conn: socket.socket, obj: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
         send_frame(conn, obj)
-
-
-def _effective_caps_hex() -> str:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return line.split()[1]
-    return ""
 
 
 def _log(msg: str) -> None:

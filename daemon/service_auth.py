@@ -41,8 +41,9 @@ class Caller:
     pidfd: int | None
 
 
-def caller_of(conn: socket.socket) -> Caller:
-    pid, uid, gid = peer_credentials(conn)
+def caller_of(conn: socket.socket, creds: tuple[int, int, int] | None = None) -> Caller:
+    """Who is on the other end of ``conn`` (``creds``: its SO_PEERCRED, when the caller read it already)."""
+    pid, uid, gid = creds or peer_credentials(conn)
     try:
         return Caller(pid, uid, gid, peer_pidfd(conn))
     except ProcessLookupError:

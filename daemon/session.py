@@ -268,7 +268,7 @@ class _Session:
             return "duration"
         if self.child is not None and self.child.poll() is not None:
             return "command exited"
-        if self.child is None and not self.ebpf.live_targets():
+        if self.child is None and not self.ebpf.any_live():  # asked every 50 ms
             return "targets exited"
         if self.sink is not None and self.sink.error is not None:
             return "write error"

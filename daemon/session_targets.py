@@ -67,6 +67,10 @@ class ProcTargets:
             pid = procfs.ppid_of(pid)
         return False
 
+    def any_live(self) -> bool:
+        """Whether a target lives (its descendants outlive it only reparented, out of reach anyway)."""
+        return any(self._alive(pid) for pid in self.roots)
+
     def live_targets(self) -> set[int]:
         live = {pid for pid in self.roots if self._alive(pid)}
         return live.union(*(procfs.descendants(pid) for pid in live))

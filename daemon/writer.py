@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from gputrace.capture import CaptureWriter
+from gputrace.capture import CaptureWriter, host_header
 
 _STOP = object()
 
@@ -72,3 +74,24 @@ class QueueSink:
 
     def drops(self) -> dict[str, int]:
         return {"queue": self.dropped_records}
+
+
+@contextmanager
+def source_capture(path: Path, src: Any, argv: list[str]) -> Iterator[Any]:
+    """One source alone into a capture file at ``path`` (header argv ``argv``), written as the session
+    writes it: started (the file removed again if it cannot start), yielded, stopped, its drops in the
+    trailer. For tests and benchmarks."""
+    writer = CaptureWriter(path, host_header(argv))
+    sink = QueueSink(writer)
+    try:
+        src.start(sink)
+    except BaseException:
+        sink.close()
+        writer.abort()
+        raise
+    try:
+        yield src
+    finally:
+        src.stop()
+        sink.close()
+        writer.close({"drops": {f"{src.name}.{k}": v for k, v in src.drops().items()}, "complete": True})

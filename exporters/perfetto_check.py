@@ -88,7 +88,6 @@ class TraceCheck:
         self.counters: dict[int, list[tuple[int, float]]] = {}
         self.clocks: dict[int, int] = {}
         self.samples: list[Sample] = []
-        self.thread_ids: set[tuple[int, int]] = set()  # (pid, tid) of the thread tracks described so far
         self.pids: set[int] = set()  # and of their processes
         self.packets = 0
         self._counts: dict[str, int] = {}
@@ -243,8 +242,6 @@ def _descriptor(check: TraceCheck, index: int, td: Any) -> None:
     tid = td.thread.tid if kind == "thread" else None
     if pid is not None:
         check.pids.add(pid)
-        if tid is not None:
-            check.thread_ids.add((pid, tid))
     old = check.tracks.get(td.uuid)
     if old is not None and (old.kind != kind or (parent is not None and old.parent != parent)
                             or old.pid != pid or old.tid != tid):

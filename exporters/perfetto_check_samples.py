@@ -87,7 +87,7 @@ def check_perf_sample(check: TraceCheck, index: int, state: Interned | None, pkt
         check.problem("sample", f"packet {index}: CPU sample uses interned data without SEQ_NEEDS_INCREMENTAL_STATE")
     if not pkt.HasField("timestamp") or not 0 < pkt.timestamp < _TS_MAX:
         check.problem("sample", f"packet {index}: CPU sample without a plausible timestamp ({pkt.timestamp})")
-    if (ps.pid, ps.tid) not in check.thread_ids and ps.pid not in check.pids:
+    if ps.pid not in check.pids:  # a thread track's pid is in it too
         check.problem("sample", f"packet {index}: CPU sample of pid {ps.pid} tid {ps.tid}: no such thread or process "
                                 "described before it")
     if not ps.HasField("callstack_iid"):

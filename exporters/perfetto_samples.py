@@ -103,7 +103,6 @@ class CpuSamples:
         if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
             raise TypeError("StackFrames.frames must be a list of strings")
         key = (r.pid, r.stack)
-        hash(key)
         self._stacks[key] = list(r.frames)  # a later StackFrames of the same stack replaces it
         waiting = self._pending.pop(key, None)
         if waiting:
@@ -169,5 +168,4 @@ class CpuSamples:
             if not (type(r.cpu) is int and -1 <= r.cpu < _U32):
                 raise ValueError("StackSample cpu must be -1 or a 32-bit unsigned integer")
             fields = self._fields[(r.pid, r.tid, r.cpu)] = pp.sample_fields(r.pid, r.tid, r.cpu)
-        hash(r.stack)
         return pp.clamp_ts(r.ts), r.pid, r.tid, fields

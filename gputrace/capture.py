@@ -69,7 +69,7 @@ def mount_table(mountinfo: str = "/proc/self/mountinfo", mounts: str = "/proc/se
             continue
         sep = f.index("-", 6)  # optional fields (shared:N ...) end at a lone "-"
         if len(f) >= sep + 3:
-            out.append([_unescape(f[4]), f[sep + 1], _unescape(f[sep + 2]), f[2]])
+            out.append([unescape_mount_field(f[4]), f[sep + 1], unescape_mount_field(f[sep + 2]), f[2]])
     return out
 
 
@@ -82,11 +82,11 @@ def _mounts_fallback(path: str) -> list[list[str]]:
     for line in text.splitlines():
         f = line.split()
         if len(f) >= 3:
-            out.append([_unescape(f[1]), f[2], _unescape(f[0]), ""])
+            out.append([unescape_mount_field(f[1]), f[2], unescape_mount_field(f[0]), ""])
     return out
 
 
-def _unescape(field: str) -> str:
+def unescape_mount_field(field: str) -> str:
     """The kernel writes blanks, tabs, newlines and backslashes in mount fields as octal (\\040)."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
@@ -173,12 +173,15 @@ class CaptureWriter:
             raise UserError(f"writing {self.path}: {e.strerror}; nothing was written under that name") from None
 
 
-def check_output_path(path: Path, *, force: bool) -> None:
-    """Refuse an existing output without --force, and an unwritable directory, before any work starts."""
+def check_output_path(path: Path, *, force: bool, source: str | os.PathLike[str] | None = None) -> None:
+    """Refuse an existing output without --force, the capture being read (``source``) even with it, and an
+    unwritable directory, before any work starts."""
     if path.is_dir():
         raise UserError(f"{path} is a directory")
     if os.path.lexists(path) and not force:  # lexists: a dangling symlink planted there counts too
         raise UserError(f"{path} exists; use --force to overwrite it")
+    if source is not None and path.exists() and Path(source).exists() and path.samefile(source):
+        raise UserError(f"{path} is the capture being read; choose another output name")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UserError(f"directory {parent} does not exist")

@@ -127,15 +127,16 @@ def check_lockdown() -> Check:
 
 def check_btf() -> Check:
     name = "BTF"
-    path = Path("/sys/kernel/btf/vmlinux")
+    from gputrace.probes.btf import VMLINUX as path
+
     if not path.is_file():
         return Check(name, WARN, f"{path} missing", "the scheduler hooks fall back to classic tracepoints (the "
                      "kernel skips some wakeups) and page-fault waits are not named; use a kernel with "
                      "CONFIG_DEBUG_INFO_BTF")
-    from gputrace.probes.btf import struct_offset
+    from gputrace.probes.ebpf_hooks import task_pid_offset
 
     size = f"{path} ({path.stat().st_size // 1024} KiB)"
-    if struct_offset("task_struct", "pid") is None:
+    if task_pid_offset() is None:
         return Check(name, WARN, f"{size}: task_struct.pid not found in it",
                      "the scheduler hooks fall back to classic tracepoints (the kernel skips some wakeups)")
     return Check(name, OK, f"{size}, task_struct.pid found")

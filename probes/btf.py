@@ -8,7 +8,6 @@ to walk struct members are decoded; every length is checked, and anything unexpe
 
 from __future__ import annotations
 
-import functools
 import struct
 from pathlib import Path
 
@@ -115,8 +114,9 @@ class Btf:
         return 0
 
 
-@functools.lru_cache(maxsize=1)
 def kernel_btf(path: Path = VMLINUX) -> Btf | None:
+    """The running kernel's BTF, parsed (about a second, 15 MB while held): callers keep what they need
+    from it (struct_offset), not the whole."""
     try:
         return Btf(path.read_bytes())
     except (OSError, BtfError):

@@ -262,6 +262,9 @@ class EbpfSource:
             return set()
         return {k.value for k in self._bpf[b"targets"] if Path(f"/proc/{k.value}").is_dir()}
 
+    def any_live(self) -> bool:
+        return bool(self.live_targets())
+
     def program_text(self) -> str:
         return program_text()
 

@@ -34,5 +34,4 @@ def compile_program(bcc: Any, flags: list[str]) -> Any:
             warnings.simplefilter("ignore", DeprecationWarning)
             return bcc.BPF(src_file=str(BPF_DIR / "gputrace.bpf.c"), cflags=flags)
     except Exception as e:  # bcc raises bare Exception on compile/load failures
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"loading the eBPF program failed: {first} (check: gputrace doctor)") from None
+        raise UserError(f"loading the eBPF program failed: {hooks.first_line(e)} (check: gputrace doctor)") from None

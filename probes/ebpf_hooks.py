@@ -12,10 +12,11 @@ The other programs (process tree, file faults, block I/O) stay classic.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from gputrace.errors import UserError
-from gputrace.probes.btf import struct_offset
+from gputrace.probes.btf import VMLINUX, kernel_btf, struct_offset
 from gputrace.probes.ebpf_host import tracepoint_exists
 from gputrace.probes.syscalls import raw_syscalls_supported
 
@@ -64,16 +65,25 @@ def _raw_unsupported(group: str) -> str:
     if not raw_syscalls_supported():
         return "needs x86_64 and BPF raw tracepoints"
     if group == "sched" and (task_pid_offset() is None or task_tgid_offset() is None):
-        return "task_struct.pid/tgid not found in /sys/kernel/btf/vmlinux"
+        return f"task_struct.pid/tgid not found in {VMLINUX}"
     return ""
 
 
+@functools.cache
+def _task_offsets() -> tuple[int | None, int | None]:
+    """task_struct.pid's and .tgid's offsets in the running kernel: its BTF is parsed once and let go."""
+    btf = kernel_btf()
+    if btf is None:
+        return None, None
+    return struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf)
+
+
 def task_pid_offset() -> int | None:
-    return struct_offset("task_struct", "pid")
+    return _task_offsets()[0]
 
 
 def task_tgid_offset() -> int | None:
-    return struct_offset("task_struct", "tgid")
+    return _task_offsets()[1]
 
 
 def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
@@ -83,7 +93,7 @@ def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     return flags
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -123,5 +133,5 @@ def _attach_raw(bpf: Any, group: str, want: str, pairs: list[tuple[str, str]]) -
             bpf.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
     except Exception as e:  # bcc raises bare Exception when the kernel refuses
         if want == "raw":
-            raise UserError(f"attaching the raw {group} tracepoints failed: {_first_line(e)}") from None
-        raise RawAttachFailed(group, _first_line(e)) from None
+            raise UserError(f"attaching the raw {group} tracepoints failed: {first_line(e)}") from None
+        raise RawAttachFailed(group, first_line(e)) from None

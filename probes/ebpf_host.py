@@ -13,27 +13,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from gputrace.caps import missing_tracing_caps
 from gputrace.errors import PermissionDenied, UserError
+from gputrace.probes.btf import VMLINUX
 from gputrace.records import SourceStatus
 
 TRACEFS = Path("/sys/kernel/tracing")
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
-_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
-
-
-def _effective_caps() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
 
 
 def check_privileges() -> None:
-    caps = _effective_caps()
-    if caps >> _CAP_SYS_ADMIN & 1 or (caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1):
-        return
-    missing = [n for n, bit in (("CAP_BPF", _CAP_BPF), ("CAP_PERFMON", _CAP_PERFMON)) if not caps >> bit & 1]
-    raise PermissionDenied(f"eBPF tracing needs root or {' + '.join(missing)} (missing); run with sudo")
+    missing = missing_tracing_caps()
+    if missing:
+        raise PermissionDenied(f"eBPF tracing needs root or {' + '.join(missing)} (missing); run with sudo")
 
 
 def check_tracefs() -> None:
@@ -139,7 +131,7 @@ def unload(bpf: Any) -> None:
 def file_faults_supported() -> bool:
     """filemap:mm_filemap_fault exists, and the program can read the fault's registers: x86_64 (orig_ax) and a
     kernel with BTF (bpf_task_pt_regs takes a BTF task pointer)."""
-    return (platform.machine() == "x86_64" and Path("/sys/kernel/btf/vmlinux").exists()
+    return (platform.machine() == "x86_64" and VMLINUX.exists()
             and tracepoint_exists("filemap", "mm_filemap_fault"))
 
 

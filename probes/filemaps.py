@@ -29,7 +29,7 @@ class MappedFiles:
         self._emit = emit
         self._forget = forget
         self._written: set[Key] = set()
-        self.unresolved = 0
+        self._overlays: dict[int, dict[str, overlay.Overlay]] = {}  # by pid, its mountinfo read once
 
     def announced(self, raw: bytes) -> None:
         key = events.mapfile_key(raw)
@@ -44,12 +44,11 @@ class MappedFiles:
     def fault(self, raw: bytes) -> None:
         key = events.fault_key(raw)
         if key not in self._written:
-            path = self._path(key)
-            self.unresolved += not path
-            self._write(key, path)
+            self._write(key, self._path(key))
 
     def process_gone(self, pid: int) -> None:
         """Its pid may be reused: the next process of that pid has its files read again."""
+        self._overlays.pop(pid, None)
         gone = [k for k in self._written if k[0] == pid]
         for key in gone:
             self._written.discard(key)
@@ -58,7 +57,12 @@ class MappedFiles:
     def _path(self, key: Key) -> str:
         pid, dev, ino = key
         mapped = procfs.mapped_files(pid)
-        return mapped.get((dev, ino)) or overlay.resolve(pid, dev, ino, mapped)
+        path = mapped.get((dev, ino))
+        if path:
+            return path
+        if pid not in self._overlays:
+            self._overlays[pid] = overlay.overlays(pid)
+        return overlay.resolve(pid, dev, ino, mapped, self._overlays[pid])
 
     def _write(self, key: Key, path: str) -> None:
         self._written.add(key)
@@ -80,7 +84,6 @@ class ReceivedFds:
         self._emit = emit
         self._early: dict[tuple[int, int, int], list[FdInfo]] = {}  # read, waiting for the events-ring copy
         self._late: set[tuple[int, int, int]] = set()  # read at the events-ring copy; process-ring copy to come
-        self.unresolved = 0
 
     def announced(self, raw: bytes) -> None:
         """The process-event ring's copy: read the names now."""
@@ -91,7 +94,7 @@ class ReceivedFds:
             return
         if len(self._early) >= _MAX_PENDING:  # events-ring copies lost: do not grow without bound
             self._early.clear()
-        self._early[key] = self._read(ev)
+        self._early[key] = procfs.fd_infos(ev.ts, ev.pid, list(ev.fds))
 
     def in_order(self, raw: bytes) -> None:
         """The events ring's copy, just added to the batch: write the names after it."""
@@ -99,18 +102,9 @@ class ReceivedFds:
         key = (ev.pid, ev.tid, ev.ts)
         infos = self._early.pop(key, None)
         if infos is None:
-            infos = self._read(ev)
+            infos = procfs.fd_infos(ev.ts, ev.pid, list(ev.fds))
             if len(self._late) >= _MAX_PENDING:
                 self._late.clear()
             self._late.add(key)
         if infos:
             self._emit(infos)
-
-    def _read(self, ev: events.FdsReceived) -> list[FdInfo]:
-        out = []
-        for fd in ev.fds:
-            info = procfs.received_fd(ev.ts, ev.pid, fd)
-            self.unresolved += info is None
-            if info is not None:
-                out.append(info)
-        return out

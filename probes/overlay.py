@@ -14,21 +14,17 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from gputrace.capture import unescape_mount_field
 from gputrace.probes import procfs
 
 _LAYER_KEYS = ("upperdir", "lowerdir", "lowerdir+", "datadir+")
 _MAX_MOUNTINFO = 4 << 20
-_OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 class Overlay(NamedTuple):
     mountpoint: str
     root: str  # the directory of the filesystem mounted there ("/" unless a bind of a subdirectory)
     layers: tuple[str, ...]  # absolute layer directories, upper first
-
-
-def _unescape(text: str) -> str:
-    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), text)
 
 
 def parse_mountinfo(text: str) -> dict[str, Overlay]:
@@ -43,8 +39,8 @@ def parse_mountinfo(text: str) -> dict[str, Overlay]:
         for option in after[2].split(","):
             key, _, value = option.partition("=")
             if key in _LAYER_KEYS:
-                layers += [_unescape(d) for d in re.split(r"(?<!\\):", value) if d]
-        out[fields[2]] = Overlay(_unescape(fields[4]), _unescape(fields[3]), tuple(layers))
+                layers += [unescape_mount_field(d) for d in re.split(r"(?<!\\):", value) if d]
+        out[fields[2]] = Overlay(unescape_mount_field(fields[4]), unescape_mount_field(fields[3]), tuple(layers))
     return out
 
 
@@ -52,10 +48,13 @@ def overlays(pid: int) -> dict[str, Overlay]:
     return parse_mountinfo(procfs.read_text(procfs.PROC / str(pid) / "mountinfo", _MAX_MOUNTINFO))
 
 
-def resolve(pid: int, dev: str, ino: int, mapped: dict[tuple[str, int], str] | None = None) -> str:
+def resolve(pid: int, dev: str, ino: int, mapped: dict[tuple[str, int], str] | None = None,
+            mounts: dict[str, Overlay] | None = None) -> str:
     """The path `pid` mapped whose overlay file is inode `ino` on device `dev` of a layer; "" if none.
-    Paths with the same inode number are tried first (overlays without xino show the layer's number)."""
-    mounts = overlays(pid)
+    Paths with the same inode number are tried first (overlays without xino show the layer's number).
+    ``mounts``: `pid`'s overlays when the caller has them already (read from its mountinfo otherwise)."""
+    if mounts is None:
+        mounts = overlays(pid)
     if not mounts:
         return ""
     if mapped is None:

@@ -63,9 +63,13 @@ def proc_info(pid: int) -> ProcInfo | None:
     except OSError:
         exe = ""
     cmdline = [_text(a) for a in args[:_MAX_ARGS]]
-    chain = ns_chain(PROC / str(pid) / "status")
-    nspid = chain[-1] if len(chain) > 1 and chain[0] == pid else 0
-    return ProcInfo(clock.monotonic_ns(), pid, ppid_of(pid), comm(pid), cmdline, exe, nspid)
+    return ProcInfo(clock.monotonic_ns(), pid, ppid_of(pid), comm(pid), cmdline, exe, ns_pid(pid))
+
+
+def ns_pid(pid: int, status: Path | None = None) -> int:
+    """The pid that ``pid`` has in its own pid namespace when that is below the reader's; 0 otherwise."""
+    chain = ns_chain(status or PROC / str(pid) / "status")
+    return chain[-1] if len(chain) > 1 and chain[0] == pid else 0
 
 
 def ns_chain(status: Path) -> list[int]:
@@ -175,33 +179,30 @@ def fd_snapshot(pid: int) -> list[FdInfo]:
     """The open fds of ``pid`` (plus its cwd as fd AT_FDCWD, kind "cwd", to resolve relative opens)."""
     base = PROC / str(pid)
     now = clock.monotonic_ns()
-    out: list[FdInfo] = []
     try:
-        out.append(FdInfo(now, pid, AT_FDCWD, "cwd", os.readlink(base / "cwd")))
+        cwd = FdInfo(now, pid, AT_FDCWD, "cwd", os.readlink(base / "cwd"))
         names = os.listdir(base / "fd")
     except OSError:
-        return out
+        return []
+    return [cwd, *sorted(fd_infos(now, pid, [int(n) for n in names]), key=lambda r: r.fd)]
+
+
+def fd_infos(ts: int, pid: int, fds: list[int]) -> list[FdInfo]:
+    """fds ``fds`` of ``pid`` as FdInfo records dated ``ts``, read from /proc/PID/fd (gone ones left out);
+    the socket tables are read once, and only if one of them is a socket."""
+    base = PROC / str(pid) / "fd"
+    out: list[FdInfo] = []
     peers: dict[int, str] | None = None
-    for name in names:
+    for fd in fds:
         try:
-            link = os.readlink(base / "fd" / name)
+            link = os.readlink(base / str(fd))
         except OSError:
             continue  # closed meanwhile
         if link.startswith("socket:") and peers is None:
             peers = socket_peers(pid)
         kind, obj = _classify(link, peers or {})
-        out.append(FdInfo(now, pid, int(name), kind, obj))
-    return sorted(out, key=lambda r: r.fd)
-
-
-def received_fd(ts: int, pid: int, fd: int) -> FdInfo | None:
-    """fd ``fd`` of ``pid`` as an FdInfo dated ``ts`` (None when it is gone), read from /proc/PID/fd."""
-    try:
-        link = os.readlink(PROC / str(pid) / "fd" / str(fd))
-    except OSError:
-        return None
-    kind, obj = _classify(link, socket_peers(pid) if link.startswith("socket:") else {})
-    return FdInfo(ts, pid, fd, kind, obj)
+        out.append(FdInfo(ts, pid, fd, kind, obj))
+    return out
 
 
 def snapshot(pid: int) -> list[ProcInfo | ThreadInfo | FdInfo]:

@@ -31,6 +31,12 @@ def wait_for(cond: Callable[[], Any], timeout_s: float = 10.0, what: str = "cond
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without gputrace's variables or PYTHONPATH (an unarmed process's), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
+    return {**env, **extra}
+
+
 class Harness:
     """An AgentServer started with a QueueSink over a CaptureWriter, as the capture session does."""
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent_harness import PYTHON, Harness, of, wait_for
+from agent_harness import PYTHON, Harness, clean_env, of, wait_for
 
 from gputrace.agent import arming
 
@@ -25,11 +25,6 @@ print("to stderr", file=sys.stderr)
 """
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
-    return {**env, **extra}
-
-
 def _run(script: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PYTHON, str(script), "a", "b"], env=env, capture_output=True, text=True, timeout=30)
 
@@ -37,22 +32,22 @@ def _run(script: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_an_armed_process_without_a_session_runs_exactly_as_before(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
     script.write_text(WORKLOAD)
-    plain = _run(script, _clean_env(ZZ_X="1"))
-    armed_env = {**_clean_env(ZZ_X="1"), **arming.environment(None, base={}),
+    plain = _run(script, clean_env(ZZ_X="1"))
+    armed_env = {**clean_env(ZZ_X="1"), **arming.environment(None, base={}),
                  "GPUTRACE_ATTACH_DIR": str(tmp_path / "attach")}
     armed = _run(script, armed_env)
     assert plain.returncode == armed.returncode == 0
     assert (armed.stdout, armed.stderr) == (plain.stdout, plain.stderr)
     # A capture's environment whose session is gone: still the same run.
     t0 = time.monotonic()
-    gone = _run(script, {**_clean_env(ZZ_X="1"), **arming.environment(str(tmp_path / "no.sock"), base={})})
+    gone = _run(script, {**clean_env(ZZ_X="1"), **arming.environment(str(tmp_path / "no.sock"), base={})})
     assert (gone.returncode, gone.stdout, gone.stderr) == (0, plain.stdout, plain.stderr)
     assert time.monotonic() - t0 < 1.0, "no lingering at exit for a session that is gone"
 
 
 def test_without_the_variables_the_boot_hook_loads_nothing(tmp_path: Path) -> None:
     code = "import sys; print('gputrace' in sys.modules, 'sitecustomize' in sys.modules)"
-    env = _clean_env(PYTHONPATH=arming.boot_dir())
+    env = clean_env(PYTHONPATH=arming.boot_dir())
     out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert out.stdout.split() == ["False", "True"] and out.stderr == ""
 
@@ -60,7 +55,7 @@ def test_without_the_variables_the_boot_hook_loads_nothing(tmp_path: Path) -> No
 def test_a_dormant_process_attaches_when_offered_and_detaches_at_stop(tmp_path: Path) -> None:
     attach = tmp_path / "attach"
     h = Harness(tmp_path, attach_dir=str(attach))
-    env = {**_clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
+    env = {**clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
     p = h.spawn("""
 import sys, time
 from gputrace.sim import Device
@@ -89,7 +84,7 @@ def test_sitecustomize_chaining_keeps_the_targets_own(tmp_path: Path) -> None:
     (own / "sitecustomize.py").write_text("import os\nos.environ['ZZ_OWN_SITE'] = 'ran'\n")
     (own / "helper_mod.py").write_text("VALUE = 42\n")
     code = "import os, helper_mod; print(os.environ.get('ZZ_OWN_SITE'), helper_mod.VALUE)"
-    base = {**_clean_env(), "PYTHONPATH": str(own)}
+    base = {**clean_env(), "PYTHONPATH": str(own)}
     for env in (
         {**base, **arming.environment(None, base=base), "GPUTRACE_ATTACH_DIR": str(tmp_path / "a")},
         {**base, **arming.environment(str(tmp_path / "gone.sock"), base=base)},
@@ -104,9 +99,9 @@ def test_a_failing_own_sitecustomize_is_reported_as_python_would(tmp_path: Path)
     own = tmp_path / "own"
     own.mkdir()
     (own / "sitecustomize.py").write_text("raise RuntimeError('boom')\n")
-    plain = subprocess.run([PYTHON, "-c", "print(1)"], env={**_clean_env(), "PYTHONPATH": str(own)},
+    plain = subprocess.run([PYTHON, "-c", "print(1)"], env={**clean_env(), "PYTHONPATH": str(own)},
                            capture_output=True, text=True, timeout=30)
-    env = {**_clean_env(), "PYTHONPATH": arming.boot_dir() + os.pathsep + str(own)}
+    env = {**clean_env(), "PYTHONPATH": arming.boot_dir() + os.pathsep + str(own)}
     chained = subprocess.run([PYTHON, "-c", "print(1)"], env=env, capture_output=True, text=True, timeout=30)
     assert (chained.stdout, chained.stderr) == (plain.stdout, plain.stderr)
     assert "RuntimeError: boom" in chained.stderr
@@ -164,10 +159,10 @@ def test_an_interpreter_without_gputrace_or_msgpack_still_connects(tmp_path: Pat
     system_python = "/usr/bin/python3"
     probe = subprocess.run(
         [system_python, "-c", "import importlib.util as u; print(u.find_spec('gputrace'), u.find_spec('msgpack'))"],
-        capture_output=True, text=True, timeout=30, env=_clean_env(), cwd=tmp_path)
+        capture_output=True, text=True, timeout=30, env=clean_env(), cwd=tmp_path)
     assert probe.stdout.split() == ["None", "None"], "this test needs an interpreter without gputrace and msgpack"
     h = Harness(tmp_path)
-    env = {**_clean_env(), **h.server.child_env(_clean_env())}
+    env = {**clean_env(), **h.server.child_env(clean_env())}
     p = subprocess.Popen([system_python, "-c", "print('hello from', __import__('sys').version.split()[0])"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     h.allowed.add(p.pid)

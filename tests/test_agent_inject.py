@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_harness import Harness, of
+from agent_harness import Harness, clean_env, of
 
 from gputrace.agent import arming, inject
 from gputrace.errors import UserError
@@ -80,7 +80,7 @@ def test_version_is_read_from_the_interpreter_name_or_libpython() -> None:
 def test_the_injected_script_attaches_an_unarmed_process(tmp_path: Path) -> None:
     """What sys.remote_exec would run in the target, run here by the target itself on request."""
     h = Harness(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
+    env = clean_env()
     p = h.spawn("""
 import sys
 from gputrace.sim import Device

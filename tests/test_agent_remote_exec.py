@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_harness import Harness, of, wait_for
+from agent_harness import Harness, clean_env, of, wait_for
 
 from gputrace.agent import inject, nsexec
 from gputrace.errors import UserError
@@ -58,14 +58,9 @@ def py314() -> Path:
 
 def _spawn(argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env if env is not None else _clean_env())
+                         env=env if env is not None else clean_env())
     assert p.stdout is not None and p.stdout.readline().strip() == "up", p.stderr.read() if p.stderr else ""
     return p
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_") and k != "PYTHONPATH"}
-    return {**env, **extra}
 
 
 def _go(p: subprocess.Popen[str], kernel: str) -> None:
@@ -96,7 +91,7 @@ while True:
     time.sleep(0.01)
     i += 1
 """)
-    p = _spawn([str(py314), str(work)], env=_clean_env(PYTHONPATH=str(ROOT)))
+    p = _spawn([str(py314), str(work)], env=clean_env(PYTHONPATH=str(ROOT)))
     try:
         out = tmp_path / "cap.gputrace"
         done = subprocess.run([sys.executable, "-m", "gputrace", "capture", "--pid", str(p.pid), "-o", str(out),
@@ -188,26 +183,15 @@ def container(request: pytest.FixtureRequest, py314: Path) -> Iterator[tuple[sub
                 "--map-root-user"]
     p = subprocess.Popen([*user, "unshare", "--mount", "--pid", "--fork", "bash", "-c", CONTAINER, "container",
                           str(root), str(PY314_ROOT), str(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=_clean_env())
+                         stderr=subprocess.PIPE, text=True, env=clean_env())
     assert p.stdout is not None and p.stdout.readline().strip() == "up", p.stderr.read() if p.stderr else ""
-    host_pid = wait_for(lambda: _workload_under(p.pid), what="the workload")
+    host_pid = wait_for(lambda: next((d for d in procfs.descendants(p.pid) if procfs.comm(d) == "python3.14"), 0),
+                        what="the workload (below unshare, or the unshare a user namespace's unshare ran)")
     try:
         yield p, host_pid, Path(f"/proc/{host_pid}/root")
     finally:
         os.kill(host_pid, signal.SIGKILL)  # pid 1 of the namespace: everything in it goes along
         p.communicate(timeout=10)
-
-
-def _workload_under(pid: int) -> int:
-    """The python3.14 below ``pid`` (unshare, or the unshare that a user namespace's unshare ran)."""
-    for _ in range(3):
-        kids = [int(n) for n in os.listdir("/proc") if n.isdigit() and procfs.ppid_of(int(n)) == pid]
-        if not kids:
-            return 0
-        pid = kids[0]
-        if procfs.comm(pid) == "python3.14":
-            return pid
-    return 0
 
 
 def test_a_process_in_a_container_gets_socket_script_and_agent_inside(

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from agent_harness import wait_for
 from test_capture_cli import capture_until_exit
 
 from gputrace.analysis.synth import Builder
@@ -75,21 +77,18 @@ def test_thread_id_stands_for_its_process(tmp_path: Path) -> None:
         assert reader.trailer is not None and reader.trailer["stop_reason"] == "targets exited"
 
 
-def _wait_for(predicate: object, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+def _loading(tmp_path: Path, **popen: Any) -> subprocess.Popen[str]:
+    """`capture -- sleep 30` caught while its probes load: the partial file exists from before they are compiled
+    and loaded (seconds) until tracing starts."""
+    cap = subprocess.Popen(GPUTRACE + ["capture", "-o", "x.gputrace", "--", "sleep", "30"], cwd=tmp_path,
+                           stderr=subprocess.PIPE, text=True, **popen)
+    wait_for(lambda: list(tmp_path.glob(".x.gputrace.*.partial")), 60, "the partial capture")
+    return cap
 
 
 def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> None:
-    cap = subprocess.Popen(GPUTRACE + ["capture", "-o", "x.gputrace", "--", "sleep", "30"], cwd=tmp_path,
-                           stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    cap = _loading(tmp_path, preexec_fn=_sigint_default)
     try:
-        # the partial file exists from before the probes are compiled and loaded (seconds) until tracing starts
-        _wait_for(lambda: list(tmp_path.glob(".x.gputrace.*.partial")), "the partial capture")
         cap.send_signal(signal.SIGINT)
         _, err = cap.communicate(timeout=60)
     finally:
@@ -101,10 +100,8 @@ def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> No
 
 def test_sigterm_while_probes_load_leaves_nothing_behind(tmp_path: Path) -> None:
     """Not the partial file, and not the command held (forked, not yet exec'd) until tracing starts."""
-    cap = subprocess.Popen(GPUTRACE + ["capture", "-o", "x.gputrace", "--", "sleep", "30"], cwd=tmp_path,
-                           stderr=subprocess.PIPE, text=True)
+    cap = _loading(tmp_path)
     try:
-        _wait_for(lambda: list(tmp_path.glob(".x.gputrace.*.partial")), "the partial capture")
         held = [int(p) for p in Path(f"/proc/{cap.pid}/task/{cap.pid}/children").read_text().split()]
         assert held, "the command is forked before the capture file is created"
         cap.send_signal(signal.SIGTERM)
@@ -114,7 +111,7 @@ def test_sigterm_while_probes_load_leaves_nothing_behind(tmp_path: Path) -> None
     assert cap.returncode == 143, err
     assert err.strip().endswith("gputrace: interrupted before tracing began; nothing was written"), err
     assert not list(tmp_path.iterdir())
-    _wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in held), "the held command to be gone", 10)
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in held), 10, "the held command to be gone")
 
 
 def test_ctrl_c_after_tracing_names_the_written_capture(tmp_path: Path) -> None:
@@ -127,7 +124,7 @@ def test_ctrl_c_after_tracing_names_the_written_capture(tmp_path: Path) -> None:
         child = int(re.search(r"tracing pid (\d+):", line).group(1))  # type: ignore[union-attr]
         # -d ends the capture and the command runs on; once the capture has its name, gputrace is analysing,
         # exporting, or waiting for the command: Ctrl-C there used to exit 130 without a word
-        _wait_for(lambda: (tmp_path / "x.gputrace").exists(), "the capture to be written")
+        wait_for(lambda: (tmp_path / "x.gputrace").exists(), 60, "the capture to be written")
         cap.send_signal(signal.SIGINT)
         cap.wait(timeout=60)
     finally:
@@ -314,7 +311,6 @@ def test_view_of_a_capture_named_like_a_trace_exports_it(tmp_path: Path) -> None
 def test_otlp_partial_delivery_is_a_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A collector that refuses every other batch: the spans it refused are counted and the exit is 1."""
     from concurrent import futures
-    from typing import Any
 
     import grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workloads.ebpfcap import source_capture
 from workloads.piped import PipedChild
 
 from gputrace.analysis import analyze
 from gputrace.analysis.load import load
 from gputrace.analysis.synth import Builder
 from gputrace.capture import open_capture
+from gputrace.daemon.writer import source_capture
 from gputrace.probes.sampler import BPF_DIR, SampleEvent, StackSampler, clean_name, frame_name
 from gputrace.records import Drops, StackFrames, StackSample
 
@@ -59,7 +59,7 @@ class Spinner(PipedChild):
 @contextmanager
 def sampled(path: Path, pids: list[int]) -> Iterator[StackSampler]:
     """Capture with the sampler alone into a real capture file, as the session would write it."""
-    with source_capture(path, StackSampler(pids), pids) as src:
+    with source_capture(path, StackSampler(pids), ["pytest", *map(str, pids)]) as src:
         yield src
 
 

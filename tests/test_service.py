@@ -168,8 +168,9 @@ def _own_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def _wait_job(svc: Svc, job_id: int) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
+def _wait_job(svc: Svc, job_id: int, timeout_s: float = 60) -> dict[str, Any]:
+    """The job once it is no longer running (failing after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
     while (job := next(j for j in svc.ask({"op": "list"})["jobs"] if j["id"] == job_id))["state"] == "running":
         assert time.monotonic() < deadline, job
         time.sleep(0.05)
@@ -352,12 +353,9 @@ def test_stop_ends_a_capture_early(svc: Svc) -> None:
         t0 = time.monotonic()
         r = svc.client("stop", str(job_id))
         assert r.returncode == 0, r.stderr
-        while svc.ask({"op": "list"})["jobs"][-1]["state"] == "running":
-            assert time.monotonic() - t0 < 30
-            time.sleep(0.1)
+        job = _wait_job(svc, job_id, 30 - (time.monotonic() - t0))
     finally:
         child.kill()
-    job = next(j for j in svc.ask({"op": "list"})["jobs"] if j["id"] == job_id)
     assert job["state"] == "done" and job["stop_reason"] == "stopped"
     assert (svc.state / "0" / "stopped.gputrace").exists()
     assert "no job" in svc.ask({"op": "stop", "job": 99999})["error"]
@@ -463,11 +461,7 @@ def test_service_sends_each_capture_to_an_otlp_collector(tmp_path: Path) -> None
     try:
         reply = service.ask({"op": "capture", "pids": [child.pid], "duration_s": 1, "wait": True})
         assert reply["event"] == "started"
-        job_id = reply["job"]["id"]
-        deadline = time.monotonic() + 60
-        while (job := next(j for j in service.ask({"op": "list"})["jobs"] if j["id"] == job_id))["state"] == "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        job = _wait_job(service, reply["job"]["id"])
     finally:
         child.kill()
         service.proc.terminate()

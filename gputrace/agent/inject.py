@@ -26,9 +26,10 @@ import zlib
 from pathlib import Path
 
 from gputrace.agent import nsexec
-from gputrace.agent.listen import as_owner, foreign_root
+from gputrace.agent.listen import as_owner, foreign_root, own_namespace
 from gputrace.agent.nsexec import trusted_binary
 from gputrace.agent.pidns import PeerIds
+from gputrace.caps import CAP_SYS_ADMIN, CAP_SYS_PTRACE, has_cap
 from gputrace.errors import PermissionDenied, UserError
 
 MIN_VERSION = (3, 14)
@@ -107,14 +108,15 @@ def check_ptrace_permission(pid: int, exe: str) -> None:
     except OSError:
         raise UserError(f"no process with pid {pid}") from None
     if os.geteuid() == 0:
-        contained = not all(nsexec.own_namespace(pid, n) for n in (*nsexec.NAMESPACES, "user"))
-        if contained and not _has_cap(nsexec.CAP_SYS_ADMIN):
+        contained = not all(own_namespace(pid, n) for n in (*nsexec.NAMESPACES, "user"))
+        if contained and not has_cap(CAP_SYS_ADMIN):
             raise PermissionDenied(
                 f"pid {pid} runs in a container, and entering it needs CAP_SYS_ADMIN, which this process does "
                 f"not hold (gputraced does not keep it): run `sudo gputrace capture -p {pid}`, or start it armed"
             )
-        if scope >= 1 and (foreign_root(pid) or not trusted_binary(exe)):
-            why = "it runs in a container" if foreign_root(pid) else f"its interpreter {exe} is not root's alone"
+        foreign = scope >= 1 and foreign_root(pid)
+        if scope >= 1 and (foreign or not trusted_binary(exe)):
+            why = "it runs in a container" if foreign else f"its interpreter {exe} is not root's alone"
             raise PermissionDenied(
                 f"kernel.yama.ptrace_scope = {scope} lets only ancestors attach, and the attach helper cannot be "
                 f"given CAP_SYS_PTRACE for pid {pid} ({why}); start it armed instead: see `gputrace env`"
@@ -122,7 +124,7 @@ def check_ptrace_permission(pid: int, exe: str) -> None:
         return
     if uid != os.geteuid():
         raise PermissionDenied(f"pid {pid} belongs to uid {uid}: attaching needs root")
-    if scope >= 1 and not _has_cap(nsexec.CAP_SYS_PTRACE):
+    if scope >= 1 and not has_cap(CAP_SYS_PTRACE):
         raise PermissionDenied(
             f"kernel.yama.ptrace_scope = {scope} lets only ancestors attach; attaching needs CAP_SYS_PTRACE"
         )
@@ -133,13 +135,6 @@ def _read_int(path: str, default: int) -> int:
         return int(Path(path).read_text().strip())
     except (OSError, ValueError):
         return default
-
-
-def _has_cap(cap: int) -> bool:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> cap & 1)
-    return False
 
 
 def write_script(pid: int, sock_path: str, dir_fd: int | None = None) -> Path:

@@ -111,6 +111,15 @@ class Listener:
         self.sock.close()
 
 
+def own_namespace(pid: int, ns: str) -> bool:
+    """Whether ``pid`` shares our namespace ``ns`` (an unreadable one counts as shared)."""
+    try:
+        a, b = os.stat(f"/proc/self/ns/{ns}"), os.stat(f"/proc/{int(pid)}/ns/{ns}")
+    except OSError:
+        return True
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def foreign_root(pid: int) -> bool:
     """Whether ``pid`` sees another filesystem than ours: another mount namespace or root (a container)."""
     try:
@@ -152,10 +161,9 @@ def owner_for(pid: int) -> tuple[int, int] | None:
     """Whose files we make for ``pid``: root's (None), unless it lives in another user namespace (a
     rootless container), where our root has no name (its file systems refuse files of unnamed owners) and
     its agent would not trust root's files; there, its own user's, the owner besides root it trusts."""
+    if own_namespace(pid, "user"):
+        return None
     try:
-        ours, theirs = os.stat("/proc/self/ns/user"), os.stat(f"/proc/{pid}/ns/user")
-        if (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino):
-            return None
         st = os.stat(f"/proc/{pid}")
     except OSError:
         return None

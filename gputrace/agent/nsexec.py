@@ -26,7 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-CAP_SETPCAP, CAP_SYS_PTRACE, CAP_SYS_ADMIN = 8, 19, 21
+from gputrace.caps import CAP_SYS_PTRACE
+
+CAP_SETPCAP = 8
 NAMESPACES = ("ipc", "uts", "net", "cgroup", "pid", "mnt")  # mnt last: the others are opened by /proc path
 LAUNCH_FAILED = 125
 _PR_SET_KEEPCAPS, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 8, 24, 38
@@ -85,15 +87,6 @@ class Credentials:
 def credentials(proc_fd: int) -> Credentials:
     with open("status", opener=lambda name, flags: os.open(name, flags, dir_fd=proc_fd)) as f:
         return Credentials.parse(f.read())
-
-
-def own_namespace(pid: int, ns: str) -> bool:
-    """Whether ``pid`` shares our namespace ``ns`` (an unreadable one counts as shared)."""
-    try:
-        a, b = os.stat(f"/proc/self/ns/{ns}"), os.stat(f"/proc/{int(pid)}/ns/{ns}")
-    except OSError:
-        return True
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def trusted_binary(path: str) -> bool:

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from gputrace.probes.procfs import ns_chain
+from gputrace.probes.procfs import ns_chain, ns_pid
 
 PROC = Path("/proc")
 _RESCAN_S = 0.02  # at most this often per peer: a peer sending unknown tids cannot keep /proc busy
@@ -27,9 +27,9 @@ class PeerIds:
     def __init__(self, host_pid: int, proc: Path = PROC) -> None:
         self.host_pid = host_pid
         self._task_dir = proc / str(host_pid) / "task"
-        chain = ns_chain(proc / str(host_pid) / "status")
-        self.nested = len(chain) > 1 and chain[0] == host_pid
-        self.own_pid = chain[-1] if self.nested else host_pid
+        own = ns_pid(host_pid, proc / str(host_pid) / "status")
+        self.nested = own != 0
+        self.own_pid = own or host_pid
         self._tids: dict[int, int] = {}
         self._scanned = 0.0
         self.unmapped = 0

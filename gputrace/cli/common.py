@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-from pathlib import Path
 
 from gputrace.errors import UserError
 
@@ -50,10 +48,3 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError("must be 0 to 65535 (0: any free port)")
     return value
-
-
-def refuse_same_file(out: Path, source: str | os.PathLike[str]) -> None:
-    """Writing the output over the file being read would destroy it (with --force, silently)."""
-    src = Path(source)
-    if out.exists() and src.exists() and out.samefile(src):
-        raise UserError(f"{out} is the capture being read; choose another output name")

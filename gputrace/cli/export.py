@@ -46,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.otlp:
         return _run_otlp(args, min_gap_ns)
     out = Path(args.perfetto)
-    check_output_path(out, force=args.force)
-    common.refuse_same_file(out, args.capture)
+    check_output_path(out, force=args.force, source=args.capture)
     with open_capture(args.capture) as reader:
         report, why = load_report(reader, min_gap_ns)
         if why:
@@ -67,8 +66,7 @@ def export_perfetto(capture_path: str | os.PathLike[str], out_path: str | os.Pat
                     force: bool = False, report: dict[str, Any] | None = None) -> ExportResult:
     """Write ``out_path`` from a capture (stalls drawn when ``report`` is given); refuses to overwrite."""
     out = Path(out_path)
-    check_output_path(out, force=force)
-    common.refuse_same_file(out, capture_path)
+    check_output_path(out, force=force, source=capture_path)
     with open_capture(capture_path) as reader:
         return perfetto_from_reader(reader, out, report=report)
 

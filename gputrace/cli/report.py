@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
     common.require_positive("--min-gap-ms", args.min_gap_ms)
     html_out = Path(args.html) if args.html else None
     if html_out is not None:
-        check_output_path(html_out, force=args.force)
-        common.refuse_same_file(html_out, args.capture)
+        check_output_path(html_out, force=args.force, source=args.capture)
     with open_capture(args.capture) as reader:
         report = analyze(reader, min_gap_ns=max(1, int(args.min_gap_ms * 1e6)))
         if reader.trailer and reader.trailer.get("stop_reason"):  # how the capture ended, for "complete" to say
