@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from agent_harness import wait_for
 
 from gputrace.capture import CaptureReader
+from gputrace.probes import procfs
 from gputrace.records import ProcFork, SourceStatus, Syscall
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
@@ -168,20 +170,11 @@ def test_a_held_command_ends_when_gputrace_is_killed_before_releasing_it(tmp_pat
     probes load), the command must not wait forever as an orphan."""
     p = subprocess.Popen([sys.executable, "-m", "gputrace", "capture", "-o", "x.gputrace", "--", "sleep", "60"],
                          cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    children: list[int] = []
-    deadline = time.monotonic() + 10
-    while not children and time.monotonic() < deadline:
-        children = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
-                    for c in Path(f"/proc/{p.pid}/task/{t}/children").read_text().split()]
-        time.sleep(0.01)
-    assert children, "no held child"
+    children = wait_for(lambda: procfs.descendants(p.pid), 10, "the held child")
     p.kill()
     p.wait()
     held = children[0]
-    deadline = time.monotonic() + 10
-    while _waiting(held) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _waiting(held), "the held command is still waiting"
+    wait_for(lambda: not _waiting(held), 10, "the held command to stop waiting")
 
 
 def _waiting(pid: int) -> bool:

@@ -86,13 +86,18 @@ def _loading(tmp_path: Path, **popen: Any) -> subprocess.Popen[str]:
     return cap
 
 
-def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> None:
-    cap = _loading(tmp_path, preexec_fn=_sigint_default)
+def _interrupt(cap: subprocess.Popen[str], sig: int) -> str:
+    """Send ``sig`` and wait for the capture to end; its stderr."""
     try:
-        cap.send_signal(signal.SIGINT)
-        _, err = cap.communicate(timeout=60)
+        cap.send_signal(sig)
+        return cap.communicate(timeout=60)[1]
     finally:
         cap.kill()
+
+
+def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> None:
+    cap = _loading(tmp_path, preexec_fn=_sigint_default)
+    err = _interrupt(cap, signal.SIGINT)
     assert cap.returncode == 130, err
     assert err.strip().endswith("gputrace: interrupted before tracing began; nothing was written"), err
     assert "Traceback" not in err and not list(tmp_path.iterdir())
@@ -101,13 +106,9 @@ def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> No
 def test_sigterm_while_probes_load_leaves_nothing_behind(tmp_path: Path) -> None:
     """Not the partial file, and not the command held (forked, not yet exec'd) until tracing starts."""
     cap = _loading(tmp_path)
-    try:
-        held = [int(p) for p in Path(f"/proc/{cap.pid}/task/{cap.pid}/children").read_text().split()]
-        assert held, "the command is forked before the capture file is created"
-        cap.send_signal(signal.SIGTERM)
-        _, err = cap.communicate(timeout=60)
-    finally:
-        cap.kill()
+    held = [int(p) for p in Path(f"/proc/{cap.pid}/task/{cap.pid}/children").read_text().split()]
+    err = _interrupt(cap, signal.SIGTERM)
+    assert held, "the command is forked before the capture file is created"
     assert cap.returncode == 143, err
     assert err.strip().endswith("gputrace: interrupted before tracing began; nothing was written"), err
     assert not list(tmp_path.iterdir())

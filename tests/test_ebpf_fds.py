@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agent_harness import wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.analysis.objects import classify
@@ -103,13 +104,11 @@ def test_os_dup_is_followed_and_short_fcntls_stay_aggregated(tmp_path: Path) -> 
 
 def _blocked_in(pid: int, nr: int, timeout_s: float = 10.0) -> None:
     """Until ``pid`` sleeps in syscall ``nr`` (from /proc/PID/syscall): the handshake for a lock wait."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def blocked() -> bool:
         got = procfs.blocked_syscall(pid, pid)
-        if got is not None and got[0] == nr and procfs.thread_state(pid, pid) == "S":
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"pid {pid} never blocked in syscall {nr}")
+        return got is not None and got[0] == nr and procfs.thread_state(pid, pid) == "S"
+
+    wait_for(blocked, timeout_s, f"pid {pid} to block in syscall {nr}")
 
 
 def test_a_lock_wait_names_the_file_and_is_a_wait_on_the_holder(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+
+from agent_harness import wait_for
 
 from gputrace.probes import procfs
 
@@ -15,14 +16,9 @@ def test_blocked_syscall_of_a_reader_and_of_a_kernel_thread() -> None:
     p = subprocess.Popen([sys.executable, "-c", "import os, sys; os.read(int(sys.argv[1]), 1)", str(r)],
                          pass_fds=(r,))
     try:
-        deadline = time.monotonic() + 10
-        got = None
-        while time.monotonic() < deadline:
-            got = procfs.blocked_syscall(p.pid, p.pid)
-            if got == (0, r) and procfs.thread_state(p.pid, p.pid) == "S":
-                break
-            time.sleep(0.01)
-        assert got == (0, r)  # read(2) is nr 0 on x86_64, its first argument the fd
+        wait_for(lambda: procfs.thread_state(p.pid, p.pid) == "S" and procfs.blocked_syscall(p.pid, p.pid) == (0, r),
+                 10, "the reader to block")
+        assert procfs.blocked_syscall(p.pid, p.pid) == (0, r)  # read(2) is nr 0 on x86_64, its first argument the fd
     finally:
         os.write(w, b"x")
         p.wait(10)

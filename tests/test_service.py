@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_harness import wait_for
 
 from gputrace.capture import CaptureReader
 from gputrace.daemon.service_auth import authorize
@@ -219,9 +220,8 @@ def test_a_thread_id_is_refused_as_a_target(svc: Svc) -> None:
     code = "import threading,time\nt=threading.Thread(target=time.sleep,args=(60,));t.start()\ntime.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        tasks = Path(f"/proc/{proc.pid}/task")
-        while len(os.listdir(tasks)) < 2:
-            time.sleep(0.01)
+        tasks = f"/proc/{proc.pid}/task"
+        wait_for(lambda: len(os.listdir(tasks)) >= 2, 10, "the second thread")
         tid = max(int(t) for t in os.listdir(tasks))
         reply = svc.ask({"op": "capture", "pids": [tid], "duration_s": 1})
     finally:
