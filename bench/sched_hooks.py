@@ -28,11 +28,11 @@ from pathlib import Path
 from gputrace.capture import CaptureReader
 from gputrace.daemon.writer import source_capture
 from gputrace.probes.ebpf import EbpfSource
-from gputrace.probes.ebpf_hooks import RAW_ONLY, SCHED_TRACEPOINTS
+from gputrace.probes.ebpf_hooks import RAW_SCHED_ONLY, SCHED_TRACEPOINTS
 from gputrace.records import OffCpu
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHED = {name for _, name in SCHED_TRACEPOINTS + RAW_ONLY}
+SCHED = {name for _, name, _ in SCHED_TRACEPOINTS + RAW_SCHED_ONLY}
 HOOKS = ("raw", "classic")
 
 PINGPONG = """

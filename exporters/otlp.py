@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from gputrace import __version__, clock
+from gputrace.analysis.devices import SHARED, ReportDevices
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
 
@@ -217,13 +218,13 @@ def record_spans(report: dict[str, Any], header: dict[str, Any], processor: Span
     cap = report.get("capture", {})
     start = int(cap.get("start_ns") or header.get("start_ns", 0))
     end = int(cap.get("end_ns") or start)
-    simulated = {int(d["id"]): bool(d.get("simulated")) for d in report.get("devices", [])}
+    devices = ReportDevices(report)
     host = str(cap.get("host") or header.get("host", ""))
     root = tracer.start_span("gputrace capture", start_time=clock.to_realtime_ns(start, offset),
                              attributes=_capture_attrs(report, host))
     ctx = trace.set_span_in_context(root)
     for stall in report.get("stalls", []):
-        _stall_span(tracer, ctx, stall, offset, host, simulated)
+        _stall_span(tracer, ctx, stall, offset, host, devices)
     root.end(end_time=clock.to_realtime_ns(max(end, start), offset))
     provider.shutdown()
 
@@ -243,8 +244,10 @@ def _capture_attrs(report: dict[str, Any], host: str) -> dict[str, Any]:
 
 
 def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: int, host: str,
-                simulated: dict[int, bool]) -> None:
+                devices: ReportDevices) -> None:
     device = int(stall.get("device", 0))
+    pid = stall.get("device_pid")
+    key = (int(pid), device) if type(pid) is int and pid >= 0 else (SHARED, device)
     cause = str(stall.get("cause", "unknown"))
     attrs: dict[str, Any] = {
         "gpu.device": device,
@@ -252,8 +255,12 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
         "gputrace.duration_ns": int(stall.get("duration_ns", 0)),
         "gputrace.via": [str(v) for v in stall.get("via", [])],
         "gputrace.capture.host": host,
-        "gputrace.simulated": simulated.get(device, False),
+        "gputrace.simulated": devices.info.get(key, ("", False))[1],
     }
+    if key[0] != SHARED:
+        attrs["gputrace.device.pid"] = key[0]
+    if key in devices.uuids:
+        attrs["gputrace.device.uuid"] = devices.uuids[key]
     for key, value in stall.get("culprit", {}).items():
         if isinstance(value, (str, bool, int, float)):
             attrs[f"gputrace.culprit.{key}"] = value

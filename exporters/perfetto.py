@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
 from gputrace.records import (
@@ -118,7 +119,7 @@ class _Run(Canvas):
         self.launches = LaunchMatcher(self.flows, pending_cap)
         self.samples = CpuSamples(sink.put, self.tracks.thread, pending_cap)
         self.report = report
-        self.devices: dict[int, tuple[str, bool]] = {}
+        self.devices = ReportDevices(report)
         self.collectives: dict[tuple[int, int], Collective] = {}
         self.skipped: dict[str, int] = {}
         self.not_drawn: dict[str, int] = {}
@@ -288,20 +289,13 @@ class _Run(Canvas):
 
     # -- GPU ------------------------------------------------------------------------------------------
 
-    def device_track(self, dev: int) -> int:
-        return self.tracks.track(("gpu", dev), self.device_name(dev))
-
-    def device_name(self, dev: int) -> str:
-        name, simulated = self.devices.get(dev, ("", False))
-        label = f"GPU {dev}: {name}" if name else f"GPU {dev}"
-        return label + " (simulated)" if simulated else label
+    def device_track(self, key: DeviceKey) -> int:
+        return self.tracks.track(("gpu", *key), self.devices.label(key))
 
     def gpu_device(self, r: GpuDevice) -> None:
-        old = self.devices.get(r.id)
-        simulated = bool(r.simulated) or bool(old and old[1])
-        self.devices[r.id] = (r.name or (old[0] if old else ""), simulated)
-        if self.devices[r.id] != old:
-            self.tracks.rename(("gpu", r.id), self.device_name(r.id))
+        changed = self.devices.seen(r)
+        if changed is not None:
+            self.tracks.rename(("gpu", *changed), self.devices.label(changed))
 
     def cuda_api(self, r: CudaApi) -> None:
         for rec, flow in self.launches.api(r):
@@ -321,26 +315,27 @@ class _Run(Canvas):
                        {"correlation_id": r.correlation_id, "api": r.api, "result": r.result}, flows)
             return
         s, e = self.span(r.start_ns, r.end_ns)
-        lane = self.stream_lanes(r.device, r.pid, r.stream).place(s, e)
+        lane = self.stream_lanes(self.devices.key(r.pid, r.device), r.pid, r.stream).place(s, e)
         name, args = activity_slice(r, self.collectives.pop((r.pid, r.correlation_id), None))
         flows = flows + tuple(self.stall_links.take(evidence_key("gpu", r.pid, 0, r.start_ns)))
         self.slice(lane.uuid, s, e, name, _CAT["gpu"], args, flows)
 
-    def stream_lanes(self, dev: int, pid: int, stream: int) -> LaneSet:
+    def stream_lanes(self, dev: DeviceKey, pid: int, stream: int) -> LaneSet:
         def make(n: int) -> int:
             parent = self.device_track(dev)
             label = f"stream {stream}" + (f" #{n + 1}" if n else "")
-            return self.tracks.track(("stream", dev, pid, stream, n), label, parent, f"pid {pid}")
-        return self.laneset(("stream", dev, pid, stream), make)
+            return self.tracks.track(("stream", *dev, pid, stream, n), label, parent, f"pid {pid}")
+        return self.laneset(("stream", *dev, pid, stream), make)
 
     def gpu_sync(self, r: GpuSync) -> None:
         s, e = self.span(r.start_ns, r.end_ns)
+        dev = self.devices.key(r.pid, r.device)
 
         def make(n: int) -> int:
-            return self.tracks.track(("sync", r.device, n), "sync" + (f" #{n + 1}" if n else ""),
-                                     self.device_track(r.device), "host waits for the device")
+            return self.tracks.track(("sync", *dev, n), "sync" + (f" #{n + 1}" if n else ""),
+                                     self.device_track(dev), "host waits for the device")
 
-        lane = self.laneset(("sync", r.device), make).place(s, e)
+        lane = self.laneset(("sync", *dev), make).place(s, e)
         args = {"pid": r.pid, "tid": r.tid, "kind": r.kind, "stream": r.stream, "correlation_id": r.correlation_id}
         self.slice(lane.uuid, s, e, f"sync {r.kind}", _CAT["gpu"], args)
 
@@ -355,8 +350,8 @@ class _Run(Canvas):
         self.collectives[(r.pid, r.correlation_id)] = r
 
     def nvml(self, r: NvmlSample) -> None:
-        uuid = self.tracks.counter(("nvml", r.device, r.metric), r.metric, self.device_track(r.device),
-                                   unit_of(r.metric))
+        dev = (SHARED, r.device)  # NVML's index: a real device's key (analysis/devices.py)
+        uuid = self.tracks.counter(("nvml", *dev, r.metric), r.metric, self.device_track(dev), unit_of(r.metric))
         self.put(pp.counter_event(r.ts, uuid, r.value))
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -375,21 +370,19 @@ class _Run(Canvas):
     # -- stalls (from the report) ---------------------------------------------------------------------
 
     def _write_stalls(self) -> None:
-        for dev in (self.report or {}).get("devices", []) or []:
-            if isinstance(dev, dict) and isinstance(dev.get("id"), int) and dev["id"] not in self.devices:
-                self.devices[dev["id"]] = (str(dev.get("name", "")), bool(dev.get("simulated")))
         for i, stall in enumerate(self.stall_links.stalls):
             self.guarded(self._write_stall, stall, self.stall_links.flows_of(i))
 
     def _write_stall(self, st: dict[str, Any], flows: list[int]) -> None:
-        dev = st.get("device", 0) if isinstance(st.get("device", 0), int) else 0
+        num, pid = st.get("device", 0), st.get("device_pid", SHARED)
+        dev = (pid if type(pid) is int and pid >= 0 else SHARED, num if type(num) is int else 0)
         s, e = self.span(int(st["start_ns"]), int(st["end_ns"]))
 
         def make(n: int) -> int:
-            return self.tracks.track(("stalls", dev, n), "stalls" + (f" #{n + 1}" if n else ""),
+            return self.tracks.track(("stalls", *dev, n), "stalls" + (f" #{n + 1}" if n else ""),
                                      self.device_track(dev), "GPU idle gaps and what they waited on")
 
-        lane = self.laneset(("stalls", dev), make).place(s, e)
+        lane = self.laneset(("stalls", *dev), make).place(s, e)
         cause = str(st.get("cause", "unknown"))
         args = stall_args(st, e - s)
         self.put(pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, cause, category=_CAT["stall"],

@@ -21,6 +21,7 @@ from gputrace.probes import ebpf_build as build
 from gputrace.probes import ebpf_final as final
 from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes import events, procfs
+from gputrace.probes.ebpf_hooks import wanted_tracepoints
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
     check_host,
@@ -33,7 +34,7 @@ from gputrace.probes.ebpf_host import (
     unload_in_background,
 )
 from gputrace.probes.filemaps import Key, MappedFiles, ReceivedFds
-from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers, wanted_tracepoints
+from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers
 from gputrace.records import (
     Drops,
     ProcExit,

@@ -18,22 +18,16 @@ from typing import Any
 from gputrace.errors import UserError
 from gputrace.probes.btf import VMLINUX, kernel_btf, struct_offset
 from gputrace.probes.ebpf_host import tracepoint_exists
-from gputrace.probes.syscalls import raw_syscalls_supported
+from gputrace.probes.syscalls import (
+    OTHER_TRACEPOINTS,
+    RAW_PURPOSE,
+    RAW_SCHED_ONLY,
+    SCHED_TRACEPOINTS,
+    SPECS,
+    raw_syscalls_supported,
+)
 
 HOOKS = ("auto", "raw", "classic")
-# (category, tracepoint): each served by the program gt_<tracepoint>.
-SCHED_TRACEPOINTS = (
-    ("sched", "sched_switch"),
-    ("sched", "sched_waking"),
-    ("irq", "irq_handler_entry"),
-    ("irq", "irq_handler_exit"),
-    ("irq", "softirq_entry"),
-    ("irq", "softirq_exit"),
-    ("timer", "hrtimer_expire_entry"),
-    ("timer", "hrtimer_expire_exit"),
-)
-# Raw only: a wakeup that came before its task was off its CPU (see gputrace.bpf.c, early_wake).
-RAW_ONLY = (("sched", "sched_wakeup"),)
 
 
 class RawAttachFailed(Exception):
@@ -93,6 +87,25 @@ def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     return flags
 
 
+def wanted_tracepoints(syscall_hook: str | None = None, sched_hook: str | None = None) -> list[tuple[str, str, str]]:
+    """(category, name, purpose) of every tracepoint the eBPF source attaches with these hooks ("raw" or
+    "classic"; None: what this machine would use)."""
+    if syscall_hook is None:
+        syscall_hook = "raw" if not _raw_unsupported("syscall") else "classic"
+    if sched_hook is None:
+        sched_hook = "raw" if not _raw_unsupported("sched") else "classic"
+    out = list(OTHER_TRACEPOINTS) + list(SCHED_TRACEPOINTS)
+    if sched_hook == "raw":
+        out += RAW_SCHED_ONLY
+    if syscall_hook == "raw":
+        out += [("raw_syscalls", "sys_enter", RAW_PURPOSE), ("raw_syscalls", "sys_exit", RAW_PURPOSE)]
+        return out
+    for s in SPECS:
+        out.append(("syscalls", f"sys_enter_{s.name}", s.purpose))
+        out.append(("syscalls", f"sys_exit_{s.name}", s.purpose))
+    return out
+
+
 def first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -117,7 +130,7 @@ def attach_syscalls(bpf: Any, hook: str, want: str, names: list[str]) -> tuple[l
 
 def attach_sched(bpf: Any, hook: str, want: str) -> list[str]:
     """Attach the scheduler and interrupt programs; the tracepoints this kernel lacks."""
-    wanted = SCHED_TRACEPOINTS + (RAW_ONLY if hook == "raw" else ())
+    wanted = [(c, n) for c, n, _ in SCHED_TRACEPOINTS + (RAW_SCHED_ONLY if hook == "raw" else ())]
     present = [(c, n) for c, n in wanted if tracepoint_exists(c, n)]
     if hook == "raw":
         _attach_raw(bpf, "sched", want, [(n, f"gt_{n}") for _, n in present])

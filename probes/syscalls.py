@@ -97,22 +97,29 @@ SPECS: tuple[SyscallSpec, ...] = (
 
 BY_NAME: dict[str, SyscallSpec] = {s.name: s for s in SPECS}
 
+# (category, name, purpose). The scheduler and interrupt group can hang on raw or classic tracepoints
+# (gputrace.probes.ebpf_hooks); each is served by the program gt_<name>.
 OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("task", "task_newtask", "follow forked children and threads"),
     ("sched", "sched_process_exec", "process exec"),
     ("sched", "sched_process_exit", "process and thread exit"),
+    ("block", "block_io_start", "block requests, in the submitter's context (else block_rq_issue)"),
+    ("block", "block_rq_complete", "block request completion"),
+    ("filemap", "mm_filemap_fault", "waits in page faults on file mappings (mmap'd datasets; Linux 6.11+)"),
+)
+SCHED_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("sched", "sched_switch", "off-CPU intervals"),
     ("sched", "sched_waking", "who woke a waiting thread"),
-    ("sched", "sched_wakeup", "who woke a thread still switching out when its wakeup began"),
     ("irq", "irq_handler_entry", "wakeups from hard interrupts (no task to blame)"),
     ("irq", "irq_handler_exit", "wakeups from hard interrupts (no task to blame)"),
     ("irq", "softirq_entry", "wakeups from softirqs (network receive, block completion)"),
     ("irq", "softirq_exit", "wakeups from softirqs (network receive, block completion)"),
     ("timer", "hrtimer_expire_entry", "wakeups by timers (sleeps, timeouts)"),
     ("timer", "hrtimer_expire_exit", "wakeups by timers (sleeps, timeouts)"),
-    ("block", "block_io_start", "block requests, in the submitter's context (else block_rq_issue)"),
-    ("block", "block_rq_complete", "block request completion"),
-    ("filemap", "mm_filemap_fault", "waits in page faults on file mappings (mmap'd datasets; Linux 6.11+)"),
+)
+# Raw only: a wakeup that came before its task was off its CPU (see gputrace.bpf.c, early_wake).
+RAW_SCHED_ONLY: tuple[tuple[str, str, str], ...] = (
+    ("sched", "sched_wakeup", "who woke a thread still switching out when its wakeup began"),
 )
 
 
@@ -132,21 +139,6 @@ def raw_syscalls_supported() -> bool:
             return bool(BPF.support_raw_tracepoint())
     except Exception:  # noqa: BLE001 - no bcc: the classic tracepoints are what doctor should check
         return False
-
-
-def wanted_tracepoints(hook: str | None = None) -> list[tuple[str, str, str]]:
-    """(category, name, purpose) of every tracepoint the eBPF source attaches with syscall ``hook``
-    ("raw" or "classic"; None: what this machine would use)."""
-    if hook is None:
-        hook = "raw" if raw_syscalls_supported() else "classic"
-    out = list(OTHER_TRACEPOINTS)
-    if hook == "raw":
-        out += [("raw_syscalls", "sys_enter", RAW_PURPOSE), ("raw_syscalls", "sys_exit", RAW_PURPOSE)]
-        return out
-    for s in SPECS:
-        out.append(("syscalls", f"sys_enter_{s.name}", s.purpose))
-        out.append(("syscalls", f"sys_exit_{s.name}", s.purpose))
-    return out
 
 
 _NR_RE = re.compile(r"^#define __NR_(\w+)\s+(\d+)\s*$", re.M)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import Any
 
 from agent_harness import wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.piped import PipedChild
 
 from gputrace.analysis.objects import classify
 from gputrace.probes import procfs
@@ -37,38 +37,40 @@ def _tree(base: Path) -> Path:
     return base
 
 
-@contextmanager
-def _workload(scenario: str, base: Path, *extra: str, pass_fds: tuple[int, ...] = ()) -> Iterator[Any]:
-    proc = subprocess.Popen([sys.executable, str(WORKLOADS / "fdcalls.py"), scenario, str(base), *extra],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=pass_fds)  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().split()
+class FdCalls(PipedChild):
+    """tests/workloads/fdcalls.py: says "ready", waits for "go", runs its scenario, says "done ..."."""
+
+    def __init__(self, scenario: str, base: Path, *extra: str, pass_fds: tuple[int, ...] = ()) -> None:
+        super().__init__([sys.executable, str(WORKLOADS / "fdcalls.py"), scenario, str(base), *extra], pass_fds)
+        line = self.readline().split()
         assert line[:1] == ["ready"], line
-        yield proc
+
+    def go(self) -> None:
+        self.send("go")
+
+    def done(self) -> list[str]:
+        words = self.readline().split()
+        assert words[:1] == ["done"], words
+        assert self.proc.wait(timeout=30) == 0
+        return words[1:]
+
+
+@contextmanager
+def _workload(scenario: str, base: Path, *extra: str, pass_fds: tuple[int, ...] = ()) -> Iterator[FdCalls]:
+    child = FdCalls(scenario, base, *extra, pass_fds=pass_fds)
+    try:
+        yield child
     finally:
-        proc.kill()
-        proc.wait()
-
-
-def _go(proc: Any) -> None:
-    proc.stdin.write("go\n")
-    proc.stdin.flush()
-
-
-def _done(proc: Any) -> list[str]:
-    words: list[str] = proc.stdout.readline().split()
-    assert words[:1] == ["done"], words
-    assert proc.wait(timeout=30) == 0
-    return words[1:]
+        child.proc.kill()
+        child.proc.wait()
 
 
 def _capture(tmp_path: Path, scenario: str, **kw: Any) -> tuple[list[Any], list[str], int]:
     base = _tree(tmp_path / "tree")
     path = tmp_path / f"{scenario}.gputrace"
     with _workload(scenario, base) as proc, ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS, **kw):
-        _go(proc)
-        out = _done(proc)
+        proc.go()
+        out = proc.done()
     records, _ = read_capture(path)
     return records, out, proc.pid
 
@@ -118,12 +120,12 @@ def test_a_lock_wait_names_the_file_and_is_a_wait_on_the_holder(tmp_path: Path) 
     held = os.open(lockfile, os.O_RDWR)
     fcntl.lockf(held, fcntl.LOCK_EX)
     with _workload("lock", base) as proc, ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS):
-        _go(proc)
-        assert proc.stdout.readline().strip() == "locking"
+        proc.go()
+        assert proc.readline() == "locking"
         _blocked_in(proc.pid, syscall_numbers()["fcntl"])
         time.sleep(0.05)  # held on purpose: the wait's length is what the test measures
         fcntl.lockf(held, fcntl.LOCK_UN)
-        _done(proc)
+        proc.done()
     os.close(held)
     records, _ = read_capture(path)
     waits = [s for s in of(records, Syscall) if s.pid == proc.pid and s.name == "fcntl" and s.arg == F_SETLKW]
@@ -144,10 +146,10 @@ def test_fds_received_over_a_unix_socket_are_named(tmp_path: Path) -> None:
     with ours, _workload("recv", base, str(theirs.fileno()), pass_fds=(theirs.fileno(),)) as proc:
         theirs.close()
         with ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS):
-            _go(proc)
+            proc.go()
             fd = os.open(shard, os.O_RDONLY)
             socket.send_fds(ours, [b"x"], [fd, rpipe])
-            _done(proc)
+            proc.done()
             os.close(fd)
     records, _ = read_capture(path)
     assert _reads(records, proc.pid) == [str(shard)]

@@ -87,7 +87,14 @@ def test_wanted_tracepoints_follow_the_hook() -> None:
     assert {("raw_syscalls", "sys_enter"), ("raw_syscalls", "sys_exit")} <= raw
     assert not [c for c, _ in raw if c == "syscalls"]
     assert ("syscalls", "sys_enter_pread64") in classic and ("raw_syscalls", "sys_enter") not in classic
-    assert wanted_tracepoints() == wanted_tracepoints("raw")  # what this x86_64 kernel uses
+    assert wanted_tracepoints() == wanted_tracepoints("raw", "raw")  # what this x86_64 kernel with BTF uses
+
+
+def test_sched_wakeup_is_wanted_only_with_the_raw_scheduler_hooks() -> None:
+    # Only the raw scheduler programs use sched_wakeup (early wakeups): doctor must not ask for it otherwise.
+    assert ("sched", "sched_wakeup") in {(c, n) for c, n, _ in wanted_tracepoints("raw", "raw")}
+    classic = {(c, n) for c, n, _ in wanted_tracepoints("raw", "classic")}
+    assert ("sched", "sched_wakeup") not in classic and ("sched", "sched_switch") in classic
 
 
 def test_unknown_hook_is_a_user_error() -> None:
@@ -138,7 +145,7 @@ def test_raw_and_classic_scheduler_hooks_name_the_same_wakers(tmp_path: Path) ->
 def test_each_raw_scheduler_program_reports_its_skips(tmp_path: Path) -> None:
     src, _, _, _ = _handoffs(tmp_path, "skips")
     assert src.sched == "raw"
-    assert {name for _, name in ebpf_hooks.SCHED_TRACEPOINTS} <= set(src.skipped())
+    assert {name for _, name, _ in ebpf_hooks.SCHED_TRACEPOINTS} <= set(src.skipped())
     assert program_skips(None) == {}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.piped import PipedChild
 
 from gputrace.records import FdInfo, Syscall
 
@@ -44,16 +44,13 @@ def echo_server() -> Iterator[int]:
 def test_fds_resolve_to_files_and_peers(tmp_path: Path, echo_server: int) -> None:
     data = tmp_path / "data.bin"
     data.write_bytes(b"x" * 8192)
-    proc = subprocess.Popen([sys.executable, str(WORKLOADS / "fdtree.py"), str(data), str(echo_server)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert proc.stdout is not None and proc.stdin is not None
-    pid = int(proc.stdout.readline().split()[1])
+    tree = PipedChild([sys.executable, str(WORKLOADS / "fdtree.py"), str(data), str(echo_server)])
+    pid = int(tree.readline().split()[1])
     path = tmp_path / "fd.gputrace"
     with ebpf_capture(path, [pid], threshold_ns=0):
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        child = int(proc.stdout.readline().split()[1])
-        assert proc.wait(timeout=10) == 0
+        tree.send("go")
+        child = int(tree.readline().split()[1])
+        assert tree.proc.wait(timeout=10) == 0
     records, _ = read_capture(path)
     peer = f"127.0.0.1:{echo_server}"
 

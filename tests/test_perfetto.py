@@ -37,6 +37,7 @@ from gputrace.records import (
 
 MS = 1_000_000
 T0 = 10_000 * MS
+H100_UUID = "GPU-5e0c1a7e-2b1f-4a8e-9d3c-7f1e2a3b4c5d"
 
 
 def _capture(tmp: Path, records: Sequence[tuple[Any, ...]], *, batch: int = 0) -> Path:
@@ -133,7 +134,7 @@ def test_block_requests_go_to_non_overlapping_lanes(tmp_path: Path) -> None:
 
 
 def _gpu_records() -> list[tuple[Any, ...]]:
-    recs = _proc(200, "python", (201, "python")) + [GpuDevice(0, "Simulated A100", True, "sim-0", 200)]
+    recs = _proc(200, "python", (201, "python")) + [GpuDevice(0, "NVIDIA H100 80GB HBM3", False, H100_UUID, 200)]
     for i in range(20):
         launch = CudaApi(200, 201, "cudaLaunchKernel", T0 + i * MS, T0 + i * MS + 20_000, 1000 + i, "runtime", 0)
         kernel = GpuKernel(200, 0, 1, 7 + i % 2, T0 + i * MS + 50_000, T0 + i * MS + 600_000, 1000 + i,
@@ -155,7 +156,7 @@ def _gpu_records() -> list[tuple[Any, ...]]:
 
 def test_gpu_streams_api_and_launch_flows(tmp_path: Path) -> None:
     check, result = _export(tmp_path, _gpu_records())
-    dev = check.track("GPU 0: Simulated A100 (simulated)")
+    dev = check.track("GPU 0: NVIDIA H100 80GB HBM3")
     names = [t.name for t in check.children(dev)]
     assert {"stream 7", "stream 8", "sync", "gpu_util_pct", "power_mw"} <= set(names)
     api = check.track("CUDA API", parent="python")
@@ -191,7 +192,9 @@ def test_unmatched_launches_are_bounded_and_noted(tmp_path: Path) -> None:
     assert any("50 launch/GPU record(s) without their other end" in n for n in result.notes)
 
 
-def _stall_report() -> dict[str, Any]:
+def _stall_report(simulated: bool = True) -> dict[str, Any]:
+    """A report on pid 100's simulated device 0 (its own, so `pid` and `device_pid` say whose), or on a real
+    GPU 0 that any process may share."""
     culprit = {"pid": 100, "tid": 101, "comm": "loader", "op": "pread64", "object": "/data/shard-1.bin",
                "bytes": 65536, "duration_ns": 8 * MS}
     evidence = [
@@ -200,11 +203,18 @@ def _stall_report() -> dict[str, Any]:
         {"pid": 100, "tid": 100, "kind": "wakeup", "what": "woken", "start_ns": T0 + MS, "end_ns": T0 + 10 * MS},
         {"pid": 100, "tid": 101, "kind": "syscall", "what": "never recorded", "start_ns": 5, "end_ns": 6},
     ]
+    dev: dict[str, Any] = {"id": 0, "name": "Simulated A100", "simulated": True, "busy_ns": 0, "idle_ns": 0,
+                           "pid": 100, "cuda_ids": [{"pid": 100, "id": 0}]}
+    where: dict[str, Any] = {"device": 0, "device_pid": 100}
+    if not simulated:
+        dev = {"id": 0, "name": "NVIDIA H100 80GB HBM3", "simulated": False, "busy_ns": 0, "idle_ns": 0,
+               "uuid": H100_UUID, "cuda_ids": [{"pid": 100, "id": 0}]}
+        where = {"device": 0}
     return {"schema": "gputrace.report/1",
-            "devices": [{"id": 0, "name": "Simulated A100", "simulated": True, "busy_ns": 0, "idle_ns": 0}],
-            "stalls": [{"device": 0, "start_ns": T0 + 1 * MS, "end_ns": T0 + 10 * MS, "duration_ns": 9 * MS,
+            "devices": [dev],
+            "stalls": [{**where, "start_ns": T0 + 1 * MS, "end_ns": T0 + 10 * MS, "duration_ns": 9 * MS,
                         "cause": "storage", "via": ["wait:pid 100"], "culprit": culprit, "evidence": evidence},
-                       {"device": 0, "start_ns": T0 + 20 * MS, "end_ns": T0 + 22 * MS, "duration_ns": 2 * MS,
+                       {**where, "start_ns": T0 + 20 * MS, "end_ns": T0 + 22 * MS, "duration_ns": 2 * MS,
                         "cause": "unknown", "via": [], "culprit": {}, "evidence": []}]}
 
 
@@ -329,7 +339,7 @@ process trainer
   thread loader
 process fuse-srv (untraced)
   thread fuse-srv
-track GPU 0: Simulated A100 (simulated)
+track GPU 0: NVIDIA H100 80GB HBM3
   track stream 7
   counter gpu_util_pct
   track stalls
@@ -339,7 +349,7 @@ track block loop0
 
 def test_golden_track_tree(tmp_path: Path) -> None:
     recs = _proc(100, "trainer", (101, "loader")) + [
-        GpuDevice(0, "Simulated A100", True, "sim-0", 100),
+        GpuDevice(0, "NVIDIA H100 80GB HBM3", False, H100_UUID, 100),
         OffCpu(100, 100, T0, T0 + MS, "S", T0 + MS // 2, 300, 301, "fuse-srv"),
         CudaApi(100, 100, "cudaLaunchKernel", T0 + MS, T0 + MS + 10, 1, "runtime", 0),
         GpuKernel(100, 0, 1, 7, T0 + 2 * MS, T0 + 3 * MS, 1, "k", (1, 1, 1), (1, 1, 1)),
@@ -347,7 +357,7 @@ def test_golden_track_tree(tmp_path: Path) -> None:
         BlockIO(100, 101, "loader", "loop0", 0, 4096, "R", T0, T0 + MS),
         NvmlSample(T0, 0, "gpu_util_pct", 50.0),
     ]
-    check, _ = _export(tmp_path, recs, report=_stall_report())
+    check, _ = _export(tmp_path, recs, report=_stall_report(simulated=False))
     assert check.tree() == GOLDEN_TREE
 
 

@@ -13,17 +13,20 @@ from gputrace.analysis.synth import Builder
 from gputrace.cli import main
 
 TRAINER, WORKER = 100, 200
+H100, OTHER_GPU = "GPU-5e0c1a7e-2b1f-4a8e-9d3c-7f1e2a3b4c5d", "GPU-00c0ffee-0000-4000-8000-000000000001"
 HOSTILE = "/data/<script>alert(1)</script>.bin"
 
 
 def storage_capture(path: Path, *, complete: bool = True, obj: str = "/data/shard-7.bin") -> Path:
-    b = Builder().proc(TRAINER, "python").device(TRAINER).proc(WORKER, "worker", TRAINER)
+    # The trainer's CUDA device 0 is NVML's device 1 (CUDA_VISIBLE_DEVICES=1): the UUID joins them.
+    b = Builder().proc(TRAINER, "python").proc(WORKER, "worker", TRAINER).nvml_devices(OTHER_GPU, H100)
+    b.device(TRAINER, simulated=False, name="NVIDIA H100 80GB HBM3", uuid=H100)
     b.op(TRAINER, TRAINER, 0, 0, 10, "fwd")
     b.op(TRAINER, TRAINER, 39.95, 40, 50, "bwd")
     b.syscall(TRAINER, TRAINER, "read", 9, 39.9, "pipe").offcpu(TRAINER, TRAINER, 9, 39.9, "S", 39.8,
                                                                 (WORKER, WORKER, "worker"))
     b.syscall(WORKER, WORKER, "pread64", 11, 39, obj, 4 << 20).block(WORKER, WORKER, 11.1, 38.9, 4 << 20)
-    b.nvml(0, 20, 97.0)
+    b.nvml(1, 20, 97.0).nvml(0, 20, 3.0)
     return b.write(path, complete=complete)
 
 
@@ -35,7 +38,9 @@ def test_json_is_the_contract_schema(tmp_path: Path, capsys: pytest.CaptureFixtu
     s = report["stalls"][0]
     assert (s["cause"], s["culprit"]["object"], s["culprit"]["pid"]) == ("storage", "/data/shard-7.bin", WORKER)
     assert report["summary"]["by_cause"] == {"storage": s["duration_ns"]}
-    assert report["devices"][0]["nvml_util_pct"] == 97.0
+    [dev] = report["devices"]
+    assert (dev["id"], dev["uuid"], dev["nvml_util_pct"], dev["simulated"]) == (1, H100, 97.0, False)
+    assert dev["cuda_ids"] == [{"pid": TRAINER, "id": 0}] and "pid" not in dev and s["device"] == 1
 
 
 def test_terminal_report_names_cause_culprit_and_verdict(tmp_path: Path) -> None:

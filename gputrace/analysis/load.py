@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
 from gputrace.capture import CaptureReader
 from gputrace.records import (
     BlockIO,
@@ -37,7 +38,6 @@ from gputrace.records import (
 
 GpuOp = GpuKernel | GpuMemcpy | GpuMemset
 FAULT_OP = "page_fault"  # the name a PageFault takes among a thread's blocking calls
-DeviceKey = tuple[int, int]  # (owning pid or -1 for a shared physical device, device id)
 
 
 class Intervals:
@@ -84,6 +84,7 @@ class Capture:
     header: dict[str, Any]
     ops: dict[DeviceKey, list[GpuOp]] = field(default_factory=dict)
     devices: dict[DeviceKey, GpuDevice] = field(default_factory=dict)
+    device_map: DeviceMap = field(default_factory=lambda: DeviceMap(()))
     launches: dict[tuple[int, int], CudaApi] = field(default_factory=dict)
     collectives: dict[tuple[int, int], Collective] = field(default_factory=dict)
     syscalls: dict[int, Intervals] = field(default_factory=dict)
@@ -101,7 +102,7 @@ class Capture:
     pids: set[int] = field(default_factory=set)
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
-    nvml: dict[int, list[float]] = field(default_factory=dict)  # device -> [sum, count] of gpu_util_pct
+    nvml: dict[int, list[float]] = field(default_factory=dict)  # NVML index -> [sum, count] of gpu_util_pct
     drops: list[Drops] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     malformed: int = 0  # records skipped because a field had the wrong type
@@ -125,7 +126,7 @@ class _Loader:
         self.cap = Capture(header=header)
         self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}}
         self.by_dev: dict[str, list[BlockIO]] = {}
-        self.shared_ids: set[int] = set()
+        self.gpu_devices: dict[tuple[int, int], GpuDevice] = {}
         self.faults: dict[tuple[int, int], PageFault] = {}  # (tid, start_ns) -> the fault, its last wait's end
         self.samples: dict[int, list[tuple[int, int]]] = {}  # tid -> [(ts, stack id)]
 
@@ -172,9 +173,7 @@ class _Loader:
         self._span(start, end)
 
     def device(self, r: GpuDevice) -> None:
-        self.cap.devices[(r.pid, r.id)] = r
-        if not r.simulated:
-            self.shared_ids.add(r.id)
+        self.gpu_devices[(r.pid, r.id)] = r
 
     def fault(self, r: PageFault) -> None:
         """A wait in a page fault on a file mapping is explained as a blocking call named "page_fault" (its
@@ -189,7 +188,7 @@ class _Loader:
         self.cap.kernel_pids.add(r.pid)
         self._span(r.start_ns, r.end_ns)
 
-    def finish(self) -> Capture:
+    def finish(self, nvml_meta: Any = None) -> Capture:
         cap, raw = self.cap, self.raw
         for f in self.faults.values():
             obj = f.obj or f"inode {f.ino} on {cap.block_names.get(f.dev, f.dev)}"
@@ -201,22 +200,20 @@ class _Loader:
         cap.blocks_by_dev = {d: Intervals(v, "issue_ns", "complete_ns") for d, v in self.by_dev.items()}
         cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
         cap.samples = {t: Samples(v) for t, v in self.samples.items()}
-        self._merge_shared_devices()
+        self._merge_shared_devices(nvml_meta)
         for ops in cap.ops.values():
             ops.sort(key=lambda o: (o.start_ns, o.end_ns))
         return cap
 
-    def _merge_shared_devices(self) -> None:
-        """A real GPU is one device whatever process uses it; a simulated one belongs to its process."""
+    def _merge_shared_devices(self, nvml_meta: Any) -> None:
+        """One timeline per GPU, whichever processes use it and whatever they number it (analysis/devices.py)."""
         cap = self.cap
+        cap.device_map = dmap = DeviceMap(self.gpu_devices.values(), nvml_uuids(nvml_meta))
+        cap.devices = dict(dmap.by_key)
         merged: dict[DeviceKey, list[GpuOp]] = {}
         for (pid, dev), ops in cap.ops.items():
-            key = (-1, dev) if dev in self.shared_ids else (pid, dev)
-            merged.setdefault(key, []).extend(ops)
+            merged.setdefault(dmap.key(pid, dev), []).extend(ops)
         cap.ops = merged
-        for (_pid, dev), info in list(cap.devices.items()):
-            if dev in self.shared_ids:
-                cap.devices[(-1, dev)] = info
 
 
 def _nvml(ld: _Loader, r: NvmlSample) -> None:
@@ -353,7 +350,7 @@ def load(reader: CaptureReader) -> Capture:
     for r in reader.records():
         add(r)
     ld.cap.block_names = _block_names(reader.meta.get("ebpf"))
-    cap = ld.finish()
+    cap = ld.finish(reader.meta.get("nvml"))
     cap.complete = reader.complete
     cap.problem = reader.problem
     cap.reader_drops = dict(reader.drops)

@@ -97,7 +97,7 @@ def in_progress(cap: Capture) -> list[dict[str, Any]]:
 
 
 def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:
-    info = cap.devices.get(tl.key) or cap.devices.get((-1, tl.key[1]))
+    info = cap.devices.get(tl.key)
     window = tl.last_ns - tl.first_ns
     out: dict[str, Any] = {
         "id": tl.key[1], "name": info.name if info else "", "simulated": bool(info.simulated) if info else False,
@@ -108,7 +108,13 @@ def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:
     }
     if tl.key[0] >= 0:
         out["pid"] = tl.key[0]
-    nvml = cap.nvml.get(tl.key[1])
+    uuid = cap.device_map.uuids.get(tl.key)
+    if uuid:
+        out["uuid"] = uuid
+    named = cap.device_map.cuda_ids().get(tl.key)
+    if named:  # how each process numbers it (CUDA_VISIBLE_DEVICES renumbers): what exporters place records by
+        out["cuda_ids"] = [{"pid": pid, "id": dev} for pid, dev in named]
+    nvml = cap.nvml.get(tl.key[1]) if tl.key[0] < 0 else None  # a real device is keyed by NVML's index
     if nvml and nvml[1]:
         out["nvml_util_pct"] = round(nvml[0] / nvml[1], 1)
     return out

@@ -39,6 +39,7 @@ def ns(ms: float) -> int:
 class Builder:
     def __init__(self) -> None:
         self.records: list[Any] = []
+        self.meta: dict[str, dict[str, Any]] = {}
         self._corr = 0
 
     def proc(self, pid: int, comm: str, ppid: int = 1) -> Builder:
@@ -49,8 +50,18 @@ class Builder:
         self.records.append(ThreadInfo(ns(0), pid, tid, comm))
         return self
 
-    def device(self, pid: int, dev: int = 0, simulated: bool = True, name: str = "sim-gpu") -> Builder:
-        self.records.append(GpuDevice(dev, name, simulated, f"uuid-{pid}-{dev}", pid))
+    def device(self, pid: int, dev: int = 0, simulated: bool = True, name: str = "sim-gpu",
+               uuid: str | None = None) -> Builder:
+        """Process ``pid``'s CUDA device ``dev``. A real one's UUID defaults to one per ``dev``: processes
+        naming the same id name the same GPU."""
+        if uuid is None:
+            uuid = f"uuid-{pid}-{dev}" if simulated else f"GPU-00000000-0000-0000-0000-{dev:012x}"
+        self.records.append(GpuDevice(dev, name, simulated, uuid, pid))
+        return self
+
+    def nvml_devices(self, *uuids: str) -> Builder:
+        """The NVML source's device list: index i is ``uuids[i]``."""
+        self.meta["nvml"] = {"devices": [{"index": i, "name": "gpu", "uuid": u} for i, u in enumerate(uuids)]}
         return self
 
     def op(self, pid: int, tid: int, launch_ms: float, start_ms: float, end_ms: float, name: str = "k",
@@ -100,6 +111,7 @@ class Builder:
         return self
 
     def nvml(self, dev: int, at_ms: float, util: float) -> Builder:
+        """A utilization sample of NVML's device ``dev`` (its index)."""
         self.records.append(NvmlSample(ns(at_ms), dev, "gpu_util_pct", util))
         return self
 
@@ -121,6 +133,8 @@ class Builder:
               header: dict[str, Any] | None = None, trailer: dict[str, Any] | None = None) -> Path:
         hdr = {**host_header(["synthetic"]), "start_ns": BASE_NS, **(header or {})}
         w = CaptureWriter(path, hdr, force=True)
+        for source, meta in self.meta.items():
+            w.write_meta(source, meta)
         w.write(self.records)
         cut = w.partial_path.stat().st_size
         end = max((_end(r) for r in self.records), default=BASE_NS)

@@ -9,8 +9,13 @@ from collections.abc import Sequence
 class PipedChild:
     """A child process started with pipes for stdin and stdout; subclasses add the workload's handshake."""
 
-    def __init__(self, argv: Sequence[str]) -> None:
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv: Sequence[str], pass_fds: Sequence[int] = ()) -> None:
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     pass_fds=tuple(pass_fds))  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def readline(self) -> str:
         assert self.proc.stdout is not None
