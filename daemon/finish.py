@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,6 @@ def analyse_and_export(result: CaptureResult, opts: CaptureOptions, log: Callabl
         result.perfetto_path = out
         log(f"Wrote {out}")
     log("Next:")
-    log(f"  gputrace report {result.capture_path}")
+    log(f"  gputrace report {shlex.quote(str(result.capture_path))}")
     if result.perfetto_path:
-        log(f"  gputrace view {result.perfetto_path}")
+        log(f"  gputrace view {shlex.quote(str(result.perfetto_path))}")

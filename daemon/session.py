@@ -373,10 +373,12 @@ def _nothing() -> None:
 
 
 def _catch_signals(stop: threading.Event) -> Callable[[], None]:
-    """Ctrl-C and SIGTERM end the capture cleanly (only possible from the main thread)."""
+    """Ctrl-C, SIGTERM and SIGHUP (the terminal or ssh session went away) end the capture cleanly; a SIGHUP
+    ignored (nohup) stays ignored. Only possible from the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN}
     for sig in previous:
         signal.signal(sig, lambda *_: stop.set())
 

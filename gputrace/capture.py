@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,9 @@ def check_output_path(path: Path, *, force: bool, source: str | os.PathLike[str]
     unwritable directory, before any work starts."""
     if path.is_dir():
         raise UserError(f"{path} is a directory")
+    kind = _special_kind(path)
+    if kind:  # the output replaces what is there: never a device node, FIFO or socket, even with --force
+        raise UserError(f"{path} is {kind}, not a file; choose a file name")
     if os.path.lexists(path) and not force:  # lexists: a dangling symlink planted there counts too
         raise UserError(f"{path} exists; use --force to overwrite it")
     if source is not None and path.exists() and Path(source).exists() and path.samefile(source):
@@ -187,6 +191,28 @@ def check_output_path(path: Path, *, force: bool, source: str | os.PathLike[str]
         raise UserError(f"directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"directory {parent} is not writable")
+
+
+def _special_kind(path: Path) -> str:
+    """What ``path`` is when it, or what it links to (/dev/stdout), is a device node, FIFO or socket ("" when
+    it is a file, a link to one, a dangling link or nothing)."""
+    for look, prefix in ((os.lstat, ""), (os.stat, "a link to ")):
+        try:
+            mode = look(path).st_mode
+        except OSError:
+            return ""
+        for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                           (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+            if test(mode):
+                return prefix + kind
+    if os.path.islink(path) and os.readlink(path).startswith("/proc/"):
+        return "a link to a process's open file"  # /dev/stdout redirected to a file: the link would be replaced
+    return ""
+
+
+# How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.
+_FRAME_STARTS = (b"\x93\xa1R", b"\x92\xa1K", b"\x93\xa1M", b"\x92\xa1T")
+_FRAME_START_LEN = 3
 
 
 class CaptureReader:
@@ -204,7 +230,8 @@ class CaptureReader:
         self.header = self._read_header()
         self.meta: dict[str, dict[str, Any]] = {}
         self.trailer: dict[str, Any] | None = None
-        self.problem = ""  # why the capture is incomplete, when it is
+        self.problem = ""  # why the capture is incomplete, when it is (the first thing found)
+        self.skipped_bytes = 0  # damaged bytes passed over to read the frames after them
         self.drops: dict[str, int] = {}
 
     def _new_unpacker(self) -> msgpack.Unpacker:
@@ -215,8 +242,10 @@ class CaptureReader:
     def _read_header(self) -> dict[str, Any]:
         try:
             frame = self._unpacker.unpack()
-        except Exception:
+        except msgpack.OutOfData:
             raise CorruptCapture(self._unreadable()) from None
+        except Exception:
+            raise CorruptCapture(self._unreadable(corrupt=True)) from None
         if not (isinstance(frame, list) and len(frame) == 2 and frame[0] == "H" and isinstance(frame[1], dict)):
             raise CorruptCapture(self._unreadable())
         header = frame[1]
@@ -226,10 +255,12 @@ class CaptureReader:
             raise CorruptCapture(f"{self.path}: unsupported capture format {header.get('format')!r}")
         return header
 
-    def _unreadable(self) -> str:
+    def _unreadable(self, corrupt: bool = False) -> str:
         """Why there is no header, from what the first bytes say the file is."""
         self._file.seek(0)
         head = self._file.read(16)
+        if head.startswith(HEADER_PREFIX) and corrupt:
+            return f"{self.path}: a capture with a corrupt header (damaged bytes): nothing can be read"
         if head.startswith(HEADER_PREFIX):
             return f"{self.path}: a capture cut off inside its header, before any record: nothing to read"
         if not head:
@@ -253,25 +284,38 @@ class CaptureReader:
     def close(self) -> None:
         self._file.close()
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def records(self) -> Iterator[tuple[Any, ...]]:
         """Every record in file order. Raw kernel events come out decoded, fds resolved to objects."""
         self._file.seek(0)
         self._unpacker = self._new_unpacker()
         self._unpacker.skip()
         self.trailer, self.problem, self.drops = None, "", {}
+        self.skipped_bytes = 0
         decoder = None
+        base = 0  # the file offset the unpacker started at
         while True:
-            offset = self._unpacker.tell()
+            offset = base + self._unpacker.tell()
             try:
                 frame = self._unpacker.unpack()
             except msgpack.OutOfData:
                 if self.trailer is None:
-                    self.problem = (f"cut off at byte {offset} (no trailer: the capture did not end cleanly, "
-                                    "or is still being written)")
+                    self._problem(f"cut off at byte {offset} (no trailer: the capture did not end cleanly, "
+                                  "or is still being written)")
+                if self.skipped_bytes:
+                    self.problem += f"; {self.skipped_bytes:,} damaged bytes skipped, the frames after them read"
                 return
-            except Exception as e:  # msgpack raises several types on garbage
-                self.problem = f"corrupt at byte {offset}: {type(e).__name__}"
-                return
+            except Exception as e:  # msgpack raises several types on garbage: go on at the next frame
+                resume = self._next_frame(offset + 1)
+                self._problem(f"corrupt at byte {offset}: {type(e).__name__}")
+                if resume is None:
+                    return
+                self.skipped_bytes += resume - offset
+                self._file.seek(resume)
+                self._unpacker, base = self._new_unpacker(), resume
+                continue
             try:
                 tag = frame[0]
                 if tag == "R":
@@ -291,9 +335,30 @@ class CaptureReader:
                     self.drops.update(self.trailer.get("drops", {}))
                 else:
                     raise ValueError(f"unknown frame {tag!r}")
-            except (TypeError, ValueError, IndexError, KeyError) as e:
-                self.problem = f"corrupt frame at byte {offset}: {e}"
-                return
+            except (TypeError, ValueError, IndexError, KeyError) as e:  # this frame only: the next may be sound
+                self._problem(f"corrupt frame at byte {offset}: {e}")
+
+    def _problem(self, why: str) -> None:
+        """The first problem names the capture's; later ones are counted in ``skipped_bytes``, not told."""
+        if not self.problem:
+            self.problem = why
+
+    def _next_frame(self, start: int) -> int | None:
+        """The offset of the first frame start (a record, kernel-event, metadata or trailer frame) at or after
+        ``start``, by its first bytes; None when there is none. A match inside damaged data fails to read in
+        turn and the search goes on after it, so each byte is searched a bounded number of times."""
+        self._file.seek(start)
+        pos, tail = start, b""
+        while True:
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                return None
+            data = tail + chunk
+            hits = [i for i in (data.find(m) for m in _FRAME_STARTS) if i >= 0]
+            if hits:
+                return pos - len(tail) + min(hits)
+            tail = data[-(_FRAME_START_LEN - 1):]
+            pos += len(chunk)
 
     def _rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]]:
         cls = RECORD_TYPES[kind]

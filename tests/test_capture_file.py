@@ -55,6 +55,37 @@ def test_garbage_after_header_is_reported_corrupt(tmp_path: Path) -> None:
         assert not r.complete and r.problem
 
 
+def test_a_damaged_frame_loses_only_itself(tmp_path: Path) -> None:
+    """Bytes flipped inside one batch: the batches after it and the trailer (with its drop counts) are still
+    read, and the capture says what was skipped."""
+    w = CaptureWriter(tmp_path / "a.gputrace", host_header(["test"]))
+    for batch in range(10):
+        w.write([GpuKernel(42, 0, 1, 7, i * 10, i * 10 + 5, i, f"k{i}", (1, 1, 1), (32, 1, 1))
+                 for i in range(batch * 100, batch * 100 + 100)])  # fmt: skip
+    path = w.close({"end_ns": 10_000, "drops": {"ebpf.ringbuf": 7}, "complete": True})
+    data = bytearray(path.read_bytes())
+    frame5 = data.index(b"k500")  # inside the sixth batch
+    data[frame5 : frame5 + 64] = bytes(b ^ 0xFF for b in data[frame5 : frame5 + 64])
+    path.write_bytes(bytes(data))
+    with CaptureReader(path) as r:
+        names = {x.name for x in r.records() if isinstance(x, GpuKernel)}
+        assert not r.complete and r.problem.startswith("corrupt at byte") and "damaged bytes skipped" in r.problem
+        assert r.trailer is not None and r.drops == {"ebpf.ringbuf": 7} and r.skipped_bytes > 0
+    assert len(names) == 900 and "k499" in names and "k600" in names and "k550" not in names
+
+
+def test_a_damaged_header_is_not_called_cut_off(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.gputrace")
+    data = bytearray(path.read_bytes())
+    data[300] = 0xC1  # never valid msgpack, inside the header's host metadata
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCapture, match="a capture with a corrupt header"):
+        open_capture(path)
+    path.write_bytes(bytes(data[:200]))
+    with pytest.raises(CorruptCapture, match="cut off inside its header"):
+        open_capture(path)
+
+
 def test_not_a_capture(tmp_path: Path) -> None:
     p = tmp_path / "x.gputrace"
     p.write_bytes(os.urandom(64))

@@ -49,6 +49,9 @@ def test_a_command_is_captured_from_the_gpu_side_alone(tmp_path: Path) -> None:
                                        capture_output=True, text=True, timeout=60, cwd=ROOT).stdout)
     assert report["capture"]["ebpf_missing"].startswith("kernel headers for")
     assert report["devices"] and report["devices"][0]["stalls"] > 0
+    # No stall can be traced to input without the host side: the verdict must not say "not input-bound".
+    assert report["summary"]["input_bound"]["verdict"].startswith("unknown (no host-side data")
+    assert "input-bound: unknown (no host-side data: the capture ran without eBPF)" in r.stderr
 
 
 def test_a_running_process_is_followed_through_proc_until_it_exits(tmp_path: Path) -> None:

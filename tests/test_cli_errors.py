@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from agent_harness import wait_for
 from test_capture_cli import capture_until_exit
 
 from gputrace.analysis.synth import Builder
-from gputrace.capture import CaptureReader
+from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.cli import main
 from gputrace.errors import UserError
 from gputrace.exporters.perfetto import PerfettoExporter
@@ -179,6 +181,74 @@ def test_dangling_symlink_at_the_output_needs_force(tmp_path: Path, capsys: pyte
     assert out.is_symlink() and not (tmp_path / "elsewhere").exists()
     assert main(["export", str(cap), "--perfetto", str(out), "-f"]) == 0
     assert not out.is_symlink() and out.is_file() and not (tmp_path / "elsewhere").exists()
+
+
+def test_force_never_replaces_a_device_node_fifo_or_redirected_stdout(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # sudo gputrace export ... --perfetto /dev/null -f used to leave a regular file where /dev/null was.
+    cap = _capture(tmp_path / "a.gputrace")
+    null, fifo, stdout = tmp_path / "null", tmp_path / "fifo", tmp_path / "stdout"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mkfifo(fifo)
+    stdout.symlink_to("/proc/self/fd/1")
+    cases = [(null, "is a character device, not a file"), (fifo, "is a FIFO, not a file"),
+             (stdout, "is a link to a process's open file, not a file")]
+    for out, message in cases:
+        for argv in (["export", str(cap), "--perfetto", str(out), "-f"],
+                     ["report", str(cap), "--html", str(out), "-f"]):
+            assert main(argv) == 2, argv
+            assert message in capsys.readouterr().err
+    null_capture = tmp_path / "null.gputrace"
+    os.mknod(null_capture, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    r = _run("capture", "-f", "-o", str(null_capture), "--", "true", cwd=tmp_path)
+    assert r.returncode == 2 and "is a character device, not a file" in r.stderr, r.stderr
+    assert stat.S_ISCHR(os.lstat(null_capture).st_mode) and stat.S_ISCHR(os.lstat(null).st_mode)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stdout.is_symlink()
+
+
+def _long_capture(path: Path, n: int = 200_000) -> Path:
+    """A capture whose Perfetto export takes seconds: ``n`` syscalls of one thread."""
+    w = CaptureWriter(path, {**host_header(["test"]), "start_ns": 0}, force=True)
+    w.write_rows("ProcInfo", [[0, TRAINER, 1, "python", ["python"], "/usr/bin/python3"]])
+    for base in range(0, n, 10_000):
+        w.write_rows("Syscall", [[TRAINER, TRAINER, "read", i * 10_000, i * 10_000 + 5_000, 4096, 3, "/data/x.bin",
+                                  4096, 0] for i in range(base, base + 10_000)])  # fmt: skip
+    w.close({"end_ns": n * 10_000, "drops": {}, "complete": True})
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_export_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    # SIGHUP: the ssh session running it closed. The partial trace (tens of MB on a real capture) must go.
+    cap = _long_capture(tmp_path / "big.gputrace")
+    proc = subprocess.Popen([*GPUTRACE, "export", str(cap), "--perfetto", "out.pftrace"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(lambda: list(tmp_path.glob(".out.pftrace.*.partial")), 60, "the export to start writing")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().endswith(f"gputrace: stopped by {sig.name}") and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.gputrace"]
+
+
+def test_long_export_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    cap = _long_capture(tmp_path / "big.gputrace", 300_000)
+    primary, secondary = pty.openpty()
+    with os.fdopen(primary, "rb", buffering=0) as term:
+        proc = subprocess.Popen([*GPUTRACE, "export", str(cap), "--perfetto", "a.pftrace"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=secondary)  # fmt: skip
+        os.close(secondary)
+        out, _ = proc.communicate(timeout=120)
+        seen = b""
+        with contextlib.suppress(OSError):  # EIO once the child's side is closed and drained
+            while chunk := term.read(4096):
+                seen += chunk
+    assert proc.returncode == 0 and b"Wrote a.pftrace" in out
+    lines = seen.decode().replace("\r\x1b[K", "\n").replace("\r", "\n").split("\n")
+    shown = [line for line in lines if re.fullmatch(r"gputrace: writing a\.pftrace: \d+% of [\d.]+ MB", line)]
+    assert shown, seen
+    r = _run("export", str(cap), "--perfetto", "b.pftrace", cwd=tmp_path)  # stderr a pipe: nothing
+    assert r.returncode == 0 and r.stderr == ""
 
 
 def test_perfetto_export_never_writes_through_a_planted_temporary(tmp_path: Path) -> None:

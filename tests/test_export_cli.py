@@ -121,6 +121,21 @@ def test_bad_arguments(capture: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["export", str(capture), "--perfetto", str(tmp_path / "o.pftrace"), "--min-gap-ms", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["export", str(capture)])  # neither --perfetto nor --otlp
+    assert main(["export", str(capture), "--otlp", ""]) == 2
+    assert "--otlp needs an endpoint" in capsys.readouterr().err
+    assert main(["export", str(capture), "--perfetto", ""]) == 2
+    assert "--perfetto needs an output file name" in capsys.readouterr().err
+
+
+def test_records_lost_while_recording_are_told(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The trailer counts 1234 events the kernel ring buffer dropped: the export must not look whole.
+    w = CaptureWriter(tmp_path / "lossy.gputrace", host_header(["test"]))
+    w.write([ProcInfo(T0, 1, 0, "x", ["x"], "/x"), Syscall(1, 1, "read", T0, T0 + 5, 0, 0, "", 0, 0)])
+    cap = w.close({"complete": True, "drops": {"ebpf.ringbuf": 1234, "agent.pid1.queue": 0}})
+    assert main(["export", str(cap), "--perfetto", str(tmp_path / "lossy.pftrace")]) == 0
+    err = capsys.readouterr().err
+    assert "gputrace: warning: the capture lost 1234 records (ebpf.ringbuf=1234) while recording" in err
+    assert "incomplete" not in err
 
 
 _FULL_DISK = """

@@ -14,7 +14,7 @@ from gputrace.analysis.load import load
 from gputrace.analysis.report import CAUSES, SCHEMA, assemble
 from gputrace.capture import CaptureReader
 
-__all__ = ["CAUSES", "SCHEMA", "analyze", "fmt_ms", "summary_lines"]
+__all__ = ["CAUSES", "SCHEMA", "analyze", "fmt_ms", "lost_records", "summary_lines"]
 
 
 def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, Any]:
@@ -28,6 +28,14 @@ def fmt_ms(ns: int) -> str:
     return f"{ns / 1e6:.1f} ms"
 
 
+def lost_records(drops: dict[str, int]) -> str:
+    """"1234 records (ebpf.ringbuf=1200, agent.pid42.queue=34)", or "" when no source lost any."""
+    lost = {k: v for k, v in drops.items() if type(v) is int and v > 0}
+    if not lost:
+        return ""
+    return f"{sum(lost.values())} records ({', '.join(f'{k}={v}' for k, v in lost.items())})"
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """The short form printed at the end of a capture."""
     cap, summ = report["capture"], report["summary"]
@@ -35,9 +43,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if not cap["complete"]:
         lines.append("INCOMPLETE capture" + (f": {cap['problem']}" if cap.get("problem") else "")
                      + " — results cover what was recorded")
-    lost = sum(v for v in cap["drops"].values() if v > 0)
+    lost = lost_records(cap["drops"])
     if lost:
-        lines.append(f"LOST {lost} records ({', '.join(f'{k}={v}' for k, v in cap['drops'].items() if v)})")
+        lines.append(f"LOST {lost}")
     if cap.get("ebpf_missing"):
         lines.append(f"note: no eBPF in this capture ({cap['ebpf_missing']}): GPU stalls are found, but none "
                      "can be given a host-side cause")
@@ -74,6 +82,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         for c in report.get("top_culprits", [])[:3]:
             lines.append(f"  {c['share_pct']:5.1f}%  {c['kind']}: {c['culprit']}")
         ib = summ["input_bound"]
-        lines.append(f"input-bound: {ib['pct']:.1f}% of GPU time waiting on input ({ib['verdict']}; "
-                     "TF profiler thresholds 5%/20%, for comparison)")
+        if cap.get("ebpf_missing"):
+            lines.append("input-bound: unknown (no host-side data: the capture ran without eBPF)")
+        else:
+            lines.append(f"input-bound: {ib['pct']:.1f}% of GPU time waiting on input ({ib['verdict']}; "
+                         "TF profiler thresholds 5%/20%, for comparison)")
     return lines

@@ -142,7 +142,9 @@ def input_bound(report: dict[str, Any]) -> dict[str, Any]:
     window = report["summary"]["window_ns"]
     ns = sum(s["duration_ns"] for s in report["stalls"] if is_input_stall(s))
     pct = 100.0 * ns / window if window else 0.0
-    if pct >= INPUT_BOUND_HIGH:
+    if report["capture"].get("ebpf_missing"):
+        verdict = "unknown (no host-side data: the capture ran without eBPF)"  # no stall can show as input
+    elif pct >= INPUT_BOUND_HIGH:
         verdict = "highly input-bound"
     elif pct >= INPUT_BOUND_MODERATE:
         verdict = "moderately input-bound"

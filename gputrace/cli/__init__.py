@@ -8,6 +8,7 @@ import errno
 import importlib
 import os
 import pkgutil
+import signal
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -64,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    from gputrace.cli.common import Terminated, catch_termination
+
+    restore = catch_termination()
     try:
         rc = int(args._run(args) or 0)
         sys.stdout.flush()  # a full disk under `report --json > r.json` shows here, not at exit
@@ -75,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = f"{e.filename}: " if e.filename else ""
         print(f"gputrace: error: {what}{e.strerror or e} (run as root, e.g. with sudo)", file=sys.stderr)
         return PermissionDenied.exit_code
+    except Terminated as e:
+        print(f"gputrace: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("gputrace: interrupted", file=sys.stderr)
         return 130
@@ -87,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         print(f"gputrace: error: writing the output: {e.strerror}; it is incomplete", file=sys.stderr)
         return 1
+    finally:
+        restore()
 
 
 _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}  # stdout's file or device failed

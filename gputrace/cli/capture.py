@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import signal
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -71,23 +71,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if sys.stderr.isatty():  # compiling the probes is seconds of silence otherwise (the command is held meanwhile)
         print("gputrace: compiling and loading the eBPF probes (a few seconds)...", file=sys.stderr, flush=True)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # the session takes it over while it traces
-    try:
+    try:  # SIGTERM and SIGHUP unwind like Ctrl-C (cli.main); the session takes them over while it traces
         result = run_capture(opts)
     except KeyboardInterrupt as e:  # outside the traced window: the session cleaned up, say what is left
         _interrupted(opts.output, tracing)
-        return 143 if isinstance(e, _Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        return 128 + e.signum if isinstance(e, common.Terminated) else 130
     return result.exit_code if result.exit_code is not None else 0
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, unwinding like Ctrl-C so the session removes its partial file and its held command."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -134,9 +123,10 @@ def _interrupted(output: Path | None, tracing: list[float]) -> None:
     if written is None:
         print("gputrace: interrupted; the capture was not written", file=sys.stderr)
         return
+    cap, trace = shlex.quote(str(written)), shlex.quote(str(written.with_suffix(".pftrace")))
     print(f"gputrace: interrupted after tracing ended; the capture {written} was written, but its summary "
-          f"and Perfetto trace may be missing: gputrace report {written}; "
-          f"gputrace export {written} --perfetto {written.with_suffix('.pftrace')}", file=sys.stderr)
+          f"and Perfetto trace may be missing: gputrace report {cap}; gputrace export {cap} --perfetto {trace}",
+          file=sys.stderr)
 
 
 def _written_capture(output: Path | None, since: float) -> Path | None:

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from gputrace.errors import UserError
+
+if TYPE_CHECKING:
+    from gputrace.capture import CaptureReader
 
 
 def add_pid(p: argparse.ArgumentParser) -> None:
@@ -48,3 +58,63 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError("must be 0 to 65535 (0: any free port)")
     return value
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, or SIGHUP (the ssh session closed): unwinds like Ctrl-C, so every command removes its partial
+    files and temporary directories on the way out. ``signum`` gives the exit status, 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def catch_termination() -> Callable[[], None]:
+    """SIGTERM and SIGHUP raise Terminated from here on (a SIGHUP ignored, as under nohup, stays ignored);
+    returns what restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, _raise_terminated)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+@contextlib.contextmanager
+def progress(reader: CaptureReader, what: str) -> Iterator[None]:
+    """On a terminal, a line saying how far ``what`` has read into the capture, once a second after the
+    first; erased when done. Nothing when stderr is not a terminal or the work takes under a second."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    fd = reader.fileno()
+    size = max(1, os.fstat(fd).st_size)
+    stop = threading.Event()
+
+    def show() -> None:
+        shown = False
+        while not stop.wait(1.0):
+            done = min(os.lseek(fd, 0, os.SEEK_CUR), size)  # the reader's buffer runs a little ahead
+            print(f"\rgputrace: {what}: {100 * done // size}% of {size / 1e6:,.1f} MB", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            shown = True
+        if shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=show, name="gputrace-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

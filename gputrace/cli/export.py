@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,22 +44,26 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     common.require_positive("--min-gap-ms", args.min_gap_ms)
     min_gap_ns = max(1, int(args.min_gap_ms * 1e6))
-    if args.otlp:
+    if args.otlp is not None:
+        if not args.otlp.strip():
+            raise UserError("--otlp needs an endpoint: host:port (gRPC) or a URL such as http://tempo:4318")
         return _run_otlp(args, min_gap_ns)
+    if not args.perfetto:
+        raise UserError("--perfetto needs an output file name, such as run.pftrace")
     out = Path(args.perfetto)
     check_output_path(out, force=args.force, source=args.capture)
     with open_capture(args.capture) as reader:
-        report, why = load_report(reader, min_gap_ns)
+        with common.progress(reader, "analysing"):
+            report, why = load_report(reader, min_gap_ns)
         if why:
             _warn(f"exporting without stalls: {why}")
-        result = perfetto_from_reader(reader, out, report=report)
-        complete, problem = reader.complete, reader.problem
+        with common.progress(reader, f"writing {out}"):
+            result = perfetto_from_reader(reader, out, report=report)
     _print_notes(result)
-    if not complete:
-        _warn(f"the capture is incomplete: {problem or 'records were lost'}; the trace has what was readable")
+    _warn_losses(reader, "the trace has what was readable")
     print(f"Wrote {out} ({result.items:,} packets)")
     print("Next:")
-    print(f"  gputrace view {out}")
+    print(f"  gputrace view {shlex.quote(str(out))}")
     return 0
 
 
@@ -96,18 +101,28 @@ def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
     from gputrace.exporters.otlp import OtlpExporter
 
     exporter = OtlpExporter(args.otlp, args.protocol, min_gap_ns=min_gap_ns)
-    with open_capture(args.capture) as reader:
+    with open_capture(args.capture) as reader, common.progress(reader, "analysing and sending"):
         result = exporter.write(reader)
-        complete, problem = reader.complete, reader.problem
     _print_notes(result)
-    if not complete:
-        _warn(f"the capture is incomplete: {problem or 'records were lost'}; exported what was readable")
+    _warn_losses(reader, "exported what was readable")
     dropped = f" ({result.dropped:,} dropped)" if result.dropped else ""
     print(f"Sent {result.items:,} spans to {result.target}{dropped}")
     if result.dropped:  # some batches failed: a script must not take this for a full export
         _warn(f"{result.dropped:,} of {result.items + result.dropped:,} spans were not delivered")
         return 1
     return 0
+
+
+def _warn_losses(reader: CaptureReader, what_we_have: str) -> None:
+    """A cut-off capture, and records its sources lost: an export must not look whole when it is not."""
+    from gputrace.analysis import lost_records
+
+    if not reader.complete:
+        _warn(f"the capture is incomplete: {reader.problem or 'records were lost'}; {what_we_have}")
+    lost = lost_records(reader.drops)
+    if lost:
+        _warn(f"the capture lost {lost} while recording: they are missing here too, and stalls near them may "
+              "be unexplained (gputrace report marks them)")
 
 
 def _print_notes(result: ExportResult) -> None:
