@@ -67,7 +67,9 @@ def test_cli_serves_only_the_trace_and_stops_after_fetch(tmp_path: Path) -> None
     finally:
         proc.kill()
     assert proc.returncode == 0
-    assert f"https://ui.perfetto.dev/#!/?url=http://127.0.0.1:{port}/run%201.pftrace" in out
+    # the UI fetches only from 9001 (its CSP), and decodes url= once: the link names 9001, encoded whole
+    assert "https://ui.perfetto.dev/#!/?url=http%3A%2F%2F127.0.0.1%3A9001%2Frun%25201.pftrace" in out
+    assert f"ssh -L 9001:127.0.0.1:{port} HOST" in out
     assert "loaded the trace" in err
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -79,7 +81,8 @@ def test_listens_on_loopback_only(tmp_path: Path) -> None:
     server = TraceServer(trace, 0)
     try:
         assert server.httpd.server_address[0] == "127.0.0.1"
-        assert re.fullmatch(r"https://ui\.perfetto\.dev/#!/\?url=http://127\.0\.0\.1:\d+/t\.pftrace", server.url)
+        assert server.url == "https://ui.perfetto.dev/#!/?url=http%3A%2F%2F127.0.0.1%3A9001%2Ft.pftrace"
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/t\.pftrace", server.file_url)
     finally:
         server.close()
 

@@ -11,14 +11,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gputrace.analysis.notes import malformed_note, no_ebpf_note, skipped_probes_note, waiting_lines
 from gputrace.capture import check_output_path
 from gputrace.errors import UserError
-from gputrace.viewer.terminal import describe, ended, ms, pct
+from gputrace.viewer.terminal import describe, ended, input_bound_text, ms, pct, shown
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-th{background:#f3f3f3}.num{text-align:right}.alert{color:#b00;font-weight:bold}
+th{background:#f3f3f3}.num{text-align:right}.alert{color:#b00;font-weight:bold}.note{color:#960;font-weight:bold}
 .bar{display:inline-block;height:10px;background:#c55}
 """
 
@@ -35,6 +36,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def page(report: dict[str, Any], title: str) -> str:
     cap, summ = report["capture"], report["summary"]
+    title = shown(title)
     parts = [f"<h1>gputrace report {e(title)}</h1>",
              f"<p>host {e(cap['host'])} · {e(ms(cap['end_ns'] - cap['start_ns']))} captured</p>"]
     if not cap["complete"]:
@@ -44,6 +46,7 @@ def page(report: dict[str, Any], title: str) -> str:
     lost = {k: v for k, v in cap["drops"].items() if v}
     if lost:
         parts.append("<p class=alert>LOST RECORDS: " + e(", ".join(f"{k} {v}" for k, v in lost.items())) + "</p>")
+    parts += notes(cap)
     if not report["devices"]:
         parts.append("<p class=alert>No GPU activity in this capture. Captured records:</p>")
         parts.append(table(["kind", "count"], [[e(k), v] for k, v in cap.get("records", {}).items()]))
@@ -64,8 +67,7 @@ def page(report: dict[str, Any], title: str) -> str:
          for c in report.get("top_culprits", [])]))
     ib = summ.get("input_bound", {})
     if ib:
-        parts.append(f"<p>Input-bound: {ib['pct']:.1f}% → {e(ib['verdict'])} (TensorFlow profiler's 5% / 20% "
-                     "thresholds, for comparison).</p>")
+        parts.append(f"<p>{e(input_bound_text(ib))}</p>")
     t0 = cap["start_ns"]
     parts.append("<h2>Stalls</h2>" + table(
         ["at (s)", "device", "duration", "cause", "via", "what it waited on", "lost data?"],
@@ -73,6 +75,19 @@ def page(report: dict[str, Any], title: str) -> str:
           e(" → ".join(s["via"])), e(describe(s)), "yes" if s.get("overlaps_drops") else ""]
          for s in report["stalls"]]))
     return _wrap(title, parts)
+
+
+def notes(cap: dict[str, Any]) -> list[str]:
+    """What the capture could not record: no eBPF, probes the kernel skipped, malformed records, threads still
+    waiting at the stop (every one the report lists)."""
+    out = [f"<p class={cls}>{e(note)}</p>" for note, cls in ((no_ebpf_note(cap), "note"),
+                                                             (skipped_probes_note(cap), "note"),
+                                                             (malformed_note(cap), "alert")) if note]
+    waiting = waiting_lines(cap, len(cap.get("in_progress") or []))
+    if waiting:
+        out.append(f"<p class=note>{e(waiting[0])}</p><ul>"
+                   + "".join(f"<li>{e(line.strip())}</li>" for line in waiting[1:]) + "</ul>")
+    return out
 
 
 def _wrap(title: str, parts: list[str]) -> str:

@@ -1,9 +1,10 @@
 """Open a Perfetto trace in the Perfetto UI the way Perfetto's own tooling does.
 
 The UI (https://ui.perfetto.dev) runs in the browser and fetches the trace from a local HTTP server on
-127.0.0.1:9001 that allows that origin. The server here serves exactly one file under exactly one URL path
-(nothing else on disk is reachable), answers everything else with 404, and stops once the UI has fetched
-the whole file.
+127.0.0.1:9001 that allows that origin: its Content-Security-Policy (connect-src) lets it fetch from that port
+only, so the link always names 9001, and a server on another port needs local port 9001 forwarded to it. The
+server here serves exactly one file under exactly one URL path (nothing else on disk is reachable), answers
+everything else with 404, and stops once the UI has fetched the whole file.
 """
 
 from __future__ import annotations
@@ -11,41 +12,79 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
+import sys
 import threading
 import webbrowser
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 from gputrace.errors import UserError
 
 UI_ORIGIN = "https://ui.perfetto.dev"
-DEFAULT_PORT = 9001
+UI_PORT = 9001  # the one port the UI's Content-Security-Policy lets it fetch from (connect-src http://127.0.0.1:9001)
+DEFAULT_PORT = UI_PORT
 
 
-def ui_url(port: int, name: str) -> str:
-    return f"{UI_ORIGIN}/#!/?url=http://127.0.0.1:{port}/{quote(name)}"
+def url_path(name: str) -> str:
+    """The URL path of a file name: every byte of it but letters, digits and ``_.-~`` percent-encoded (the name
+    need not be UTF-8)."""
+    return "/" + quote(os.fsencode(name), safe="")
+
+
+def ui_url(file_url: str) -> str:
+    """The Perfetto UI link that loads ``file_url``. The UI decodes its ``url=`` argument once before fetching
+    it, so the argument is encoded whole (as the UI's own router writes it): the path reaches the server as
+    ``url_path`` made it, whatever the name holds (``% & + # ?``)."""
+    return f"{UI_ORIGIN}/#!/?url={quote(file_url, safe='')}"
+
+
+def _listen_error(port: int, err: OSError) -> UserError:
+    if port == UI_PORT:
+        hint = ("another viewer running? the Perfetto UI loads traces only from port 9001: stop that one, or serve "
+                "on another --port behind an ssh -L 9001 forward")
+    else:
+        hint = "try another --port"
+    return UserError(f"cannot listen on 127.0.0.1:{port}: {err.strerror} ({hint})")
 
 
 class TraceServer:
-    """Serves one trace file on 127.0.0.1:port until it was fetched once (or ``stop()``)."""
+    """Serves one trace file on 127.0.0.1:port until it was fetched once in full (or ``close()``).
 
-    def __init__(self, path: Path, port: int = DEFAULT_PORT) -> None:
-        self.path = path
-        self.name = path.name
-        self.url_path = "/" + quote(self.name)
+    The port is taken first (``TraceServer(port=P)``), the file named later (``serve_file``): a busy port fails
+    before anything is exported. Until then every request is a 404.
+    """
+
+    def __init__(self, path: Path | None = None, port: int = DEFAULT_PORT) -> None:
+        self.path: Path | None = None
+        self.name = self.url_path = self.url = self.file_url = ""
         self.fetched = threading.Event()
         self._serving = False
         self.requests: list[str] = []
         try:
             self.httpd = _Server(("127.0.0.1", port), _handler_for(self))
         except OSError as e:
-            raise UserError(
-                f"cannot listen on 127.0.0.1:{port}: {e.strerror} (another viewer running? try --port)") from None
+            raise _listen_error(port, e) from None
         self.port = int(self.httpd.server_address[1])
-        self.url = ui_url(self.port, self.name)
+        if path is not None:
+            self.serve_file(path)
+
+    def serve_file(self, path: Path) -> None:
+        self.path, self.name, self.url_path = path, path.name, url_path(path.name)
         self.file_url = f"http://127.0.0.1:{self.port}{self.url_path}"
+        self.url = ui_url(f"http://127.0.0.1:{UI_PORT}{self.url_path}")
+
+    @property
+    def needs_forward(self) -> bool:
+        """Served on a port the UI does not fetch from: local port 9001 must be forwarded to it."""
+        return self.port != UI_PORT
+
+    def is_trace(self, request_path: str) -> bool:
+        """Whether a request's path names the trace, compared decoded: browsers percent-encode only some
+        characters of a path (a space, not ``( ) & + ' ! *``)."""
+        path = request_path.split("?", 1)[0]
+        return unquote_to_bytes(path) == b"/" + os.fsencode(self.name)
 
     def serve_until_fetched(self, timeout_s: float | None = None) -> bool:
         """Handle requests until the file was served completely; False on timeout."""
@@ -69,6 +108,11 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exception(), ConnectionError):  # the browser went away (a reload, a closed tab)
+            return
+        super().handle_error(request, client_address)
+
 
 def _handler_for(server: TraceServer) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(_TraceHandler):
@@ -90,30 +134,43 @@ class _TraceHandler(http.server.BaseHTTPRequestHandler):
 
     def do_OPTIONS(self) -> None:  # noqa: N802 - a browser's CORS / private-network preflight
         self.send_response(204)
-        self.send_header("Access-Control-Allow-Methods", "GET, OPTIONS")
+        self.send_header("Access-Control-Allow-Methods", "GET, HEAD, OPTIONS")
         self.send_header("Access-Control-Allow-Headers", "*")
         self.send_header("Access-Control-Allow-Private-Network", "true")
         self.send_header("Content-Length", "0")
         self.end_headers()
 
     def do_GET(self) -> None:  # noqa: N802
+        if self._send_trace(body=True):
+            self.trace.fetched.set()
+
+    def do_HEAD(self) -> None:  # noqa: N802 - the headers alone: not the fetch the server waits for
+        self._send_trace(body=False)
+
+    def _send_trace(self, body: bool) -> bool:
+        """Answer with the trace; True once all of it was sent."""
         self.trace.requests.append(self.path)
-        if self.path.split("?", 1)[0] != self.trace.url_path:
+        if self.trace.path is None or not self.trace.is_trace(self.path):
             self.send_error(404, "only the trace is served here")
-            return
+            return False
         try:
             f = open(self.trace.path, "rb")  # noqa: SIM115 - closed below
         except OSError:
             self.send_error(404, "the trace file is gone")
-            return
+            return False
         with f:
-            size = os.fstat(f.fileno()).st_size
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(size))
+            self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
             self.end_headers()
-            shutil.copyfileobj(f, self.wfile)
-        self.trace.fetched.set()
+            if not body:
+                return False
+            try:
+                shutil.copyfileobj(f, self.wfile)
+            except ConnectionError:  # the browser dropped the download: not fetched, and nothing to report
+                self.close_connection = True
+                return False
+        return True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass

@@ -1,4 +1,8 @@
-"""The report on a terminal (rich): devices, stall budget by cause, top culprits, the worst stalls."""
+"""The report on a terminal (rich): devices, stall budget by cause, top culprits, the worst stalls.
+
+Whatever comes from the capture (paths, comms, host and device names) goes to rich as ``Text``, never as a
+markup string: a path such as ``/data/[/b]x`` is shown as it was recorded instead of being parsed as markup.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gputrace.analysis.notes import malformed_note, no_ebpf_note, skipped_probes_note, waiting_lines
 from gputrace.analysis.report import culprit_label, pid_text
 
 TOP_STALLS = 10
+TOP_WAITING = 10
 
 
 def ms(ns: int) -> str:
@@ -19,6 +25,22 @@ def ms(ns: int) -> str:
 
 def pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def shown(name: str) -> str:
+    """A name as it can be printed: bytes of a file name that are not UTF-8 (surrogate escapes) become U+FFFD."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a lone surrogate no file name decoding made
+        return name.encode("utf-8", "replace").decode("utf-8")
+
+
+# The capture's caveats, phrased as the capture's end-of-run summary (summary_lines) should phrase them; each is
+# "" (or []) when the report's capture has nothing to say.
+
+
+def _cells(*values: object) -> list[Text]:
+    return [v if isinstance(v, Text) else Text(str(v)) for v in values]
 
 
 def render(report: dict[str, Any], console: Console, capture_name: str = "") -> None:
@@ -39,21 +61,32 @@ def render(report: dict[str, Any], console: Console, capture_name: str = "") -> 
 def _header(report: dict[str, Any], console: Console, name: str) -> None:
     cap = report["capture"]
     span = cap["end_ns"] - cap["start_ns"]
-    console.print(Text(f"gputrace report {name}".rstrip(), style="bold"))
-    console.print(f"host {cap['host'] or '?'} · {ms(span)} captured · pids {', '.join(map(str, cap['pids'])) or '-'}")
+    console.print(Text(f"gputrace report {shown(name)}".rstrip(), style="bold"))
+    pids = ", ".join(map(str, cap["pids"])) or "-"
+    console.print(Text(f"host {cap['host'] or '?'} · {ms(span)} captured · pids {pids}"))
     if not cap["complete"]:
         why = cap.get("problem") or "records were lost"
         console.print(Text(f"INCOMPLETE CAPTURE: {why}. Stalls marked ! overlap missing data.", style="bold red"))
     elif cap.get("stop_reason"):
-        console.print(f"complete: {ended(cap['stop_reason'])}")
+        console.print(Text(f"complete: {ended(cap['stop_reason'])}"))
     lost = {k: v for k, v in cap["drops"].items() if v}
     if lost:
         detail = ", ".join(f"{k} {v:,}" for k, v in lost.items())
         console.print(Text(f"LOST RECORDS: {detail}", style="bold red"))
-    else:
+    elif "no trailer" not in (cap.get("problem") or ""):
         console.print("drops: none")
-    if cap.get("malformed_records"):
-        console.print(Text(f"SKIPPED {cap['malformed_records']:,} malformed records", style="bold red"))
+    else:  # the totals are in the trailer, which a cut-off capture lacks
+        console.print("drops: none counted before the cut (the final counts were never written)")
+    _notes(cap, console)
+
+
+def _notes(cap: dict[str, Any], console: Console) -> None:
+    for note, style in ((no_ebpf_note(cap), "bold yellow"), (skipped_probes_note(cap), "yellow"),
+                        (malformed_note(cap), "bold red")):
+        if note:
+            console.print(Text(note, style=style))
+    for i, line in enumerate(waiting_lines(cap, TOP_WAITING)):
+        console.print(Text(line, style="bold" if i == 0 else ""))
 
 
 _ENDED = {
@@ -78,7 +111,7 @@ def _no_gpu(report: dict[str, Any], console: Console) -> None:
         console.print("The capture is incomplete: its GPU records may be in the part that is missing. Captured:")
     t = Table("record kind", "count", box=None)
     for kind, n in report["capture"].get("records", {}).items():
-        t.add_row(kind, f"{n:,}")
+        t.add_row(*_cells(kind, f"{n:,}"))
     console.print(t)
 
 
@@ -92,8 +125,8 @@ def _devices(report: dict[str, Any]) -> Table:
             name += " [simulated]"
         nvml = f"{d['nvml_util_pct']:.0f}% (measured busy {pct(d['busy_ns'], d['window_ns'])})" \
             if "nvml_util_pct" in d else "not sampled"
-        t.add_row(name, ms(d["window_ns"]), f"{ms(d['busy_ns'])} ({pct(d['busy_ns'], d['window_ns'])})",
-                  str(d["stalls"]), f"{ms(d['stall_ns'])} ({pct(d['stall_ns'], d['window_ns'])})", nvml)
+        t.add_row(*_cells(name, ms(d["window_ns"]), f"{ms(d['busy_ns'])} ({pct(d['busy_ns'], d['window_ns'])})",
+                          d["stalls"], f"{ms(d['stall_ns'])} ({pct(d['stall_ns'], d['window_ns'])})", nvml))
     return t
 
 
@@ -105,7 +138,7 @@ def _budget(report: dict[str, Any]) -> Table:
     t.add_column("% of stall time", justify="right")
     t.add_column("% of GPU window", justify="right")
     for cause, ns in summ["by_cause"].items():
-        t.add_row(cause, ms(ns), pct(ns, summ["stall_ns"]), pct(ns, summ["window_ns"]))
+        t.add_row(*_cells(cause, ms(ns), pct(ns, summ["stall_ns"]), pct(ns, summ["window_ns"])))
     t.add_row("total", ms(summ["stall_ns"]), "100%", pct(summ["stall_ns"], summ["window_ns"]), style="bold")
     return t
 
@@ -115,7 +148,7 @@ def _culprits(report: dict[str, Any]) -> Table:
     for col in ("kind", "culprit", "stall time", "share", "stalls"):
         t.add_column(col, justify="right" if col in ("stall time", "share", "stalls") else "left")
     for c in report.get("top_culprits", []):
-        t.add_row(c["kind"], c["culprit"], ms(c["stall_ns"]), f"{c['share_pct']:.1f}%", str(c["stalls"]))
+        t.add_row(*_cells(c["kind"], c["culprit"], ms(c["stall_ns"]), f"{c['share_pct']:.1f}%", c["stalls"]))
     return t
 
 
@@ -150,8 +183,8 @@ def _worst(report: dict[str, Any]) -> Table:
     worst = sorted(report["stalls"], key=lambda s: -s["duration_ns"])[:TOP_STALLS]
     for s in worst:
         mark = "!" if s.get("overlaps_drops") else ""
-        t.add_row(f"{mark}{(s['start_ns'] - t0) / 1e9:.3f} s", str(s["device"]), ms(s["duration_ns"]), s["cause"],
-                  " → ".join(s["via"]), describe(s))
+        t.add_row(*_cells(f"{mark}{(s['start_ns'] - t0) / 1e9:.3f} s", s["device"], ms(s["duration_ns"]), s["cause"],
+                          " → ".join(s["via"]), describe(s)))
     return t
 
 
@@ -159,5 +192,12 @@ def _input_bound(report: dict[str, Any], console: Console) -> None:
     ib = report["summary"].get("input_bound")
     if not ib:
         return
-    console.print(f"Input-bound: {ib['pct']:.1f}% of the GPU window was spent waiting on input (storage, network, "
-                  f"data workers) → {ib['verdict']} (TensorFlow profiler's 5% / 20% thresholds, for comparison).")
+    console.print(Text(input_bound_text(ib)))
+
+
+def input_bound_text(ib: dict[str, Any]) -> str:
+    """The verdict as the report has it; without a share (none could be measured) the verdict alone."""
+    share, measured = ib.get("pct"), ""
+    if isinstance(share, int | float):
+        measured = f"{share:.1f}% of the GPU window was spent waiting on input (storage, network, data workers) → "
+    return f"Input-bound: {measured}{ib['verdict']} (TensorFlow profiler's 5% / 20% thresholds, for comparison)."

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from gputrace.analysis.load import load
+from gputrace.analysis.notes import capture_notes
 from gputrace.analysis.report import CAUSES, SCHEMA, assemble
+from gputrace.analysis.timefmt import fmt_ms
 from gputrace.capture import CaptureReader
 
 __all__ = ["CAUSES", "SCHEMA", "analyze", "fmt_ms", "lost_records", "summary_lines"]
@@ -24,8 +26,6 @@ def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, 
     return assemble(load(reader), min_gap_ns)
 
 
-def fmt_ms(ns: int) -> str:
-    return f"{ns / 1e6:.1f} ms"
 
 
 def lost_records(drops: dict[str, int]) -> str:
@@ -46,26 +46,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lost = lost_records(cap["drops"])
     if lost:
         lines.append(f"LOST {lost}")
-    if cap.get("ebpf_missing"):
-        lines.append(f"note: no eBPF in this capture ({cap['ebpf_missing']}): GPU stalls are found, but none "
-                     "can be given a host-side cause")
-    skipped = cap.get("skipped_probes") or {}
-    if skipped:
-        lines.append(f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing "
-                     f"program on its CPU ({', '.join(f'{k}={v}' for k, v in skipped.items())}); their events, "
-                     "for any task, are missing: e.g. the waker of an off-CPU span")
-    if cap.get("malformed_records"):
-        lines.append(f"SKIPPED {cap['malformed_records']} malformed records")
-    waiting = cap.get("in_progress") or []
-    if waiting:
-        n = cap.get("in_progress_threads", len(waiting))
-        lines.append(f"still waiting when the capture stopped: {n} thread(s); the longest:")
-        for w in waiting[:3]:
-            what = f"{w['op']}({w['object']})" if w["object"] else w["op"]
-            since = "more than " if w["since_before_capture"] else ""
-            state = f", state {w['state']}" if w["state"] else ""
-            lines.append(f"  pid {w['pid']} tid {w['tid']} ({w['comm']}): {what} for {since}"
-                         f"{fmt_ms(w['duration_ns'])}{state}")
+    lines += capture_notes(cap)
     if not report["devices"]:
         lines.append("no GPU activity in this capture")
         return lines

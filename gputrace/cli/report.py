@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from gputrace.cli import common
+from gputrace.errors import UserError
 
 ORDER = 20
 HELP = "analyse a capture: GPU stalls by cause and culprit (terminal, --json or --html)"
@@ -32,9 +33,12 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gputrace.analysis import analyze
     from gputrace.capture import check_output_path, open_capture
+    from gputrace.viewer.terminal import shown
 
     common.require_positive("--min-gap-ms", args.min_gap_ms)
-    html_out = Path(args.html) if args.html else None
+    if args.html == "":
+        raise UserError("--html needs a file name (e.g. --html report.html)")
+    html_out = Path(args.html) if args.html is not None else None
     if html_out is not None:
         check_output_path(html_out, force=args.force, source=args.capture)
     with open_capture(args.capture) as reader:
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")
         if html_out is not None:  # stdout is the JSON alone
-            print(f"Wrote {html_out}", file=sys.stderr)
+            print(f"Wrote {shown(str(html_out))}", file=sys.stderr)
         return 0
     from rich.console import Console
 
@@ -57,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
 
     terminal.render(report, Console(), Path(args.capture).name)
     if html_out is not None:
-        print(f"Wrote {html_out}")
+        print(f"Wrote {shown(str(html_out))}")
     return 0

@@ -1,0 +1,52 @@
+"""The caveats of a capture, phrased once for the end-of-capture summary and the terminal and HTML reports:
+no eBPF, probe runs the kernel skipped, malformed records, threads still waiting when it stopped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.analysis.timefmt import fmt_ms
+
+
+def no_ebpf_note(cap: dict[str, Any]) -> str:
+    why = cap.get("ebpf_missing")
+    return (f"note: no eBPF in this capture ({why}): GPU stalls are found, but none can be given a host-side "
+            "cause") if why else ""
+
+
+def skipped_probes_note(cap: dict[str, Any]) -> str:
+    skipped = cap.get("skipped_probes") or {}
+    if not skipped:
+        return ""
+    return (f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing program "
+            f"on its CPU ({', '.join(f'{k}={v}' for k, v in skipped.items())}); their events, for any task, are "
+            "missing: e.g. the waker of an off-CPU span")
+
+
+def malformed_note(cap: dict[str, Any]) -> str:
+    n = cap.get("malformed_records")
+    return f"SKIPPED {n} malformed records" if n else ""
+
+
+def waiting_lines(cap: dict[str, Any], limit: int = 3) -> list[str]:
+    """Threads still waiting when the capture stopped: a heading, then the ``limit`` longest, one a line."""
+    waiting = cap.get("in_progress") or []
+    if not waiting:
+        return []
+    n = cap.get("in_progress_threads", len(waiting))
+    return [f"still waiting when the capture stopped: {n} thread(s); the longest:",
+            *(f"  {waiting_text(w)}" for w in waiting[:limit])]
+
+
+def waiting_text(w: dict[str, Any]) -> str:
+    """'pid 42 tid 43 (python): read(/data/fifo) for more than 2.0 ms, state S'."""
+    what = f"{w['op']}({w['object']})" if w["object"] else w["op"]
+    since = "more than " if w["since_before_capture"] else ""
+    state = f", state {w['state']}" if w["state"] else ""
+    return f"pid {w['pid']} tid {w['tid']} ({w['comm']}): {what} for {since}{fmt_ms(w['duration_ns'])}{state}"
+
+
+def capture_notes(cap: dict[str, Any], waiting: int = 3) -> list[str]:
+    """All of the above in summary_lines' order."""
+    notes = [no_ebpf_note(cap), skipped_probes_note(cap), malformed_note(cap)]
+    return [n for n in notes if n] + waiting_lines(cap, waiting)
