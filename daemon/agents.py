@@ -68,6 +68,9 @@ class AgentServer:
         self._peers: dict[socket.socket, Peer] = {}
         self._gone: list[Peer] = []
         self._offers: list[Listener] = []
+        self._withdrawn: list[Listener] = []  # closed by the server thread, which owns the selector
+        self.injected: dict[int, Path] = {}  # pid -> the script its interpreter was told to run
+        self.kept_scripts: dict[int, Path] = {}  # scripts left in place at the end (see keep_unrun_scripts)
         self._listener_ino = 0
         self._new_listeners: list[socket.socket] = []
         self._sel = selectors.DefaultSelector()
@@ -108,10 +111,31 @@ class AgentServer:
     def _make_offer(self, pid: int) -> Listener:
         name = f"{PeerIds(int(pid)).own_pid}.sock"
         if foreign_root(pid):
-            return listen_in_root(pid, self.attach_dir, name)
-        self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        listener, ino = listen_at(self.attach_dir / name)
-        return Listener(listener, self.attach_dir / name, ino)
+            offer = listen_in_root(pid, self.attach_dir, name)
+        else:
+            self.attach_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            listener, ino = listen_at(self.attach_dir / name)
+            offer = Listener(listener, self.attach_dir / name, ino)
+        offer.pid = int(pid)
+        return offer
+
+    def live_offers(self) -> int:
+        """Offer sockets held: live ones and withdrawn ones the server thread has yet to close."""
+        with self._lock:
+            return len(self._offers) + len(self._withdrawn)
+
+    def withdraw(self, pid: int) -> None:
+        """``pid`` exited: its offer goes (the file and the listening socket; a connection it made lives on).
+        A job forking thousands of short-lived children must not hold a socket for each."""
+        with self._lock:
+            gone = [o for o in self._offers if o.pid == pid]
+            if not gone:
+                return
+            self._offers = [o for o in self._offers if o.pid != pid]
+            self._withdrawn += gone
+        for offer in gone:
+            offer.unlink()  # the file goes now; its socket when the server thread next runs
+        self._wake()
 
     def _add_offer(self, offer: Listener) -> None:
         with self._lock:
@@ -138,7 +162,9 @@ class AgentServer:
         from gputrace.agent.inject import inject, script_name
 
         if not foreign_root(pid):
-            return inject(pid, str(self.sock_path))
+            script = inject(pid, str(self.sock_path))
+            self.injected[pid] = script
+            return script
         offer = self._make_offer(pid)
         offer.files.append(script_name(PeerIds(int(pid)).own_pid))
         try:
@@ -147,10 +173,27 @@ class AgentServer:
             offer.close()
             raise
         self._add_offer(offer)
+        self.injected[pid] = script
         return script
+
+    def keep_unrun_scripts(self) -> None:
+        """An injected agent that never said hello: its interpreter still holds the sys.remote_exec request,
+        which nothing can withdraw, and will open the script when its main thread next runs Python code.
+        Removed, that would print "Can't open debugger script" and a traceback into the job's own stderr;
+        kept, it runs, finds no session, and does nothing. So such scripts stay (the session says where)."""
+        heard = self.heard_from()
+        with self._lock:
+            for pid, script in self.injected.items():
+                if pid in heard:
+                    continue
+                self.kept_scripts[pid] = script
+                for offer in self._offers:
+                    if offer.pid == pid and script.name in offer.files:
+                        offer.files.remove(script.name)
 
     def stop(self) -> None:
         """Ask every agent to flush and say bye (bounded wait), then close and hand over what came."""
+        self.keep_unrun_scripts()
         if self._thread is None:
             self._withdraw_offers()  # offered, but never started (or already stopped)
             return
@@ -205,6 +248,7 @@ class AgentServer:
                     self._ready(key)
                 self._recheck_pending()
                 self._register_offers()
+                self._close_withdrawn()
                 if self._stopping.is_set():
                     self._send_stops()
         finally:
@@ -234,6 +278,14 @@ class AgentServer:
             new, self._new_listeners = self._new_listeners, []
         for listener in new:
             self._sel.register(listener, selectors.EVENT_READ, "listen")
+
+    def _close_withdrawn(self) -> None:
+        with self._lock:
+            gone, self._withdrawn = self._withdrawn, []
+        for offer in gone:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(offer.sock)
+            offer.close()
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -406,9 +458,11 @@ class AgentServer:
         self._forward([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
 
     def _withdraw_offers(self) -> None:
-        for offer in self._offers:
+        with self._lock:
+            offers = self._offers + self._withdrawn
+            self._offers, self._withdrawn = [], []
+        for offer in offers:
             offer.close()
-        self._offers.clear()
 
 
 def _countable(groups: Any) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -78,10 +79,28 @@ def _not_runnable(cmd: str) -> str:
 def _child(rfd: int, wfd: int, errw: int, exe: str, argv: list[str], env: dict[str, str]) -> None:  # pragma: no cover
     try:
         os.close(wfd)  # the parent's end: if the parent dies before releasing us, the read sees EOF
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        # The command gets the dispositions a shell would give it: Python ignores SIGPIPE and SIGXFSZ (execve
+        # keeps an ignored signal ignored: `yes | head` would print "Broken pipe"), and our handlers for
+        # SIGINT, SIGTERM and SIGHUP must not run Python code here before the exec.
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
         if os.read(rfd, 2) != b"go":
             os._exit(127)
         os.execve(exe, argv, env)
     except OSError as e:
-        os.write(errw, f"cannot run {argv[0]}: {e.strerror}".encode())
+        os.write(errw, f"cannot run {argv[0]}: {_exec_failure(exe, e)}".encode())
     os._exit(127)
+
+
+def _exec_failure(exe: str, e: OSError) -> str:
+    """Why execve failed; for a script whose #! interpreter is missing, that interpreter, not the script."""
+    if e.errno == errno.ENOENT and os.path.exists(exe):
+        try:
+            with open(exe, "rb") as f:
+                first = f.readline(256)
+        except OSError:
+            first = b""
+        if first.startswith(b"#!"):
+            interp = first[2:].strip().split(b" ")[0].decode(errors="replace")
+            return f"its interpreter {interp} (from its #! line) was not found"
+    return e.strerror or str(e)

@@ -155,11 +155,16 @@ class JobTable:
             job.log.append(msg)
             self.log(f"job {job.id}: {msg}")
 
+        # job.uid is the caller's SO_PEERCRED uid: a non-root caller's capture leaves out what it may not trace.
         opts = CaptureOptions(output=job.stage / job.name, pids=job.pids, duration_s=job.duration_s, force=False,
                               min_gap_ms=job.min_gap_ms, progress=False,
                               argv=["gputraced", f"job={job.id}", f"uid={job.uid}", *map(str, job.pids)],
-                              on_tracing=lambda: _confirm_targets(job))
-        return run_capture(opts, stop=job.stop, log=note)
+                              on_tracing=lambda: _confirm_targets(job), owner_uid=job.uid or None)
+        result = run_capture(opts, stop=job.stop, log=note)
+        left_out = _left_out(result)
+        if left_out:
+            note(f"gputrace: {left_out} processes left out: they gained privileges you lack (setuid/setgid/setcap)")
+        return result
 
     def _export_otlp(self, job: Job, result: Any) -> None:
         from gputrace.capture import CaptureReader
@@ -216,10 +221,17 @@ def _pftrace(name: str) -> str:
     return name[: -len(".gputrace")] + ".pftrace"
 
 
+def _left_out(result: Any) -> int:
+    """Processes the capture left out because they gained privileges the caller lacks (ProcLeftOut records)."""
+    records = (result.report or {}).get("capture", {}).get("records", {})
+    return int(records.get("ProcLeftOut", 0))
+
+
 def _summary(result: Any) -> dict[str, Any]:
     report = result.report or {}
     stalls = report.get("stalls", [])
     return {"complete": bool(result.complete), "drops": {k: v for k, v in result.drops.items() if v},
+            "left_out": _left_out(result),
             "stop_reason": result.stop_reason, "stalls": len(stalls),
             "stall_ns": int(report.get("summary", {}).get("stall_ns", 0)),
             "by_cause": report.get("summary", {}).get("by_cause", {})}

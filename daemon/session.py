@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace import clock
+from gputrace.agent.arming import is_armed
 from gputrace.capture import CaptureWriter, check_output_path, host_header
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.records import SourceStatus
@@ -33,6 +34,9 @@ Log = Callable[[str], None]
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+MAX_LIVE_OFFERS = 512  # offer sockets held at once (one fd each): far more armed processes than a job runs
 
 
 @dataclass
@@ -49,6 +53,9 @@ class CaptureOptions:
     sample_hz: int = 499  # CPU stack samples per second of the traced processes (0: no sampling)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     on_tracing: Callable[[], None] | None = None  # called once every source is attached, before any wait
+    # The service's caller when not root: a descendant that gains privileges it lacks (a setuid or setcap
+    # program) is dropped from the trace, as the kernel would refuse this user ptrace or perf on it.
+    owner_uid: int | None = None
 
 
 @dataclass
@@ -82,6 +89,7 @@ class _Session:
         self.stopped: list[Any] = []
         self.notes: list[str] = []  # said once tracing has started
         self.attached: dict[int, str] = {}  # explicit targets whose agent was reached: pid -> how
+        self.offers_failed = 0  # armed children the session could not be offered to
         self.ebpf: Any = None
         self.sampler: Any = None
         self.agents: Any = None
@@ -126,7 +134,7 @@ class _Session:
         self._start_sources(pids)
         # Before the command runs and tracing is announced: from then on, Ctrl-C or SIGTERM must end the
         # capture and write it, not unwind and throw away the capture of a command already running.
-        self._uncatch = _catch_signals(self.stop)
+        self._uncatch = _catch_signals(self.stop, self._pass_on)
         if self.child:
             self.started_ns = clock.monotonic_ns()  # the command runs from here on; nothing of it came before
             self.child.release()
@@ -149,6 +157,14 @@ class _Session:
         self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
         return self.agents
 
+    def _pass_on(self, sig: int) -> None:
+        """SIGTERM or SIGHUP sent to gputrace (by a supervisor, a closed ssh session) is meant for the job: the
+        command gets it too, as under `timeout` or a container runtime, and the capture ends with it. Ctrl-C
+        is not passed on: the terminal already sent it to the command's process group."""
+        if sig in (signal.SIGTERM, signal.SIGHUP) and self.child is not None and self.child.released:
+            with contextlib.suppress(OSError):
+                os.kill(self.child.pid, sig)
+
     def _is_traced(self, pid: int) -> bool:
         return self.ebpf is not None and bool(self.ebpf.is_traced(pid))
 
@@ -156,7 +172,8 @@ class _Session:
         from gputrace.probes.ebpf import EbpfSource
 
         assert self.sink is not None
-        self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc)
+        self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc,
+                               owner_uid=self.opts.owner_uid)
         try:
             self.ebpf.start(self.sink)
             self.sources.append(self.ebpf)
@@ -184,7 +201,8 @@ class _Session:
         if self.opts.sample_hz <= 0:
             return
         pids = sorted(self.ebpf.live_targets())
-        sampler = self._optional_source("gputrace.probes.sampler", "StackSampler", pids, hz=self.opts.sample_hz)
+        sampler = self._optional_source("gputrace.probes.sampler", "StackSampler", pids, hz=self.opts.sample_hz,
+                                        owner_uid=self.opts.owner_uid)
         self._try_start(sampler)
         if sampler is not None and sampler in self.sources:
             self.sampler = sampler
@@ -216,13 +234,18 @@ class _Session:
             self.sink.emit([rec])
 
     def _on_proc(self, record: Any) -> None:
-        """Called from the eBPF source's thread for process events: offer new processes to armed agents and
-        have them sampled."""
-        if type(record).__name__ != "ProcFork" or record.is_thread:
+        """Called from the eBPF source's thread for process events: offer new armed processes the session and
+        have them sampled; withdraw a process's offer when it exits."""
+        kind = type(record).__name__
+        gone = (kind == "ProcExit" and record.tid == record.pid) or kind == "ProcLeftOut"  # no exit event after
+        if gone and self.agents is not None:
+            self.agents.withdraw(record.pid)
+            return
+        if kind != "ProcFork" or record.is_thread:
             return
         if self.sampler is not None:
             self.sampler.add_target(record.child_pid)
-        if not self.opts.command:
+        if not self.opts.command and is_armed(record.child_pid):
             self._offer(record.child_pid)
 
     def _attach(self, pid: int) -> None:
@@ -236,15 +259,34 @@ class _Session:
             self.notes.append(f"gputrace: pid {pid}: no GPU agent ({e}); its GPU work is not traced")
 
     def _offer(self, pid: int) -> None:
-        if self.agents is not None and hasattr(self.agents, "offer"):
-            try:
-                self.agents.offer(pid)
-            except (OSError, UserError) as e:
-                self.log(f"gputrace: cannot offer the agent socket to pid {pid}: {e}")
+        if self.agents is None:
+            return
+        if self.agents.live_offers() >= MAX_LIVE_OFFERS:
+            self._offer_trouble(f"more than {MAX_LIVE_OFFERS} armed processes alive at once")
+            return
+        try:
+            self.agents.offer(pid)
+        except (OSError, UserError) as e:
+            self._offer_trouble(str(e))
+
+    def _offer_trouble(self, why: str) -> None:
+        """An armed child that could not be offered the session: said once, counted always."""
+        self.offers_failed += 1
+        if self.offers_failed == 1:
+            self.log(f"gputrace: cannot offer the session to an armed child ({why}); later ones are counted")
+            self._status("agent", "degraded", f"armed children not offered the session: {why}")
 
     # ------------------------------------------------------------------------------------ waiting ---
     def _wait(self) -> str:
-        deadline = None if self.opts.duration_s is None else time.monotonic() + self.opts.duration_s
+        deadline = None
+        if self.opts.duration_s is not None:
+            # -d counts from when tracing began (the eBPF source attached), not from when the slower sources
+            # (agents, NVML, the sampler's compilation) were ready: the capture holds that many seconds.
+            setup_s = (clock.monotonic_ns() - self.started_ns) / 1e9 if self.started_ns else 0.0
+            deadline = time.monotonic() + max(0.0, self.opts.duration_s - setup_s)
+            if setup_s > self.opts.duration_s:
+                self.log(f"gputrace: starting every source took {setup_s:.1f} s, longer than -d "
+                         f"{self.opts.duration_s:g}: the capture ends now")
         progress = _Progress(self.log if self.opts.progress and sys.stderr.isatty() else None)
         try:
             while True:
@@ -279,6 +321,9 @@ class _Session:
         assert self.sink is not None and self.writer is not None
         self._stop_sources()
         self._agents_never_heard()
+        if self.offers_failed:
+            self._status("agent", "degraded", f"{self.offers_failed} armed child process(es) were not offered the "
+                         "session: their GPU work is not traced")
         self.sink.close()
         drops = self._drops()
         trailer = {
@@ -303,6 +348,10 @@ class _Session:
             if how == "injected":
                 why = ("sys.remote_exec runs the agent when the process's main thread next runs Python code, "
                        "and it ran none during the capture (blocked in a call that does not return to Python?)")
+                kept = self.agents.kept_scripts.get(pid)
+                if kept is not None:
+                    why += (f"; its script stays at {kept} (as the process sees it) for when that happens: it "
+                            "then finds no session and does nothing")
             else:
                 why = f"its armed agent looks for offers once a second in {self.agents.attach_dir}: can it see that?"
             self._status("agent", "degraded", f"pid {pid}: the agent never connected")
@@ -351,9 +400,15 @@ class _Session:
             self.child.kill()
 
     def _cleanup_socket_dir(self) -> None:
-        if self.sock_dir is not None:
-            for p in self.sock_dir.iterdir():
+        """Everything the session made there, but a script an injected process has yet to run (agents.py,
+        keep_unrun_scripts): the directory then stays with it (tiny, root's, not writable by others)."""
+        if self.sock_dir is None:
+            return
+        kept = set(self.agents.kept_scripts.values()) if self.agents is not None else set()
+        for p in self.sock_dir.iterdir():
+            if p not in kept:
                 p.unlink(missing_ok=True)
+        if not any(self.sock_dir.iterdir()):
             self.sock_dir.rmdir()
 
     def _after(self, path: Path, reason: str) -> CaptureResult:
@@ -372,15 +427,20 @@ def _nothing() -> None:
     pass
 
 
-def _catch_signals(stop: threading.Event) -> Callable[[], None]:
+def _catch_signals(stop: threading.Event, pass_on: Callable[[int], None] = lambda sig: None) -> Callable[[], None]:
     """Ctrl-C, SIGTERM and SIGHUP (the terminal or ssh session went away) end the capture cleanly; a SIGHUP
-    ignored (nohup) stays ignored. Only possible from the main thread."""
+    ignored (nohup) stays ignored. ``pass_on`` gets each signal too. Only possible from the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN}
+
+    def handler(sig: int, frame: object) -> None:
+        stop.set()
+        pass_on(sig)
+
     for sig in previous:
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, handler)
 
     def restore() -> None:
         for sig, handler in previous.items():

@@ -372,3 +372,22 @@ class StackFrames(NamedTuple):
 
 
 RECORD_TYPES.update({cls.__name__: cls for cls in (StackSample, StackFrames)})
+
+
+# ---------------------------------------------------------------------------------- left out ----
+
+
+class ProcLeftOut(NamedTuple):
+    """A traced process gained privileges the capture's owner lacks (a setuid, setgid or setcap program, or one
+    its user may not read), so from ``ts`` on nothing of it, nor of children it makes later, is in the capture.
+    Only in captures made for a non-root owner (gputraced). ``filename``: the program it exec'd; "" when it
+    was already privileged when tracing of it would have begun."""
+
+    ts: int
+    pid: int
+    tid: int
+    comm: str
+    filename: str
+
+
+RECORD_TYPES[ProcLeftOut.__name__] = ProcLeftOut

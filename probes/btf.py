@@ -84,6 +84,11 @@ class Btf:
     def member_offset(self, tid: int, member: str) -> int | None:
         """Byte offset of `member` in struct/union `tid`, looking into anonymous struct/union members.
         None when absent or a bitfield."""
+        found = self.member(tid, member)
+        return found[0] if found else None
+
+    def member(self, tid: int, member: str) -> tuple[int, int] | None:
+        """(byte offset, type id) of `member` in struct/union `tid`, as member_offset() finds it."""
         _, kind, kind_flag, vlen, pos = self._type(tid)
         if kind not in (KIND_STRUCT, KIND_UNION):
             return None
@@ -95,11 +100,29 @@ class Btf:
                 bits &= 0xFFFFFF
             mname = self.name(name_off)
             if mname == member:
-                return None if bits % 8 else bits // 8
+                return None if bits % 8 else (bits // 8, mtype)
             if not mname and 0 < mtype < len(self._offsets):
-                inner = self.member_offset(self._resolve(mtype), member)
+                inner = self.member(self._resolve(mtype), member)
                 if inner is not None:
-                    return bits // 8 + inner
+                    return bits // 8 + inner[0], inner[1]
+        return None
+
+    def size_of(self, tid: int) -> int | None:
+        """Bytes of type `tid` (typedefs and qualifiers skipped), for the kinds whose size BTF states: int,
+        pointer (8: the 64-bit kernels the raw programs run on), struct, union, enum, array."""
+        tid = self._resolve(tid)
+        if not 0 < tid < len(self._offsets):
+            return None
+        _, kind, _, _, pos = self._type(tid)
+        size = _TYPE.unpack_from(self._data, self._offsets[tid])[2]
+        if kind in (1, KIND_STRUCT, KIND_UNION, 6, 19):
+            return size
+        if kind == 2:
+            return 8
+        if kind == 3:
+            elem, _index, count = struct.unpack_from("<III", self._data, pos)
+            inner = self.size_of(elem) if 0 < elem < len(self._offsets) else None
+            return None if inner is None else inner * count
         return None
 
     def _resolve(self, tid: int) -> int:
@@ -121,6 +144,23 @@ def kernel_btf(path: Path = VMLINUX) -> Btf | None:
         return Btf(path.read_bytes())
     except (OSError, BtfError):
         return None
+
+
+def struct_member(struct_name: str, member: str, btf: Btf | None = None) -> tuple[int, int] | None:
+    """(byte offset, size) of `struct_name.member` in the running kernel, or None when unknown (as
+    struct_offset), or when its size is not one BTF states."""
+    btf = btf if btf is not None else kernel_btf()
+    if btf is None:
+        return None
+    found: set[tuple[int, int | None]] = set()
+    for tid in btf.find(KIND_STRUCT, struct_name):
+        m = btf.member(tid, member)
+        if m is not None:
+            found.add((m[0], btf.size_of(m[1])))
+    if len(found) != 1:
+        return None
+    off, size = found.pop()
+    return None if size is None else (off, size)
 
 
 def struct_offset(struct_name: str, member: str, btf: Btf | None = None) -> int | None:

@@ -21,7 +21,7 @@ from gputrace.probes import ebpf_build as build
 from gputrace.probes import ebpf_final as final
 from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes import events, procfs
-from gputrace.probes.ebpf_hooks import wanted_tracepoints
+from gputrace.probes.ebpf_hooks import foreign, wanted_tracepoints
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
     check_host,
@@ -37,8 +37,15 @@ from gputrace.probes.filemaps import Key, MappedFiles, ReceivedFds
 from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers
 from gputrace.records import (
     Drops,
+    FdInfo,
+    FileMap,
     ProcExit,
+    ProcFork,
+    ProcInfo,
+    ProcLeftOut,
     SourceStatus,
+    SyscallAgg,
+    ThreadInfo,
 )
 from gputrace.source import Sink
 
@@ -54,6 +61,9 @@ _FAULT_SIZE = events.FAULT.size
 _FDRECV_SIZE = events.FDRECV.size
 
 ProcCallback = Callable[[Any], None]
+# Records user space reads from /proc on the kernel's word: checked against the owner (see _owned_records).
+_FROM_PROC = (ProcInfo, ThreadInfo, FileMap, FdInfo)
+LEFT_OUT_WHY = "they gained privileges you lack (setuid/setgid/setcap)"
 
 
 # ------------------------------------------------------------------------------------ source ---
@@ -74,7 +84,10 @@ class EbpfSource:
         ring_mib: int = 16,
         syscall_hook: str = "auto",
         sched_hook: str = "auto",
+        owner_uid: int | None = None,
     ) -> None:
+        """``owner_uid``: the capture is for this non-root user, so a process that gains privileges it lacks
+        is left out (bpf/gputrace.h gt_task_foreign); None (root) leaves nothing out and compiles no check."""
         if threshold_ns < 0:
             raise UserError("the eBPF threshold must be ≥ 0 ns")
         if ring_mib < 1 or ring_mib & (ring_mib - 1):
@@ -110,6 +123,10 @@ class EbpfSource:
         self._files = MappedFiles(self._emit_in_order, self._forget_file)
         self._received = ReceivedFds(self._emit_in_order)
         self._since: dict[int, int] = {}  # pid -> when it was added to the target set
+        self.owner_uid = owner_uid
+        self._left_out: set[int] = set()  # pids left out (until a new traced process takes the pid)
+        self._left_out_here = 0  # left out by user space: already privileged when found
+        self._final_left_out: int | None = None
 
     # ------------------------------------------------------------------------------ lifecycle ---
 
@@ -136,7 +153,7 @@ class EbpfSource:
         self._thread.start()
 
     def _load(self, bcc: Any, sink: Sink) -> None:
-        flags = build.cflags(self.threshold_ns, self.ring_pages, self.hook, self.sched)
+        flags = build.cflags(self.threshold_ns, self.ring_pages, self.hook, self.sched, self.owner_uid)
         self._bpf = build.compile_program(bcc, flags)
         try:
             self._setup(sink)
@@ -178,7 +195,9 @@ class EbpfSource:
         waiting = final.unfinished(slots, offcpu, self.live_targets(), self._since, now, self.threshold_ns)
         if waiting:
             self._sink.emit_kernel(b"".join(waiting), len(waiting))
-        records: list[Any] = final.aggregates(self._bpf[b"agg"].items(), slots, self._nr_names)
+        aggs = final.aggregates(self._bpf[b"agg"].items(), slots, self._nr_names)
+        records: list[Any] = self._owned_aggregates(aggs)
+        self._final_left_out = self.left_out()
         self._final_drops = self.drops()
         self._final_skips = program_skips(self._bpf)
         records += [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
@@ -191,6 +210,8 @@ class EbpfSource:
 
     def _final_status(self, now: int) -> SourceStatus:
         detail = f"{self.events} kernel events"
+        if self._final_left_out:
+            detail += f"; {self._final_left_out} processes left out: {LEFT_OUT_WHY}"
         if self._on_proc_errors:
             detail += f"; the on_proc callback failed {self._on_proc_errors} times"
         return final_status(self.name, now, detail, self._poll_error)
@@ -198,6 +219,17 @@ class EbpfSource:
     def skipped(self) -> dict[str, int]:
         """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
         return program_skips(self._bpf, final=self._final_skips)
+
+    def left_out(self) -> int:
+        """Processes left out because they gained privileges the owner lacks: the kernel's count (a ProcLeftOut
+        record can be lost with the ring; the count cannot) plus those user space found already privileged."""
+        if self._final_left_out is not None:
+            return self._final_left_out
+        n = self._left_out_here
+        if self._bpf is not None and self.owner_uid is not None:
+            table = self._bpf[b"left_out"]
+            n += int(table[table.Key(0)].value)
+        return n
 
     def drops(self) -> dict[str, int]:
         if self._final_drops is not None:
@@ -222,14 +254,40 @@ class EbpfSource:
             return
         pids = [pid] + (procfs.descendants(pid) if descendants else [])
         now = clock.monotonic_ns()
-        for p in pids:
-            self._add_to_target_set(p)
-            self._since.setdefault(p, now)
         records: list[Any] = []
+        added = []
         for p in pids:
-            records += procfs.snapshot(p)
+            if self._may_add(p):
+                self._add_to_target_set(p)
+                self._since.setdefault(p, now)
+                added.append(p)
+                records += procfs.snapshot(p)
+        records = self._owned_records(records) + self._privileged_found(pids, added)
         if self._sink is not None:
             self._sink.emit(records)
+
+    def _may_add(self, pid: int) -> bool:
+        """Not a process of the owner's that gained privileges before it was found (the kernel's exec check
+        sees only execs after it is in the set). Checked again once in the set: an exec in between is caught
+        by one check or the other."""
+        return self.owner_uid is None or not foreign(pid, self.owner_uid)
+
+    def _privileged_found(self, pids: list[int], added: list[int]) -> list[Any]:
+        """Of ``pids``, those left out: found privileged (not ``added``), or privileged once added (out of the
+        set again). One the kernel has already taken out of the set was left out at its exec and is counted
+        there."""
+        if self.owner_uid is None:
+            return []
+        out: list[Any] = []
+        for p in pids:
+            if (p in added and not self.is_traced(p)) or not Path(f"/proc/{p}").is_dir():
+                continue  # left out at its exec and counted there, or gone
+            if foreign(p, self.owner_uid):
+                self._remove_from_target_set(p)
+                self._left_out.add(p)
+                self._left_out_here += 1
+                out.append(ProcLeftOut(clock.monotonic_ns(), p, p, procfs.comm(p), ""))
+        return out
 
     def _add_to_target_set(self, pid: int) -> None:
         """As add_target() in gputrace.bpf.c: the set, then the fast slot."""
@@ -238,6 +296,29 @@ class EbpfSource:
         key = tslot.Key(pid & _TARGET_MASK)
         cur = tslot[key].value
         tslot[key] = tslot.Leaf(pid if cur in (0, pid) else _SLOT_SHARED)
+
+    def _remove_from_target_set(self, pid: int) -> None:
+        """As remove_target() in gputrace.bpf.c."""
+        targets, tslot = self._bpf[b"targets"], self._bpf[b"tslot"]
+        targets.pop(targets.Key(pid), None)
+        key = tslot.Key(pid & _TARGET_MASK)
+        if tslot[key].value == pid:
+            tslot[key] = tslot.Leaf(0)
+
+    def _owned_records(self, records: list[Any]) -> list[Any]:
+        """For a non-root owner, what user space read from /proc is kept only when its process is not left out
+        and still the owner's once read: an exec may have come between the kernel's event and the read."""
+        if self.owner_uid is None:
+            return records
+        owner, bad = self.owner_uid, set(self._left_out)
+        for pid in {r.pid for r in records if isinstance(r, _FROM_PROC)} - bad:
+            if foreign(pid, owner):
+                bad.add(pid)
+        return [r for r in records if not (isinstance(r, _FROM_PROC) and r.pid in bad)]
+
+    def _owned_aggregates(self, aggs: list[SyscallAgg]) -> list[SyscallAgg]:
+        """A process left out is left out whole: even its short calls from before the exec."""
+        return [a for a in aggs if a.pid not in self._left_out]
 
     def is_traced(self, pid: int) -> bool:
         if self._bpf is None:
@@ -353,7 +434,13 @@ class EbpfSource:
         """Records that must follow what the kernel saw before them (and precede what it saw after)."""
         self._flush()
         assert self._sink is not None
-        self._sink.emit(records)
+        self._sink.emit(self._owned_records(records))
+
+    def _note_left_out(self, rec: Any) -> None:
+        if isinstance(rec, ProcLeftOut):
+            self._left_out.add(rec.pid)
+        elif isinstance(rec, ProcFork) and not rec.is_thread:
+            self._left_out.discard(rec.child_pid)  # a new traced process took the pid
 
     def _forget_file(self, key: Key) -> None:
         if self._bpf is not None:
@@ -377,8 +464,9 @@ class EbpfSource:
             self._callback_errors += 1  # a process event lost: counted with the drops
             return 0
         try:
+            self._note_left_out(rec)
             self._emit_in_order([rec, *procfs.new_task_metadata(rec)])
-            if isinstance(rec, ProcExit) and rec.tid == rec.pid:
+            if isinstance(rec, (ProcExit, ProcLeftOut)) and rec.tid == rec.pid:
                 self._files.process_gone(rec.pid)
         except Exception:  # noqa: BLE001
             self._callback_errors += 1
@@ -388,4 +476,3 @@ class EbpfSource:
             except Exception:  # noqa: BLE001 - the caller's bug; reported in the final status
                 self._on_proc_errors += 1
         return 0
-

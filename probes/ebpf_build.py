@@ -11,13 +11,15 @@ from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes.ebpf_host import BPF_DIR, file_faults_supported, format_has, tracepoint_exists
 
 
-def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str) -> list[str]:
-    """The -D/-I flags for probes/bpf/gputrace.bpf.c: feature probes, never kernel version checks."""
+def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid: int | None = None) -> list[str]:
+    """The -D/-I flags for probes/bpf/gputrace.bpf.c: feature probes, never kernel version checks.
+    ``owner_uid``: a non-root owner, whose capture leaves out processes that gain privileges it lacks."""
     flags = [
         f"-I{BPF_DIR}",
         f"-DTHRESHOLD_NS={threshold_ns}ULL",
         f"-DEVENT_PAGES={ring_pages}",
         *hooks.cflags(hook, sched),
+        *hooks.owner_cflags(owner_uid),
     ]
     if tracepoint_exists("block", "block_io_start"):
         flags.append("-DHAVE_BLOCK_IO_START")

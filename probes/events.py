@@ -23,6 +23,7 @@ AT_FDCWD = -100
 PATH_MAX_DATA = 255  # GT_DATA_LEN - 1: a path event's string of this length may have been cut short
 
 EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT, EV_FAULT = 1, 2, 3, 4, 5, 6, 7, 8
+EXEC_LEFT_OUT = 0x1  # GT_EXEC_LEFT_OUT: an exec event's flags when the process was left out (ProcLeftOut)
 
 F_FD = 0x1
 F_XFER = 0x2
@@ -325,12 +326,14 @@ class KernelDecoder:
 
 
 def proc_record(raw: bytes) -> Any:
-    """A process event from the live process ring as a ProcFork / ProcExec / ProcExit record."""
-    from gputrace.records import ProcExec, ProcExit
+    """A process event from the live process ring as a ProcFork / ProcExec / ProcLeftOut / ProcExit record."""
+    from gputrace.records import ProcExec, ProcExit, ProcLeftOut
 
     etype, flags, pid, tid, ts, child_pid, child_tid, comm, filename = PROC.unpack_from(raw)
     if etype == EV_FORK:
         return ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm))
+    if etype == EV_EXEC and flags & EXEC_LEFT_OUT:
+        return ProcLeftOut(ts, pid, tid, cstr(comm), cstr(filename))
     if etype == EV_EXEC:
         return ProcExec(ts, pid, tid, cstr(comm), cstr(filename))
     if etype == EV_EXIT:

@@ -20,6 +20,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
+from gputrace.probes.ebpf_hooks import foreign, owner_cflags
 from gputrace.probes.ebpf_host import BPF_DIR, check_host, final_status, format_has, program_skips, unload
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
@@ -28,10 +29,11 @@ PROGRAM = BPF_DIR / "sampler.bpf.c"
 HEADER = BPF_DIR / "sampler.h"
 DEFAULT_HZ = 499  # not a divisor of common timer rates, so samples do not lock step with periodic work
 MAX_HZ = 10_000
-KERNEL_COUNTS = ("ringbuf", "no_user_stack", "targets")  # SP_DROP_* in bpf/sampler.h
+KERNEL_COUNTS = ("ringbuf", "no_user_stack", "targets", "left_out")  # SP_DROP_*, SP_LEFT_OUT in bpf/sampler.h
 # Samples with no user stack to read (a task exiting after its memory is gone, a sample that landed where
-# there are no user registers) are not records lost: they are said in the final status, not counted as drops.
-NOT_LOSSES = ("no_user_stack",)
+# there are no user registers) are not records lost: they are said in the final status, not counted as drops;
+# so are processes left out because they gained privileges the owner lacks (see StackSampler).
+NOT_LOSSES = ("no_user_stack", "left_out")
 MAX_FRAMES = 64  # SP_STACK_DEPTH in bpf/sampler.h
 MAX_FRAME_CHARS = 200
 _POLL_MS = 100
@@ -136,7 +138,10 @@ class StackSampler:
     name = "sampler"
 
     def __init__(self, pids: Iterable[int], *, hz: int = DEFAULT_HZ, ringbuf_pages: int = 512,
-                 max_targets: int = 8192) -> None:  # fmt: skip
+                 max_targets: int = 8192, owner_uid: int | None = None) -> None:  # fmt: skip
+        """``owner_uid``: samples are for this non-root user, so none is taken of a task with privileges it
+        lacks, and a process that gains them at exec leaves the targets (gt_task_foreign in bpf/gputrace.h);
+        None (root): no check compiled in."""
         if not 1 <= hz <= MAX_HZ:
             raise UserError(f"the sampling rate must be 1 to {MAX_HZ} Hz (got {hz})")
         if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
@@ -144,6 +149,8 @@ class StackSampler:
         self.pids = list(dict.fromkeys(pids))
         self.hz = hz
         self.ringbuf_pages, self.max_targets = ringbuf_pages, max_targets
+        self.owner_uid = owner_uid
+        self._left_out = 0
         self.samples = 0
         self._bpf: Any = None
         self._sink: Sink | None = None
@@ -208,7 +215,8 @@ class StackSampler:
             self._flush()
             self._final_drops = self.drops()
             self._final_skips = program_skips(self._bpf)
-            self._no_user_stack = self._kernel_counts()["no_user_stack"]
+            counts = self._kernel_counts()
+            self._no_user_stack, self._left_out = counts["no_user_stack"], counts["left_out"]
             self._bpf = None
         now = clock.monotonic_ns()
         records: list[Any] = [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
@@ -247,11 +255,12 @@ class StackSampler:
         flags = [f"-I{BPF_DIR}", f"-DRINGBUF_PAGES={self.ringbuf_pages}", f"-DMAX_TARGETS={self.max_targets}"]
         if format_has("sched", "sched_process_exit", "group_dead"):
             flags.append("-DHAVE_GROUP_DEAD")
-        return flags
+        return flags + owner_cflags(self.owner_uid)
 
     def _load(self, bcc: Any) -> Any:
+        flags = self._cflags()  # a UserError of its own when the owner's check cannot be built
         try:
-            return bcc.BPF(src_file=str(PROGRAM).encode(), cflags=self._cflags())
+            return bcc.BPF(src_file=str(PROGRAM).encode(), cflags=flags)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exceptions for compile failures
             raise UserError(f"cannot load {PROGRAM.name}: {e}") from None
 
@@ -290,9 +299,18 @@ class StackSampler:
             self._next_stack += 1
             stack = self._stacks[key] = self._next_stack
             addrs = list(struct.unpack(f"<{len(key[1]) // 8}Q", key[1]))
-            self._batch.append(StackFrames(pid, stack, self._symbols.frames(pid, addrs)))
+            self._batch.append(StackFrames(pid, stack, self._frames(pid, addrs)))
         self._batch.append(StackSample(ts, pid, tid, stack, cpu))
         self.samples += 1
+
+    def _frames(self, pid: int, addrs: list[int]) -> list[str]:
+        """Symbolized from the process's maps and files as they are now. For a non-root owner, checked after
+        the read: a sample from before an exec that gave the process privileges is not named from the
+        privileged program's files."""
+        frames = self._symbols.frames(pid, addrs)
+        if self.owner_uid is not None and foreign(pid, self.owner_uid):
+            return [frame_name(None, None)] * len(addrs)
+        return frames
 
     def _forget(self, pids: set[int]) -> None:
         """Stacks of exited processes: a new process reusing the pid has other code at those addresses."""
@@ -316,4 +334,6 @@ class StackSampler:
         detail = f"{self.samples} samples, {self._next_stack} stacks"
         if self._no_user_stack:
             detail += f"; {self._no_user_stack} samples had no user stack to read (an exiting task)"
+        if self._left_out:
+            detail += f"; {self._left_out} processes left out: they gained privileges you lack (setuid/setgid/setcap)"
         return final_status(self.name, now, detail, self._poll_error)

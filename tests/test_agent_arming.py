@@ -3,15 +3,21 @@ keeps its own sitecustomize and PYTHONPATH, and its forked workers speak for the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from agent_harness import PYTHON, Harness, clean_env, of, wait_for
 
 from gputrace.agent import arming
+from gputrace.capture import CaptureReader
+from gputrace.daemon.session import MAX_LIVE_OFFERS
+from gputrace.errors import UserError
 
 WORKLOAD = """
 import sys
@@ -95,6 +101,101 @@ def test_sitecustomize_chaining_keeps_the_targets_own(tmp_path: Path) -> None:
         assert (out.stdout.strip(), out.stderr) == ("ran 42", ""), out
 
 
+def test_an_offer_after_a_dead_session_is_taken_though_its_inode_is_reused(tmp_path: Path) -> None:
+    """A session killed with SIGKILL leaves its socket file; the next session replaces it, and the file system
+    (ext4) gives the new file the freed inode number. The dormant agent must still see a new offer."""
+    attach = tmp_path / "attach"
+    attach.mkdir()
+    env = {**clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
+    h = Harness(tmp_path, attach_dir=str(attach))
+    p = h.spawn("""
+import time
+from gputrace.sim import Device
+s = Device(0).stream()
+print("ready", flush=True)
+while True:
+    s.launch("step", duration_ms=2)
+    s.synchronize()
+    time.sleep(0.01)
+""", env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    stale = attach / f"{p.pid}.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(stale))  # what a killed session leaves: a socket file nobody listens on
+    dead.close()
+    time.sleep(2 * arming.WATCH_PERIOD_S + 0.5)  # the agent has seen it (and failed to connect)
+    ino = stale.stat().st_ino
+    h.server.offer(p.pid)
+    if stale.stat().st_ino != ino:
+        pytest.skip("this file system did not reuse the inode: nothing to show")
+    wait_for(lambda: h.server.stats["records"] > 10, timeout_s=5, what="the agent taking the new offer")
+    h.finish()
+
+
+BURSTY = """
+import os, sys, threading, time
+from gputrace.agent import arming
+from gputrace.records import GpuKernel
+from gputrace.sim import Device
+s = Device(0).stream()
+
+def commands():
+    for line in sys.stdin:  # "burst": overflow the agent's queue once (100 records into room for 10)
+        agent = arming.current()
+        limit, agent.queue.limit = agent.queue.limit, 10
+        agent.submit([GpuKernel(os.getpid(), 0, 1, 1, i, i + 1, i, "k", (1, 1, 1), (1, 1, 1)) for i in range(100)])
+        agent.queue.limit = limit
+        print("burst", flush=True)
+
+threading.Thread(target=commands, daemon=True).start()
+print("ready", flush=True)
+while True:
+    s.launch("step", duration_ms=2)
+    s.synchronize()
+    time.sleep(0.01)
+"""
+
+
+def test_losses_of_one_session_are_not_reported_by_the_next(tmp_path: Path) -> None:
+    attach = tmp_path / "attach"
+    env = {**clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
+    (tmp_path / "bursty.py").write_text(BURSTY)
+    p = subprocess.Popen([PYTHON, str(tmp_path / "bursty.py")], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdin is not None and p.stdout.readline().strip() == "ready"
+        losses = []
+        for n, burst in ((1, True), (2, False)):
+            (tmp_path / f"s{n}").mkdir()
+            h = Harness(tmp_path / f"s{n}", attach_dir=str(attach))
+            h.allowed.add(p.pid)
+            h.server.offer(p.pid)
+            wait_for(lambda h=h: h.server.stats["records"] > 5, timeout_s=5, what=f"session {n} attaching")
+            if burst:
+                p.stdin.write("burst\n")
+                p.stdin.flush()
+                assert p.stdout.readline().strip() == "burst"
+                time.sleep(0.3)  # the agent's next flush reports it
+            h.finish()
+            losses.append(h.server.drops().get(f"pid{p.pid}.queue", 0))
+        assert losses[0] >= 90 and losses[1] == 0, losses  # the burst, and other records it crowded out
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_empty_pythonpath_entries_keep_the_current_directory(tmp_path: Path) -> None:
+    # PYTHONPATH=/x::/y puts the current directory on sys.path; armed, the job must still import from it.
+    (tmp_path / "local_mod.py").write_text("VALUE = 7\n")
+    base = {**clean_env(), "PYTHONPATH": f"/nonexistent-x{os.pathsep}{os.pathsep}/nonexistent-y"}
+    env = {**base, **arming.environment(None, base=base), "GPUTRACE_ATTACH_DIR": str(tmp_path / "a")}
+    assert env["PYTHONPATH"].split(os.pathsep) == [arming.boot_dir(), "/nonexistent-x", "", "/nonexistent-y"]
+    out = subprocess.run([PYTHON, "-c", "import local_mod; print(local_mod.VALUE)"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert (out.stdout.strip(), out.stderr) == ("7", ""), out
+    assert arming.environment(None, base={**clean_env(), "PYTHONPATH": ""})["PYTHONPATH"] == arming.boot_dir()
+
+
 def test_a_failing_own_sitecustomize_is_reported_as_python_would(tmp_path: Path) -> None:
     own = tmp_path / "own"
     own.mkdir()
@@ -172,3 +273,61 @@ def test_an_interpreter_without_gputrace_or_msgpack_still_connects(tmp_path: Pat
     assert h.reader is not None
     [peer] = h.reader.meta["agent"]["peers"]
     assert peer["pid"] == p.pid and peer["end"] == "bye" and "/usr/bin/python3" in peer["interpreter"]
+
+
+FORKER = """
+import subprocess, sys, time
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    subprocess.run(["/bin/true"])  # armed children, each gone within milliseconds
+"""
+
+
+def test_a_job_forking_many_short_lived_children_holds_no_offer_for_the_dead(tmp_path: Path) -> None:
+    """`capture -p` of an armed service that runs a subprocess again and again: each armed child is offered the
+    session while it lives, and the offer goes with it (before, every child kept a socket: EMFILE in minutes)."""
+    attach = tmp_path / "attach"
+    env = {**clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
+    (tmp_path / "forker.py").write_text(FORKER)
+    job = subprocess.Popen([PYTHON, str(tmp_path / "forker.py"), "8"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+        cap = subprocess.Popen([sys.executable, "-m", "gputrace", "capture", "-p", str(job.pid), "-d", "4",
+                                "--sample-hz", "0", "-o", "f.gputrace"], cwd=tmp_path,
+                               env={**os.environ, "GPUTRACE_ATTACH_DIR": str(attach)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        peak_files = peak_fds = 0
+        while cap.poll() is None:
+            with contextlib.suppress(OSError):
+                peak_files = max(peak_files, len(os.listdir(attach)))
+                peak_fds = max(peak_fds, len(os.listdir(f"/proc/{cap.pid}/fd")))
+            time.sleep(0.05)
+        _, err = cap.communicate()
+        assert cap.returncode == 0, err
+    finally:
+        job.kill()
+        job.wait()
+    with CaptureReader(tmp_path / "f.gputrace") as reader:
+        forks = sum(1 for r in reader.records() if type(r).__name__ == "ProcFork" and not r.is_thread)
+    assert forks > 100, f"only {forks} children forked: the test shows nothing"
+    # Bounded by the children alive at once (here one or two), under load by the cap on offers held.
+    assert peak_files <= MAX_LIVE_OFFERS and peak_fds < MAX_LIVE_OFFERS + 150, (peak_files, peak_fds, forks)
+    assert "Too many open files" not in err and os.listdir(attach) == []
+
+
+def test_a_second_session_does_not_take_a_live_offer_over(tmp_path: Path) -> None:
+    """Two captures of one armed process: the second says the process is being captured already, instead of
+    replacing the first one's socket and leaving both without the agent."""
+    attach = tmp_path / "attach"
+    (tmp_path / "one").mkdir()
+    first = Harness(tmp_path / "one", attach_dir=str(attach))
+    first.server.offer(4242)
+    (tmp_path / "two").mkdir()
+    second = Harness(tmp_path / "two", attach_dir=str(attach))
+    with pytest.raises(UserError, match="being captured already"):
+        second.server.offer(4242)
+    assert (attach / "4242.sock").is_socket()
+    second.finish()
+    first.finish()
+    assert not (attach / "4242.sock").exists()

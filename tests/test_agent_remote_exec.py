@@ -289,8 +289,11 @@ def test_a_failed_injection_leaves_nothing_in_the_container(
 
 
 def test_an_injected_agent_that_never_runs_is_reported(tmp_path: Path, py314: Path) -> None:
-    """A main thread asleep in C for the whole capture never runs the script: the capture says so."""
-    p = _spawn([str(py314), "-c", "import time; print('up', flush=True); time.sleep(60)"])
+    """A main thread asleep in C for the whole capture never runs the script: the capture says so. When it
+    wakes, after the capture, it runs the script, which must still be there: nothing in the job's stderr."""
+    code = ("import sys, time\nprint('up', flush=True)\nsys.stdin.readline()\n"  # asleep in C until told
+            "for _ in range(100):\n    time.sleep(0.01)\nprint('woke', flush=True)\n")
+    p = _spawn([str(py314), "-c", code])
     try:
         done = subprocess.run([sys.executable, "-m", "gputrace", "capture", "--pid", str(p.pid), "-o",
                                str(tmp_path / "cap.gputrace"), "--duration", "2", "--no-perfetto"],
@@ -298,8 +301,12 @@ def test_an_injected_agent_that_never_runs_is_reported(tmp_path: Path, py314: Pa
         assert done.returncode == 0, done.stderr
         assert f"GPU agent of pid {p.pid}: injected" in done.stderr
         assert f"pid {p.pid}: the GPU agent was injected but never connected: sys.remote_exec" in done.stderr
+        assert "its script stays at" in done.stderr
+        out, err = p.communicate("go\n", timeout=30)  # wakes, runs the pending script, finds no session
+        assert p.returncode == 0 and out.strip() == "woke" and err == "", err
     finally:
-        _stop(p)
+        if p.poll() is None:
+            _stop(p)
 
 
 def test_without_cap_sys_admin_a_container_is_refused_with_the_way_out(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -147,6 +148,9 @@ def test_duration_ends_capture_and_statuses_recorded(tmp_path: Path) -> None:
         recs = list(reader.records())
     assert reader.trailer is not None and reader.trailer["stop_reason"] == "duration"
     assert any(isinstance(x, SourceStatus) for x in recs)
+    # -d 1 holds a second of tracing, not the seconds the sampler and the other sources took to start too.
+    traced_s = (reader.trailer["end_ns"] - reader.trailer["tracing_ns"]) / 1e9
+    assert 0.9 <= traced_s < 1.5 or "longer than -d 1" in r.stderr, (traced_s, r.stderr)
 
 
 @pytest.mark.parametrize("bad", [["-d", "0", "--", "true"], ["-p", "1", "--", "true"], []])
@@ -163,6 +167,41 @@ def test_a_command_that_cannot_run_says_why(tmp_path: Path) -> None:
         r = gputrace("capture", "-o", "x.gputrace", "--", cmd, cwd=tmp_path)
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list(tmp_path.glob("*.gputrace"))
+
+
+def test_a_script_whose_interpreter_is_missing_names_the_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text("#!/nonexistent/interp -x\necho hi\n")
+    script.chmod(0o755)
+    r = gputrace("capture", "-o", "x.gputrace", "--", str(script), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot run {script}: its interpreter /nonexistent/interp (from its #! line) was not found" in r.stderr
+
+
+def test_the_command_gets_default_signal_dispositions(tmp_path: Path) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ; a command run under gputrace must not inherit that (`yes | head`
+    would print "Broken pipe", a pipeline's exit codes would change)."""
+    r = gputrace("capture", "-o", "x.gputrace", "--", "sh", "-c",
+                 "grep SigIgn /proc/self/status; yes | head -c 10 >/dev/null", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "SigIgn:\t0000000000000000" in r.stdout and "Broken pipe" not in r.stderr
+
+
+def test_sigterm_to_gputrace_reaches_the_command_and_the_capture_is_written(tmp_path: Path) -> None:
+    """A supervisor stopping `gputrace capture -- CMD` stops the job: the command gets the SIGTERM too."""
+    cap = subprocess.Popen(GPUTRACE + ["capture", "-o", "t.gputrace", "--", "sleep", "60"], cwd=tmp_path,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert cap.stderr is not None
+    while not (line := cap.stderr.readline()).startswith("gputrace: tracing"):
+        assert line, "gputrace ended before tracing"
+    t0 = time.monotonic()
+    cap.send_signal(signal.SIGTERM)
+    _, err = cap.communicate(timeout=60)
+    assert cap.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 30, err  # sleep's own status
+    assert "waiting for pid" not in err and "Wrote t.gputrace" in err
+    with CaptureReader(tmp_path / "t.gputrace") as reader:
+        list(reader.records())
+        assert reader.trailer is not None and reader.trailer["stop_reason"] == "stopped"
 
 
 def test_a_held_command_ends_when_gputrace_is_killed_before_releasing_it(tmp_path: Path) -> None:

@@ -157,6 +157,13 @@ def test_capabilities_without_root_is_one_line(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+def test_capturing_gputrace_itself_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # It would trace its own reading of its own events: a feedback loop, not a capture.
+    assert main(["capture", "-p", str(os.getpid()), "-d", "1", "-o", str(tmp_path / "self.gputrace")]) == 2
+    assert f"pid {os.getpid()} is this gputrace process" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------------------------- report / export ---
 def test_output_over_the_capture_being_read_is_refused(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -359,6 +360,25 @@ def test_stop_ends_a_capture_early(svc: Svc) -> None:
     assert job["state"] == "done" and job["stop_reason"] == "stopped"
     assert (svc.state / "0" / "stopped.gputrace").exists()
     assert "no job" in svc.ask({"op": "stop", "job": 99999})["error"]
+
+
+def test_ctrl_c_on_a_waiting_client_stops_the_job_and_reports_it(svc: Svc) -> None:
+    child = _child()
+    try:
+        client = subprocess.Popen([sys.executable, "-m", "gputrace", "daemon", "capture", "-p", str(child.pid),
+                                   "-d", "60", "--name", "interrupted", "--socket", str(svc.sock)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        assert client.stderr is not None
+        assert "capturing pids" in client.stderr.readline()
+        time.sleep(1.0)
+        client.send_signal(signal.SIGINT)
+        out, err = client.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert client.returncode == 0 and "Traceback" not in err, err
+    assert "gputraced: stopping the capture, it is still written" in err
+    assert "done" in out and "Wrote" in out and (svc.state / "0" / "interrupted.gputrace").exists()
 
 
 def test_listens_on_unix_sockets_only(svc: Svc) -> None:

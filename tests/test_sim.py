@@ -115,6 +115,11 @@ def test_synchronize_is_woken_by_the_stream_thread() -> None:
     ("call", "message"),
     [
         (lambda s: s.launch("k", duration_ms=-1), "duration_ms"),
+        (lambda s: s.launch("k", duration_ms=1e300), "duration_ms"),  # once killed the stream's thread
+        (lambda s: s.launch("k", duration_ms=float("inf")), "duration_ms"),
+        (lambda s: s.launch("k", duration_ms=float("nan")), "duration_ms"),
+        (lambda s: s.launch("k", duration_ms=True), "duration_ms"),
+        (lambda s: s.memcpy(1.5, duration_ms=1), "nbytes"),
         (lambda s: s.memcpy(10, duration_ms=1, kind="sideways"), "memcpy kind"),
         (lambda s: s.memcpy(-5, duration_ms=1), "nbytes"),
         (lambda s: s.launch("", duration_ms=1), "name"),
@@ -125,3 +130,5 @@ def test_bad_arguments_are_refused(call: object, message: str) -> None:
     s = Device(0).stream()
     with pytest.raises(ValueError, match=message):
         call(s)  # type: ignore[operator]
+    s.launch("after", duration_ms=1)  # the stream still works: nothing bad reached its thread
+    s.synchronize()

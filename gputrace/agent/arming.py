@@ -141,13 +141,18 @@ def _at_exit() -> None:
 def _watch() -> None:
     """Near-zero cost until offered: one stat() a second; the agent itself is built at the first offer.
 
-    Reconnects only to a new offer (a new inode), so a stale path left by a dead session is ignored.
+    Reconnects only to a new offer, so a stale path left by a dead session is ignored. An offer is new when
+    its file is: a file system reuses a freed inode at once (ext4 gives the next session's socket the same
+    number), so the identity includes the change time, and a path that went away forgets the last one.
     """
     path = os.path.join(attach_dir(), f"{os.getpid()}.sock")
-    last: tuple[int, int] | None = None
+    last: tuple[int, int, int] | None = None
     while not _exiting.wait(WATCH_PERIOD_S):
         ident = _trusted_offer(path)
-        if ident is None or ident == last:
+        if ident is None:
+            last = None
+            continue
+        if ident == last:
             continue
         last = ident
         agent = _agent or _create(path, eager=False)
@@ -155,8 +160,8 @@ def _watch() -> None:
         agent.serve(retry_s=0.0)
 
 
-def _trusted_offer(path: str) -> tuple[int, int] | None:
-    """(dev, ino) of an offer made by root or by our own user; anything else is ignored."""
+def _trusted_offer(path: str) -> tuple[int, int, int] | None:
+    """(dev, ino, ctime ns) of an offer made by root or by our own user; anything else is ignored."""
     try:
         link = os.lstat(path)
         target = os.stat(path)
@@ -165,7 +170,7 @@ def _trusted_offer(path: str) -> tuple[int, int] | None:
     owners = (0, os.getuid())
     if link.st_uid not in owners or os.stat(os.path.dirname(path)).st_uid not in owners:
         return None
-    return (target.st_dev, target.st_ino)
+    return (target.st_dev, target.st_ino, target.st_ctime_ns)
 
 
 # ----------------------------------------------------------------------------------------- fork ---
@@ -243,12 +248,14 @@ def boot_dir() -> str:
 def environment(sock_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that arm a process: connect to ``sock_path`` at startup, or (None) stay dormant.
 
-    PYTHONPATH keeps whatever ``base`` had, after the boot directory; GPUTRACE_HOME lets an interpreter
-    without gputrace installed still load the agent.
+    PYTHONPATH keeps whatever ``base`` had, after the boot directory, empty entries included (each puts the
+    current directory on sys.path); GPUTRACE_HOME lets an interpreter without gputrace installed still load
+    the agent.
     """
     env = os.environ if base is None else base
     boot = boot_dir()
-    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
+    given = env.get("PYTHONPATH", "")
+    old = [p for p in given.split(os.pathsep) if p != boot] if given else []
     out = {
         "PYTHONPATH": os.pathsep.join([boot, *old]),
         wire.ENV_HOME: os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

@@ -60,10 +60,13 @@ class Forwarder:
 
 def listen_at(path: Path) -> tuple[socket.socket, int]:
     """A listening socket at ``path`` and the inode it got (so we only ever remove our own)."""
+    if path.is_socket() and _listening(path):
+        raise UserError(f"{path} is another gputrace session's, still live: that process is being captured "
+                        "already (one session at a time; stop the other first)")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         if path.is_socket() or path.is_symlink():
-            path.unlink()  # left by a session that died; a live one would own a fresh inode
+            path.unlink()  # left by a session that died: nothing listens there
         s.bind(str(path))
         # Anyone may connect; only traced pids (checked by SO_PEERCRED) are listened to.
         os.chmod(path, 0o666)
@@ -74,6 +77,21 @@ def listen_at(path: Path) -> tuple[socket.socket, int]:
         raise UserError(f"agent socket {path}: {e.strerror}") from None
     s.setblocking(False)
     return s, ino
+
+
+def _listening(path: Path) -> bool:
+    """Whether a socket in our network namespace listens at ``path`` (/proc/net/unix: the listening flag,
+    __SO_ACCEPTCON, and the bound path), told without connecting to it."""
+    try:
+        lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
+    except OSError:
+        return False
+    want = str(path)
+    for line in lines:
+        fields = line.split(None, 7)
+        if len(fields) == 8 and fields[7] == want and int(fields[3], 16) & 0x10000:
+            return True
+    return False
 
 
 def unlink_if_ours(path: Path, ino: int) -> None:
@@ -92,9 +110,20 @@ class Listener:
         self.sock, self.path, self.ino, self.dir_fd = sock, path, ino, dir_fd
         self.path_inside = path_inside or path
         self.files: list[str] = []
+        self.pid = 0  # the process it was made for (the session's pid for it), when an offer
 
     def close(self) -> None:
         """Remove the socket file if it is still ours, and the other files; close everything."""
+        self.unlink()
+        if self.dir_fd is not None and self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1  # closed: unlink() has nothing left to do
+        self.sock.close()
+
+    def unlink(self) -> None:
+        """Remove the socket file if it is still ours, and the other files (the sockets stay open)."""
+        if self.dir_fd == -1:
+            return  # closed
         if self.dir_fd is None:
             unlink_if_ours(self.path, self.ino)
             for name in self.files:
@@ -107,8 +136,6 @@ class Listener:
             for name in self.files:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self.dir_fd)
-            os.close(self.dir_fd)
-        self.sock.close()
 
 
 def own_namespace(pid: int, ns: str) -> bool:

@@ -91,6 +91,7 @@ class Agent:
         self._woken = False
         self._sent_drops: dict[str, int] = {}
         self.lost = 0  # records that could not be sent (session gone mid-batch, oversized rows)
+        self._drops_base: dict[str, int] = {}  # the totals when the last session ended
         self._sock: socket.socket | None = None
         self._closing = threading.Event()
         self._done = threading.Event()
@@ -149,12 +150,19 @@ class Agent:
             except Exception as e:  # noqa: BLE001
                 _debug("stopping %s: %s", b.name, e)
 
-    def drop_counts(self) -> dict[str, int]:
+    def _total_drops(self) -> dict[str, int]:
+        """Everything lost since this process started (or forked), by kind."""
         counts = {"queue": self.queue.dropped, "send": self.lost}
         for b in self.backends:
             with contextlib.suppress(Exception):
                 counts.update({str(k): int(v) for k, v in b.drops().items()})
         return counts
+
+    def drop_counts(self) -> dict[str, int]:
+        """What this session lost: the totals less what they were when the last session ended (an earlier
+        session's losses, a killed one's included, are not this one's)."""
+        base = self._drops_base
+        return {k: max(0, v - base.get(k, 0)) for k, v in self._total_drops().items()}
 
     # ---------------------------------------------------------------------------- connection ---
     def connect(self, retry_s: float = 5.0) -> None:
@@ -303,6 +311,7 @@ class Agent:
             self._sock = None
         self._hello_sent = False
         self._sent_drops = {}
+        self._drops_base = self._total_drops()  # what the next session reports starts from here
         self._done.set()
 
     # ------------------------------------------------------------------------------------ fork ---
@@ -317,6 +326,7 @@ class Agent:
         self.queue.dropped = 0
         self._sent_drops = {}
         self.lost = 0
+        self._drops_base = {}
         self._io = None
         self._pending = False
         self._closing = threading.Event()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -97,6 +98,8 @@ def process_ids(ids: list[int]) -> list[int]:
         pid = _tgid(tid)
         if pid != tid:
             print(f"gputrace: {tid} is a thread of pid {pid}; tracing pid {pid}", file=sys.stderr)
+        if pid == os.getpid():  # it would trace its own reading of its own events, without end
+            raise UserError(f"pid {pid} is this gputrace process; give the pid of the job to trace")
         if pid not in out:
             out.append(pid)
     return out

@@ -73,27 +73,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Replies:
+    """One request on its own connection, and the service's reply frames read one at a time: a Ctrl-C while
+    waiting for one leaves the connection usable (a generator would be closed by it)."""
+
+    def __init__(self, path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> None:
+        from gputrace.daemon.service import send_frame
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        try:
+            self.sock.connect(str(path))
+        except OSError as e:
+            self.sock.close()
+            raise UserError(f"cannot reach gputraced at {path}: {e.strerror} (is the service running?)") from None
+        send_frame(self.sock, req)
+
+    def next(self) -> dict[str, Any] | None:
+        """The next reply frame (None: the service closed the connection). A refusal is a UserError."""
+        from gputrace.daemon.service import MAX_REPLY, ProtocolError, recv_frame
+
+        try:
+            reply = recv_frame(self.sock, MAX_REPLY)
+        except ProtocolError as e:
+            raise UserError(f"bad reply from gputraced: {e}") from None
+        if reply is not None and not reply.get("ok") and reply.get("event") != "done":
+            raise UserError(f"gputraced refused: {reply.get('error', 'no reason given')}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def request(path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> Iterator[dict[str, Any]]:
     """Send one request; yield the service's reply frames until it closes. A refusal is a UserError."""
-    from gputrace.daemon.service import MAX_REPLY, ProtocolError, recv_frame, send_frame
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect(str(path))
-        except OSError as e:
-            raise UserError(f"cannot reach gputraced at {path}: {e.strerror} (is the service running?)") from None
-        send_frame(s, req)
-        while True:
-            try:
-                reply = recv_frame(s, MAX_REPLY)
-            except ProtocolError as e:
-                raise UserError(f"bad reply from gputraced: {e}") from None
-            if reply is None:
-                return
-            if not reply.get("ok") and reply.get("event") != "done":
-                raise UserError(f"gputraced refused: {reply.get('error', 'no reason given')}")
+    replies = _Replies(path, req, timeout_s)
+    try:
+        while (reply := replies.next()) is not None:
             yield reply
+    finally:
+        replies.close()
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -102,19 +121,28 @@ def _capture(args: argparse.Namespace) -> int:
     common.require_positive("--min-gap-ms", args.min_gap_ms)
     req = {"op": "capture", "pids": args.pid, "duration_s": args.duration, "min_gap_ms": args.min_gap_ms,
            "wait": not args.no_wait, **({"name": args.name} if args.name else {})}
-    replies = request(args.socket, req, timeout_s=None if not args.no_wait else 30.0)
-    started = next(replies)
-    job = started["job"]
-    print(f"gputraced: job {job['id']} capturing pids {job['pids']} for {job['duration_s']:g} s", file=sys.stderr)
-    if args.no_wait:
-        _print(started, args.json)
-        return 0
+    replies = _Replies(args.socket, req, timeout_s=None if not args.no_wait else 30.0)
     try:
-        final = next(replies)
-    except KeyboardInterrupt:
-        next(request(args.socket, {"op": "stop", "job": job["id"]}))
-        print("gputraced: stopping the capture, it is still written", file=sys.stderr)
-        final = next(replies)
+        started = replies.next()
+        if started is None:
+            raise UserError("gputraced closed the connection without starting the capture")
+        job = started["job"]
+        print(f"gputraced: job {job['id']} capturing pids {job['pids']} for {job['duration_s']:g} s",
+              file=sys.stderr)
+        if args.no_wait:
+            _print(started, args.json)
+            return 0
+        try:
+            final = replies.next()
+        except KeyboardInterrupt:  # the job is the service's: ask it to stop, and still report what it wrote
+            next(request(args.socket, {"op": "stop", "job": job["id"]}))
+            print("gputraced: stopping the capture, it is still written", file=sys.stderr)
+            final = replies.next()
+    finally:
+        replies.close()
+    if final is None:
+        raise UserError(f"gputraced closed the connection before job {job['id']} ended (gputrace daemon list "
+                        "shows its state)")
     _print(final, args.json)
     return 0 if final.get("ok") else 1
 

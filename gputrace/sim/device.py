@@ -10,6 +10,7 @@ GPU runs queued work) and lasts exactly its duration; the host is released when 
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 COPY_KINDS = ("h2d", "d2h", "d2d", "h2h", "p2p")
 _correlation = itertools.count(1)
+
+MAX_DURATION_MS = 86_400_000.0  # a day: longer is a mistake, and would overflow the stream's clock
 
 
 def _now() -> int:
@@ -147,10 +150,12 @@ class Stream:
                  copy_kind: str = "", memory: str = "",
                  rendezvous: Callable[[int], int] | None = None, grid: tuple[int, ...] = (1, 1, 1),
                  block: tuple[int, ...] = (1, 1, 1)) -> int:
-        if not duration_ms >= 0:
-            raise ValueError(f"duration_ms must be >= 0, not {duration_ms!r}")
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, not {nbytes!r}")
+        if isinstance(duration_ms, bool) or not isinstance(duration_ms, numbers.Real) \
+                or not 0 <= duration_ms <= MAX_DURATION_MS:
+            raise ValueError(f"duration_ms must be a number of milliseconds in [0, {MAX_DURATION_MS:g}], "
+                             f"not {duration_ms!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, not {nbytes!r}")
         self._check_fork()
         t0, cid = _now(), next_correlation_id()
         dims = _dims(grid), _dims(block)

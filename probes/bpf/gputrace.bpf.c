@@ -508,6 +508,39 @@ TRACEPOINT_PROBE(task, task_newtask)
     return 0;
 }
 
+#ifdef GT_OWNER_UID
+/* Processes left out at exec (GT_EXEC_LEFT_OUT): counted here too, so that a lost event still counts. */
+BPF_ARRAY(left_out, u64, 1);
+
+/* The exec'ing task gained privileges the owner lacks: it leaves the target set before it runs an instruction
+ * of the new program, so none of its later events are recorded and none of its children are followed. Its
+ * other threads are gone (exec kills them first); its execve still in flight is forgotten, so no record ends
+ * after this point. `old_tid`: the thread's tid before exec (a non-leader thread takes the leader's). */
+static __always_inline void leave_out(u32 tgid, u32 tid, u32 old_tid)
+{
+    remove_target(tgid);
+    u32 slots[2] = {tid & INFLIGHT_MASK, old_tid & INFLIGHT_MASK};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        struct gt_inflight *v = inflight.lookup(&slots[i]);
+        if (v && (v->tid == tid || v->tid == old_tid))
+            v->tid = 0;
+    }
+    struct gt_offcpu_val *o = offcpu.lookup(&tid);
+    if (o)
+        offcpu_forget(tid, o);
+#ifdef HAVE_FILEMAP_FAULT
+    faults.delete(&tid);
+    faults.delete(&old_tid);
+#endif
+    u32 zero = 0;
+    u64 *n = left_out.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+#endif
+
+/* Creds are committed by now (begin_new_exec) and the task has not yet returned to user space. */
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -520,6 +553,12 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     ev.ts = bpf_ktime_get_ns();
     bpf_get_current_comm(ev.comm, sizeof(ev.comm));
     TP_DATA_LOC_READ_STR(ev.filename, filename, sizeof(ev.filename));
+#ifdef GT_OWNER_UID
+    if (gt_task_foreign(bpf_get_current_task())) {
+        leave_out(ev.pid, ev.tid, (u32)args->old_pid);
+        ev.flags = GT_EXEC_LEFT_OUT;
+    }
+#endif
     emit_proc((void *)1, &ev);
     return 0;
 }
@@ -931,8 +970,17 @@ int gt_sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
 static __always_inline int block_submit(u32 dev, u64 sector)
 {
     u64 id = bpf_get_current_pid_tgid();
-    if (!is_target(id >> 32) && !iowait_any())
-        return 0;
+    if (!is_target(id >> 32)) {
+        if (!iowait_any())
+            return 0;
+#ifdef GT_OWNER_UID
+        /* A non-root owner sees requests of other submitters only from kernel threads (the workers that
+         * dispatch held-back I/O) or its own processes: not those of a process it may not trace. */
+        u64 task = bpf_get_current_task(), mm = 0;
+        if (bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + GT_TASK_MM_OFF) || (mm && gt_task_foreign(task)))
+            return 0;
+#endif
+    }
     struct gt_blk_key k = {.dev = dev, .sector = sector};
     struct gt_blk_val v = {};
     v.ts = bpf_ktime_get_ns();

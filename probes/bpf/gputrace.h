@@ -24,6 +24,10 @@
 /* 10 is EV_UNFINISHED, written by user space (probes/events.py) */
 #define GT_EV_FDRECV 11 /* struct gt_fdrecv_event, in both rings */
 
+/* gt_proc_event.flags of a GT_EV_EXEC event: the exec gave the task privileges the capture's owner lacks, and
+ * the process was left out of the trace from there on (see gt_task_foreign). */
+#define GT_EXEC_LEFT_OUT 0x1
+
 /* Where records were lost: indexes of the per-CPU `drops` array. */
 #define GT_DROP_RINGBUF 0  /* events ring buffer full */
 #define GT_DROP_PROCBUF 1  /* process-event ring buffer full */
@@ -222,5 +226,57 @@ struct gt_offcpu_val {
     u32 waker_tid;
     char waker_comm[GT_COMM_LEN];
 };
+
+#ifdef GT_OWNER_UID
+/* Whether `task` (a struct task_struct *) holds privileges the capture's owner, uid GT_OWNER_UID, lacks: a
+ * non-root owner must not see into it, as the kernel would refuse that user ptrace or perf_event_open on it.
+ * Shared with sampler.bpf.c. The kernel's rule (ptrace_may_access, PTRACE_MODE_READ_REALCREDS) lets a caller
+ * in when the target's uid, euid and suid equal the caller's uid and its gid, egid and sgid the caller's gid,
+ * its permitted capabilities are a subset of the caller's, and it is dumpable. Here, checked on the
+ * objective credentials (real_cred, as ptrace does):
+ *   - uid, euid, suid and fsuid all GT_OWNER_UID (a setuid program changes euid, suid and fsuid);
+ *   - egid, sgid and fsgid all equal the task's own real gid (a setgid program changes them and leaves the
+ *     real gid; an owner's process has no way to a real gid it was not given, so the owner's gid need not
+ *     be known);
+ *   - no permitted or effective capability (file capabilities, a setcap program; the owner is assumed to
+ *     have none). This also leaves out a process holding capabilities in a user namespace of its own, which
+ *     ptrace would allow: stricter than the kernel, never looser;
+ *   - dumpable (mm->flags & MMF_DUMPABLE_MASK == SUID_DUMP_USER): also false after exec of a program its user
+ *     may not read, whose code and symbols we would otherwise read for it.
+ * Layouts come from BTF as -D flags (probes/ebpf_hooks.py owner_cflags); a field that cannot be read makes
+ * the task foreign: nothing is traced that was not checked. */
+#define GT_DUMPABLE_MASK 0x3
+#define GT_SUID_DUMP_USER 0x1
+static __always_inline u32 gt_cred_u32(u64 cred, u32 off)
+{
+    u32 v = 0;
+    if (bpf_probe_read_kernel(&v, sizeof(v), (void *)cred + off))
+        return ~0U;
+    return v;
+}
+
+static __always_inline int gt_task_foreign(u64 task)
+{
+    u64 cred = 0, mm = 0, mmflags = 0, caps[2] = {~0ULL, ~0ULL};
+    if (bpf_probe_read_kernel(&cred, sizeof(cred), (void *)task + GT_TASK_REAL_CRED_OFF) || !cred)
+        return 1;
+    if (gt_cred_u32(cred, GT_CRED_UID_OFF) != GT_OWNER_UID || gt_cred_u32(cred, GT_CRED_EUID_OFF) != GT_OWNER_UID ||
+        gt_cred_u32(cred, GT_CRED_SUID_OFF) != GT_OWNER_UID || gt_cred_u32(cred, GT_CRED_FSUID_OFF) != GT_OWNER_UID)
+        return 1;
+    u32 gid = gt_cred_u32(cred, GT_CRED_GID_OFF);
+    if (gid == ~0U || gt_cred_u32(cred, GT_CRED_EGID_OFF) != gid || gt_cred_u32(cred, GT_CRED_SGID_OFF) != gid ||
+        gt_cred_u32(cred, GT_CRED_FSGID_OFF) != gid)
+        return 1;
+    bpf_probe_read_kernel(&caps[0], sizeof(caps[0]), (void *)cred + GT_CRED_CAP_PERMITTED_OFF);
+    bpf_probe_read_kernel(&caps[1], sizeof(caps[1]), (void *)cred + GT_CRED_CAP_EFFECTIVE_OFF);
+    if (caps[0] || caps[1])
+        return 1;
+    if (bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + GT_TASK_MM_OFF) || !mm)
+        return 1; /* no user memory (a kernel thread): nothing of the owner's */
+    if (bpf_probe_read_kernel(&mmflags, sizeof(mmflags), (void *)mm + GT_MM_FLAGS_OFF))
+        return 1;
+    return (mmflags & GT_DUMPABLE_MASK) != GT_SUID_DUMP_USER;
+}
+#endif
 
 #endif

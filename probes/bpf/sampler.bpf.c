@@ -4,9 +4,13 @@
  * collide (-EEXIST) after a few hundred distinct stacks, and reusing them makes an id name another stack.
  * User space dedupes stacks and symbolizes each once while the process is alive. New child processes of
  * traced ones are followed through task_newtask; user space adds more with the targets map.
- * Build-time parameters (cflags): RINGBUF_PAGES, MAX_TARGETS, HAVE_GROUP_DEAD. */
+ * With GT_OWNER_UID (a non-root owner), a process that gains privileges the owner lacks leaves the targets
+ * at exec, and a sample is taken only of a task that is not foreign (gt_task_foreign in gputrace.h).
+ * Build-time parameters (cflags): RINGBUF_PAGES, MAX_TARGETS, HAVE_GROUP_DEAD, GT_OWNER_UID and the offsets
+ * gt_task_foreign reads. */
 #include <uapi/linux/bpf_perf_event.h>
 #include "sampler.h"
+#include "gputrace.h"
 
 #define SP_CLONE_THREAD 0x00010000 /* CLONE_THREAD in uapi/linux/sched.h */
 
@@ -32,6 +36,11 @@ int on_sample(struct bpf_perf_event_data *ctx) {
     u32 tgid = id >> 32;
     if (tgid == 0 || !targets.lookup(&tgid))
         return 0;
+#ifdef GT_OWNER_UID
+    /* Besides the exec check below: user space adds children it hears of late, maybe after such an exec. */
+    if (gt_task_foreign(bpf_get_current_task()))
+        return 0;
+#endif
     struct sp_event *e = samples.ringbuf_reserve(sizeof(struct sp_event));
     if (!e) {
         count_drop(SP_DROP_RINGBUF);
@@ -65,6 +74,18 @@ TRACEPOINT_PROBE(task, task_newtask) {
         count_drop(SP_DROP_TARGETS);
     return 0;
 }
+
+#ifdef GT_OWNER_UID
+/* The exec gave the process privileges the owner lacks: no more samples of it, nor of its children. */
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!targets.lookup(&tgid) || !gt_task_foreign(bpf_get_current_task()))
+        return 0;
+    targets.delete(&tgid);
+    count_drop(SP_LEFT_OUT);
+    return 0;
+}
+#endif
 
 /* The process is gone: forget it, so a later process reusing its pid is not sampled. */
 TRACEPOINT_PROBE(sched, sched_process_exit) {

@@ -9,7 +9,8 @@
 #define SP_DROP_RINGBUF 0 /* ring buffer full: the sample is not recorded */
 #define SP_DROP_STACK 1   /* no user stack to read (bpf_get_stack failed: an exiting task): not a loss */
 #define SP_DROP_TARGETS 2 /* targets map full: a new child process is not followed */
-#define SP_DROP_MAX 3
+#define SP_LEFT_OUT 3     /* not a loss: processes left out because they gained privileges (GT_OWNER_UID) */
+#define SP_DROP_MAX 4
 
 struct sp_event {
     u64 ts;  /* CLOCK_MONOTONIC ns */
