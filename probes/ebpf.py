@@ -21,7 +21,7 @@ from gputrace.probes import ebpf_build as build
 from gputrace.probes import ebpf_final as final
 from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes import events, procfs
-from gputrace.probes.ebpf_hooks import foreign, wanted_tracepoints
+from gputrace.probes.ebpf_hooks import wanted_tracepoints
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
     check_host,
@@ -33,19 +33,14 @@ from gputrace.probes.ebpf_host import (
     unload,
     unload_in_background,
 )
+from gputrace.probes.ebpf_owner import LEFT_OUT_WHY, OwnerFilter
 from gputrace.probes.filemaps import Key, MappedFiles, ReceivedFds
 from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers
 from gputrace.records import (
     Drops,
-    FdInfo,
-    FileMap,
     ProcExit,
-    ProcFork,
-    ProcInfo,
     ProcLeftOut,
     SourceStatus,
-    SyscallAgg,
-    ThreadInfo,
 )
 from gputrace.source import Sink
 
@@ -61,9 +56,6 @@ _FAULT_SIZE = events.FAULT.size
 _FDRECV_SIZE = events.FDRECV.size
 
 ProcCallback = Callable[[Any], None]
-# Records user space reads from /proc on the kernel's word: checked against the owner (see _owned_records).
-_FROM_PROC = (ProcInfo, ThreadInfo, FileMap, FdInfo)
-LEFT_OUT_WHY = "they gained privileges you lack (setuid/setgid/setcap)"
 
 
 # ------------------------------------------------------------------------------------ source ---
@@ -124,8 +116,7 @@ class EbpfSource:
         self._received = ReceivedFds(self._emit_in_order)
         self._since: dict[int, int] = {}  # pid -> when it was added to the target set
         self.owner_uid = owner_uid
-        self._left_out: set[int] = set()  # pids left out (until a new traced process takes the pid)
-        self._left_out_here = 0  # left out by user space: already privileged when found
+        self.owner = OwnerFilter(owner_uid, self.is_traced, self._remove_from_target_set)
         self._final_left_out: int | None = None
 
     # ------------------------------------------------------------------------------ lifecycle ---
@@ -196,7 +187,7 @@ class EbpfSource:
         if waiting:
             self._sink.emit_kernel(b"".join(waiting), len(waiting))
         aggs = final.aggregates(self._bpf[b"agg"].items(), slots, self._nr_names)
-        records: list[Any] = self._owned_aggregates(aggs)
+        records: list[Any] = self.owner.owned_aggregates(aggs)
         self._final_left_out = self.left_out()
         self._final_drops = self.drops()
         self._final_skips = program_skips(self._bpf)
@@ -225,7 +216,7 @@ class EbpfSource:
         record can be lost with the ring; the count cannot) plus those user space found already privileged."""
         if self._final_left_out is not None:
             return self._final_left_out
-        n = self._left_out_here
+        n = self.owner.found_privileged
         if self._bpf is not None and self.owner_uid is not None:
             table = self._bpf[b"left_out"]
             n += int(table[table.Key(0)].value)
@@ -257,37 +248,14 @@ class EbpfSource:
         records: list[Any] = []
         added = []
         for p in pids:
-            if self._may_add(p):
+            if self.owner.may_add(p):
                 self._add_to_target_set(p)
                 self._since.setdefault(p, now)
                 added.append(p)
                 records += procfs.snapshot(p)
-        records = self._owned_records(records) + self._privileged_found(pids, added)
+        records = self.owner.owned_records(records) + self.owner.privileged_found(pids, added)
         if self._sink is not None:
             self._sink.emit(records)
-
-    def _may_add(self, pid: int) -> bool:
-        """Not a process of the owner's that gained privileges before it was found (the kernel's exec check
-        sees only execs after it is in the set). Checked again once in the set: an exec in between is caught
-        by one check or the other."""
-        return self.owner_uid is None or not foreign(pid, self.owner_uid)
-
-    def _privileged_found(self, pids: list[int], added: list[int]) -> list[Any]:
-        """Of ``pids``, those left out: found privileged (not ``added``), or privileged once added (out of the
-        set again). One the kernel has already taken out of the set was left out at its exec and is counted
-        there."""
-        if self.owner_uid is None:
-            return []
-        out: list[Any] = []
-        for p in pids:
-            if (p in added and not self.is_traced(p)) or not Path(f"/proc/{p}").is_dir():
-                continue  # left out at its exec and counted there, or gone
-            if foreign(p, self.owner_uid):
-                self._remove_from_target_set(p)
-                self._left_out.add(p)
-                self._left_out_here += 1
-                out.append(ProcLeftOut(clock.monotonic_ns(), p, p, procfs.comm(p), ""))
-        return out
 
     def _add_to_target_set(self, pid: int) -> None:
         """As add_target() in gputrace.bpf.c: the set, then the fast slot."""
@@ -304,21 +272,6 @@ class EbpfSource:
         key = tslot.Key(pid & _TARGET_MASK)
         if tslot[key].value == pid:
             tslot[key] = tslot.Leaf(0)
-
-    def _owned_records(self, records: list[Any]) -> list[Any]:
-        """For a non-root owner, what user space read from /proc is kept only when its process is not left out
-        and still the owner's once read: an exec may have come between the kernel's event and the read."""
-        if self.owner_uid is None:
-            return records
-        owner, bad = self.owner_uid, set(self._left_out)
-        for pid in {r.pid for r in records if isinstance(r, _FROM_PROC)} - bad:
-            if foreign(pid, owner):
-                bad.add(pid)
-        return [r for r in records if not (isinstance(r, _FROM_PROC) and r.pid in bad)]
-
-    def _owned_aggregates(self, aggs: list[SyscallAgg]) -> list[SyscallAgg]:
-        """A process left out is left out whole: even its short calls from before the exec."""
-        return [a for a in aggs if a.pid not in self._left_out]
 
     def is_traced(self, pid: int) -> bool:
         if self._bpf is None:
@@ -434,13 +387,7 @@ class EbpfSource:
         """Records that must follow what the kernel saw before them (and precede what it saw after)."""
         self._flush()
         assert self._sink is not None
-        self._sink.emit(self._owned_records(records))
-
-    def _note_left_out(self, rec: Any) -> None:
-        if isinstance(rec, ProcLeftOut):
-            self._left_out.add(rec.pid)
-        elif isinstance(rec, ProcFork) and not rec.is_thread:
-            self._left_out.discard(rec.child_pid)  # a new traced process took the pid
+        self._sink.emit(self.owner.owned_records(records))
 
     def _forget_file(self, key: Key) -> None:
         if self._bpf is not None:
@@ -464,7 +411,7 @@ class EbpfSource:
             self._callback_errors += 1  # a process event lost: counted with the drops
             return 0
         try:
-            self._note_left_out(rec)
+            self.owner.note(rec)
             self._emit_in_order([rec, *procfs.new_task_metadata(rec)])
             if isinstance(rec, (ProcExit, ProcLeftOut)) and rec.tid == rec.pid:
                 self._files.process_gone(rec.pid)

@@ -97,6 +97,9 @@ def test_user_capture_leaves_out_setuid_and_setgid_children(svc: Svc, programs: 
     assert job["left_out"] == len(left) >= 4
     final = [s for s in _of(recs, "SourceStatus") if s.source == "ebpf" and s.status == "stopped"]
     assert f"{len(left)} processes left out" in final[0].detail
+    report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(svc.state / "65534" / "priv.gputrace")],
+                            capture_output=True, text=True, timeout=60, env={"COLUMNS": "300", "PATH": "/usr/bin"})
+    assert f"note: {len(left)} process(es) left out of this capture: they gained privileges" in report.stdout
     # Nothing of a left-out process after it was left out, and none of its syscalls summed either.
     since = {x.pid: x.ts for x in left}
     for kind, field in TIMED.items():

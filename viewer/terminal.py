@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gputrace.analysis.notes import malformed_note, no_ebpf_note, skipped_probes_note, waiting_lines
+from gputrace.analysis.notes import left_out_note, malformed_note, no_ebpf_note, skipped_probes_note, waiting_lines
 from gputrace.analysis.report import culprit_label, pid_text
 
 TOP_STALLS = 10
@@ -81,7 +81,8 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
 
 
 def _notes(cap: dict[str, Any], console: Console) -> None:
-    for note, style in ((no_ebpf_note(cap), "bold yellow"), (skipped_probes_note(cap), "yellow"),
+    for note, style in ((no_ebpf_note(cap), "bold yellow"), (left_out_note(cap), "yellow"),
+                        (skipped_probes_note(cap), "yellow"),
                         (malformed_note(cap), "bold red")):
         if note:
             console.print(Text(note, style=style))

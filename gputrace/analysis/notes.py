@@ -46,7 +46,13 @@ def waiting_text(w: dict[str, Any]) -> str:
     return f"pid {w['pid']} tid {w['tid']} ({w['comm']}): {what} for {since}{fmt_ms(w['duration_ns'])}{state}"
 
 
+def left_out_note(cap: dict[str, Any]) -> str:
+    n = cap.get("left_out")
+    return (f"note: {n} process(es) left out of this capture: they gained privileges its owner lacks "
+            "(setuid/setgid/setcap), as the kernel would refuse that user ptrace on them") if n else ""
+
+
 def capture_notes(cap: dict[str, Any], waiting: int = 3) -> list[str]:
     """All of the above in summary_lines' order."""
-    notes = [no_ebpf_note(cap), skipped_probes_note(cap), malformed_note(cap)]
+    notes = [no_ebpf_note(cap), left_out_note(cap), skipped_probes_note(cap), malformed_note(cap)]
     return [n for n in notes if n] + waiting_lines(cap, waiting)

@@ -82,6 +82,8 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
     if cap.in_progress:
         out["in_progress"] = in_progress(cap)
         out["in_progress_threads"] = len(cap.in_progress)
+    if cap.counts.get("ProcLeftOut"):  # a service capture for a user: processes that gained privileges
+        out["left_out"] = cap.counts["ProcLeftOut"]
     return out
 
 
