@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -72,16 +73,25 @@ class Svc:
                                "--socket", str(self.sock)], capture_output=True, text=True, timeout=120, cwd="/")
 
 
-@pytest.fixture(scope="module")
-def svc() -> Iterator[Svc]:
-    base = Path(tempfile.mkdtemp(prefix="gputraced-test-"))
+@contextlib.contextmanager
+def running_service(prefix: str) -> Iterator[Svc]:
+    """A gputraced in a fresh directory that uid 65534 can reach, stopped and removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     os.chmod(base, 0o755)  # uid 65534 must reach the socket
     service = Svc(base)
-    yield service
-    if service.proc.poll() is None:
-        service.proc.terminate()
-        service.proc.communicate(timeout=90)
-    shutil.rmtree(base, ignore_errors=True)
+    try:
+        yield service
+    finally:
+        if service.proc.poll() is None:
+            service.proc.terminate()
+            service.proc.communicate(timeout=90)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def svc() -> Iterator[Svc]:
+    with running_service("gputraced-test-") as service:
+        yield service
 
 
 def _child(user: list[str] | None = None) -> subprocess.Popen[bytes]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from test_btf import Blob
-from test_service import NOBODY, ROOT, Svc
+from test_service import NOBODY, ROOT, Svc, running_service
 
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
@@ -32,14 +32,8 @@ TIMED = {"Syscall": "end_ns", "OffCpu": "end_ns", "BlockIO": "issue_ns", "PageFa
 
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Svc]:
-    base = Path(tempfile.mkdtemp(prefix="gputraced-priv-"))
-    os.chmod(base, 0o755)  # uid 65534 must reach the socket
-    service = Svc(base)
-    yield service
-    if service.proc.poll() is None:
-        service.proc.terminate()
-        service.proc.communicate(timeout=90)
-    shutil.rmtree(base, ignore_errors=True)
+    with running_service("gputraced-priv-") as service:
+        yield service
 
 
 @pytest.fixture(scope="module")

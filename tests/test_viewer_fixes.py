@@ -4,7 +4,6 @@ says about a capture's gaps, file names browsers send unencoded, dropped downloa
 from __future__ import annotations
 
 import html
-import http.client
 import os
 import socket
 import struct
@@ -17,6 +16,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
 import pytest
+from test_view import _free_port, _get
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.analysis.synth import Builder, ns
@@ -31,22 +31,6 @@ TRAINER, WORKER = 100, 200
 def _gputrace(*args: str | bytes, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gputrace", *args], capture_output=True, text=True, timeout=60,
                           cwd=cwd, env={**os.environ, "COLUMNS": "400", **env})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _request(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-    """One request to a server that is listening already (it binds before it prints or returns)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    conn.request(method, path, headers={"Origin": UI_ORIGIN})
-    resp = conn.getresponse()
-    body = resp.read()
-    conn.close()
-    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
 
 
 def _storage_builder(obj: str, comm: str = "worker") -> Builder:
@@ -199,7 +183,7 @@ def test_other_port_link_names_9001_and_says_to_forward_it(tmp_path: Path) -> No
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(3)]  # printed before serving: the server is up
-        status, _, body = _request(port, "/t.pftrace")
+        status, _, body = _get(port, "/t.pftrace")
         out, err = proc.communicate(timeout=10)
     finally:
         proc.kill()
@@ -218,12 +202,12 @@ def test_head_answers_like_get_without_the_body_and_does_not_stop_the_server(tmp
     done = threading.Thread(target=server.serve_until_fetched, args=(20,))
     done.start()
     try:
-        status, headers, body = _request(server.port, "/h.pftrace", "HEAD")
+        status, headers, body = _get(server.port, "/h.pftrace", "HEAD")
         assert (status, headers["content-length"], body) == (200, str(len(data)), b"")
         assert headers["access-control-allow-origin"] == UI_ORIGIN
-        assert _request(server.port, "/nope.pftrace", "HEAD")[0] == 404
+        assert _get(server.port, "/nope.pftrace", "HEAD")[0] == 404
         assert not server.fetched.is_set(), "a HEAD is not the fetch the server waits for"
-        assert _request(server.port, "/h.pftrace")[2] == data
+        assert _get(server.port, "/h.pftrace")[2] == data
     finally:
         done.join()
     assert server.fetched.is_set()
@@ -244,7 +228,7 @@ def test_dropped_download_is_quiet_and_not_counted_as_fetched(tmp_path: Path) ->
             assert len(s.recv(100)) > 0
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
         assert proc.poll() is None
-        status, _, body = _request(port, "/big.pftrace")
+        status, _, body = _get(port, "/big.pftrace")
         out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
