@@ -212,15 +212,12 @@ class EbpfSource:
         return program_skips(self._bpf, final=self._final_skips)
 
     def left_out(self) -> int:
-        """Processes left out because they gained privileges the owner lacks: the kernel's count (a ProcLeftOut
-        record can be lost with the ring; the count cannot) plus those user space found already privileged."""
+        """Processes left out because they gained privileges the owner lacks, as the capture holds them: the
+        kernel's ProcLeftOut records read (one lost with a full ring is counted with the drops) plus those user
+        space found already privileged. Not the kernel's own count, which goes on after the last read."""
         if self._final_left_out is not None:
             return self._final_left_out
-        n = self.owner.found_privileged
-        if self._bpf is not None and self.owner_uid is not None:
-            table = self._bpf[b"left_out"]
-            n += int(table[table.Key(0)].value)
-        return n
+        return self.owner.found_privileged + self.owner.seen
 
     def drops(self) -> dict[str, int]:
         if self._final_drops is not None:

@@ -30,6 +30,7 @@ class OwnerFilter:
         self.owner_uid = owner_uid
         self.left_out: set[int] = set()  # pids left out (until a new traced process takes the pid)
         self.found_privileged = 0  # left out by user space: already privileged when found
+        self.seen = 0  # left out by the kernel at their exec: its ProcLeftOut records read
         self._is_traced, self._untrace = is_traced, untrace
 
     def may_add(self, pid: int) -> bool:
@@ -74,5 +75,6 @@ class OwnerFilter:
         """Follow the kernel's process events: a pid left out, or taken by a new traced process."""
         if isinstance(rec, ProcLeftOut):
             self.left_out.add(rec.pid)
+            self.seen += 1
         elif isinstance(rec, ProcFork) and not rec.is_thread:
             self.left_out.discard(rec.child_pid)

@@ -509,9 +509,6 @@ TRACEPOINT_PROBE(task, task_newtask)
 }
 
 #ifdef GT_OWNER_UID
-/* Processes left out at exec (GT_EXEC_LEFT_OUT): counted here too, so that a lost event still counts. */
-BPF_ARRAY(left_out, u64, 1);
-
 /* The exec'ing task gained privileges the owner lacks: it leaves the target set before it runs an instruction
  * of the new program, so none of its later events are recorded and none of its children are followed. Its
  * other threads are gone (exec kills them first); its execve still in flight is forgotten, so no record ends
@@ -533,10 +530,6 @@ static __always_inline void leave_out(u32 tgid, u32 tid, u32 old_tid)
     faults.delete(&tid);
     faults.delete(&old_tid);
 #endif
-    u32 zero = 0;
-    u64 *n = left_out.lookup(&zero);
-    if (n)
-        __sync_fetch_and_add(n, 1);
 }
 #endif
 
