@@ -69,6 +69,7 @@ class AgentServer:
         self._gone: list[Peer] = []
         self._offers: list[Listener] = []
         self._withdrawn: list[Listener] = []  # closed by the server thread, which owns the selector
+        self._stopped_offers = False  # all offers withdrawn: the session is ending, none is made any more
         self.injected: dict[int, Path] = {}  # pid -> the script its interpreter was told to run
         self.kept_scripts: dict[int, Path] = {}  # scripts left in place at the end (see keep_unrun_scripts)
         self._listener_ino = 0
@@ -139,8 +140,13 @@ class AgentServer:
 
     def _add_offer(self, offer: Listener) -> None:
         with self._lock:
-            self._offers.append(offer)
-            self._new_listeners.append(offer.sock)
+            late = self._stopping.is_set() or self._stopped_offers
+            if not late:
+                self._offers.append(offer)
+                self._new_listeners.append(offer.sock)
+        if late:  # a child forked while the session was ending (the eBPF source stops after us): no offer
+            offer.close()
+            return
         self._wake()
 
     def attach(self, pid: int) -> str:
@@ -461,6 +467,7 @@ class AgentServer:
         with self._lock:
             offers = self._offers + self._withdrawn
             self._offers, self._withdrawn = [], []
+            self._stopped_offers = True
         for offer in offers:
             offer.close()
 
