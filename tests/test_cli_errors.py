@@ -238,22 +238,30 @@ def test_export_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.gputrace"]
 
 
-def test_long_export_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
-    cap = _long_capture(tmp_path / "big.gputrace", 300_000)
+def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, list[str]]:
+    """Run gputrace with its stderr on a pseudo-terminal: (its stdout, the lines the terminal showed)."""
     primary, secondary = pty.openpty()
     with os.fdopen(primary, "rb", buffering=0) as term:
-        proc = subprocess.Popen([*GPUTRACE, "export", str(cap), "--perfetto", "a.pftrace"], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=secondary)  # fmt: skip
+        proc = subprocess.Popen([*GPUTRACE, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=secondary)
         os.close(secondary)
         out, _ = proc.communicate(timeout=120)
         seen = b""
         with contextlib.suppress(OSError):  # EIO once the child's side is closed and drained
             while chunk := term.read(4096):
                 seen += chunk
-    assert proc.returncode == 0 and b"Wrote a.pftrace" in out
-    lines = seen.decode().replace("\r\x1b[K", "\n").replace("\r", "\n").split("\n")
-    shown = [line for line in lines if re.fullmatch(r"gputrace: writing a\.pftrace: \d+% of [\d.]+ MB", line)]
-    assert shown, seen
+    assert proc.returncode == 0, seen
+    return out, seen.decode().replace("\r\x1b[K", "\n").replace("\r", "\n").split("\n")
+
+
+def test_long_export_and_report_show_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    cap = _long_capture(tmp_path / "big.gputrace", 300_000)
+    out, lines = _on_a_terminal(["export", str(cap), "--perfetto", "a.pftrace"], tmp_path)
+    assert b"Wrote a.pftrace" in out
+    assert [line for line in lines if re.fullmatch(r"gputrace: writing a\.pftrace: \d+% of [\d.]+ MB", line)], lines
+    bigger = _long_capture(tmp_path / "bigger.gputrace", 900_000)  # its analysis alone takes seconds
+    out, lines = _on_a_terminal(["report", str(bigger), "--json"], tmp_path)
+    assert json.loads(out)["schema"] == "gputrace.report/1"
+    assert [line for line in lines if re.fullmatch(r"gputrace: analysing: \d+% of [\d.]+ MB", line)], lines
     r = _run("export", str(cap), "--perfetto", "b.pftrace", cwd=tmp_path)  # stderr a pipe: nothing
     assert r.returncode == 0 and r.stderr == ""
 

@@ -245,9 +245,11 @@ def export_perfetto(capture: Path, out: Path, log: Callable[[str], None] = lambd
         from gputrace.exporters.perfetto import PerfettoExporter
     except ImportError:
         raise UserError("the Perfetto exporter is not available in this installation") from None
-    with open_capture(capture) as reader:
+    from gputrace.cli.common import progress  # a line on a terminal while a large capture is read
+
+    with open_capture(capture) as reader, progress(reader, "analysing"):
         report = _report(reader)
-    with open_capture(capture) as reader:
+    with open_capture(capture) as reader, progress(reader, f"writing {out.name}"):
         PerfettoExporter(out, report=report).write(reader)
         complete, problem = reader.complete, reader.problem
     if not complete:

@@ -64,6 +64,9 @@ def target_exe(pid: int) -> str:
     try:
         return os.readlink(proc / "exe")
     except PermissionError:
+        if os.geteuid() == 0:  # root refused: the process hides its executable (pid 1 under some inits, LSMs)
+            raise UserError(f"pid {pid}: its executable (/proc/{pid}/exe) cannot be read, even by root; "
+                            "start it armed instead (see `gputrace env`)") from None
         raise PermissionDenied(f"cannot read /proc/{pid}/exe: run as root or as the process's user") from None
     except OSError as e:
         raise UserError(f"pid {pid}: cannot read its executable ({e.strerror}); is it a kernel thread?") from None

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     html_out = Path(args.html) if args.html is not None else None
     if html_out is not None:
         check_output_path(html_out, force=args.force, source=args.capture)
-    with open_capture(args.capture) as reader:
+    with open_capture(args.capture) as reader, common.progress(reader, "analysing"):
         report = analyze(reader, min_gap_ns=max(1, int(args.min_gap_ms * 1e6)))
         if reader.trailer and reader.trailer.get("stop_reason"):  # how the capture ended, for "complete" to say
             report["capture"].setdefault("stop_reason", reader.trailer["stop_reason"])
