@@ -163,7 +163,9 @@ class JobTable:
         result = run_capture(opts, stop=job.stop, log=note)
         left_out = _left_out(result)
         if left_out:
-            note(f"gputrace: {left_out} processes left out: they gained privileges you lack (setuid/setgid/setcap)")
+            from gputrace.probes.ebpf_owner import LEFT_OUT_WHY
+
+            note(f"gputrace: {left_out} processes left out: {LEFT_OUT_WHY}")
         return result
 
     def _export_otlp(self, job: Job, result: Any) -> None:
@@ -222,9 +224,8 @@ def _pftrace(name: str) -> str:
 
 
 def _left_out(result: Any) -> int:
-    """Processes the capture left out because they gained privileges the caller lacks (ProcLeftOut records)."""
-    records = (result.report or {}).get("capture", {}).get("records", {})
-    return int(records.get("ProcLeftOut", 0))
+    """Processes the capture left out because they gained privileges the caller lacks (the report counts them)."""
+    return int((result.report or {}).get("capture", {}).get("left_out", 0))
 
 
 def _summary(result: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from gputrace.agent.arming import is_armed
 from gputrace.capture import CaptureWriter, check_output_path, host_header
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.records import SourceStatus
+from gputrace.signals import on_signals
 
 from .launch import HeldChild
 from .session_targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
@@ -430,23 +431,12 @@ def _nothing() -> None:
 def _catch_signals(stop: threading.Event, pass_on: Callable[[int], None] = lambda sig: None) -> Callable[[], None]:
     """Ctrl-C, SIGTERM and SIGHUP (the terminal or ssh session went away) end the capture cleanly; a SIGHUP
     ignored (nohup) stays ignored. ``pass_on`` gets each signal too. Only possible from the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN}
 
     def handler(sig: int, frame: object) -> None:
         stop.set()
         pass_on(sig)
 
-    for sig in previous:
-        signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
+    return on_signals((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), handler)
 
 
 class _Progress:

@@ -212,7 +212,6 @@ def _special_kind(path: Path) -> str:
 
 # How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.
 _FRAME_STARTS = (b"\x93\xa1R", b"\x92\xa1K", b"\x93\xa1M", b"\x92\xa1T")
-_FRAME_START_LEN = 3
 
 
 class CaptureReader:
@@ -357,7 +356,7 @@ class CaptureReader:
             hits = [i for i in (data.find(m) for m in _FRAME_STARTS) if i >= 0]
             if hits:
                 return pos - len(tail) + min(hits)
-            tail = data[-(_FRAME_START_LEN - 1):]
+            tail = data[-(len(_FRAME_STARTS[0]) - 1):]  # a start split across two reads
             pos += len(chunk)
 
     def _rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]]:

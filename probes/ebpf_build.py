@@ -9,6 +9,7 @@ from typing import Any
 from gputrace.errors import UserError
 from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes.ebpf_host import BPF_DIR, file_faults_supported, format_has, tracepoint_exists
+from gputrace.probes.ebpf_owner import owner_cflags
 
 
 def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid: int | None = None) -> list[str]:
@@ -19,7 +20,7 @@ def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid:
         f"-DTHRESHOLD_NS={threshold_ns}ULL",
         f"-DEVENT_PAGES={ring_pages}",
         *hooks.cflags(hook, sched),
-        *hooks.owner_cflags(owner_uid),
+        *owner_cflags(owner_uid),
     ]
     if tracepoint_exists("block", "block_io_start"):
         flags.append("-DHAVE_BLOCK_IO_START")

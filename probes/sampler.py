@@ -20,8 +20,8 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
-from gputrace.probes.ebpf_hooks import foreign, owner_cflags
 from gputrace.probes.ebpf_host import BPF_DIR, check_host, final_status, format_has, program_skips, unload
+from gputrace.probes.ebpf_owner import foreign, owner_cflags
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
 

@@ -21,7 +21,7 @@ from test_service import NOBODY, ROOT, Svc, running_service
 
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
-from gputrace.probes import btf, ebpf_hooks, events
+from gputrace.probes import btf, ebpf_owner, events
 from gputrace.records import ProcLeftOut
 
 # Records that say what a process did: none may come from a left-out process after it was left out.
@@ -145,12 +145,12 @@ def _btf_without(member: str) -> btf.Btf:
 
 def test_owner_check_needs_every_credential_field() -> None:
     whole = _btf_without("")
-    flags = ebpf_hooks.owner_cflags(65534, whole)
+    flags = ebpf_owner.owner_cflags(65534, whole)
     assert "-DGT_OWNER_UID=65534U" in flags and "-DGT_CRED_FSGID_OFF=28" in flags
     assert "-DGT_CRED_CAP_EFFECTIVE_OFF=64" in flags and "-DGT_MM_FLAGS_OFF=8" in flags
-    assert ebpf_hooks.owner_cflags(None, whole) == [], "root: nothing filtered, no check compiled"
+    assert ebpf_owner.owner_cflags(None, whole) == [], "root: nothing filtered, no check compiled"
     with pytest.raises(UserError, match=r"cred\.fsgid not found in the kernel's BTF"):
-        ebpf_hooks.owner_cflags(65534, _btf_without("fsgid"))
+        ebpf_owner.owner_cflags(65534, _btf_without("fsgid"))
 
 
 def test_sources_refuse_to_start_without_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,14 +158,14 @@ def test_sources_refuse_to_start_without_the_layout(monkeypatch: pytest.MonkeyPa
     from gputrace.probes.ebpf import EbpfSource
     from gputrace.probes.sampler import StackSampler
 
-    monkeypatch.setattr(ebpf_hooks, "_cred_offsets", lambda: ebpf_hooks.cred_offsets(_btf_without("euid")))
+    monkeypatch.setattr(ebpf_owner, "_cred_offsets", lambda: ebpf_owner.cred_offsets(_btf_without("euid")))
     for source in (EbpfSource([os.getpid()], owner_uid=65534), StackSampler([os.getpid()], owner_uid=65534)):
         with pytest.raises(UserError, match=r"cred\.euid not found"):
             source.start(_NoSink())
 
 
 def test_the_kernels_layout_has_every_field() -> None:
-    offsets, why = ebpf_hooks.cred_offsets(btf.kernel_btf())
+    offsets, why = ebpf_owner.cred_offsets(btf.kernel_btf())
     assert not why and len(offsets) == 13
 
 

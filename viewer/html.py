@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gputrace.analysis.notes import left_out_note, malformed_note, no_ebpf_note, skipped_probes_note, waiting_lines
+from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.capture import check_output_path
 from gputrace.errors import UserError
 from gputrace.viewer.terminal import describe, ended, input_bound_text, ms, pct, shown
@@ -80,9 +80,7 @@ def page(report: dict[str, Any], title: str) -> str:
 def notes(cap: dict[str, Any]) -> list[str]:
     """What the capture could not record: no eBPF, probes the kernel skipped, malformed records, threads still
     waiting at the stop (every one the report lists)."""
-    out = [f"<p class={cls}>{e(note)}</p>" for note, cls in ((no_ebpf_note(cap), "note"), (left_out_note(cap), "note"),
-                                                             (skipped_probes_note(cap), "note"),
-                                                             (malformed_note(cap), "alert")) if note]
+    out = [f"<p class={'alert' if severity == 'alert' else 'note'}>{e(note)}</p>" for severity, note in caveats(cap)]
     waiting = waiting_lines(cap, len(cap.get("in_progress") or []))
     if waiting:
         out.append(f"<p class=note>{e(waiting[0])}</p><ul>"

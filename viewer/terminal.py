@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gputrace.analysis.notes import left_out_note, malformed_note, no_ebpf_note, skipped_probes_note, waiting_lines
+from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.analysis.report import culprit_label, pid_text
 
 TOP_STALLS = 10
@@ -33,10 +33,6 @@ def shown(name: str) -> str:
         return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     except UnicodeEncodeError:  # a lone surrogate no file name decoding made
         return name.encode("utf-8", "replace").decode("utf-8")
-
-
-# The capture's caveats, phrased as the capture's end-of-run summary (summary_lines) should phrase them; each is
-# "" (or []) when the report's capture has nothing to say.
 
 
 def _cells(*values: object) -> list[Text]:
@@ -80,12 +76,12 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
     _notes(cap, console)
 
 
+_STYLES = {"warn": "bold yellow", "note": "yellow", "alert": "bold red"}
+
+
 def _notes(cap: dict[str, Any], console: Console) -> None:
-    for note, style in ((no_ebpf_note(cap), "bold yellow"), (left_out_note(cap), "yellow"),
-                        (skipped_probes_note(cap), "yellow"),
-                        (malformed_note(cap), "bold red")):
-        if note:
-            console.print(Text(note, style=style))
+    for severity, note in caveats(cap):
+        console.print(Text(note, style=_STYLES[severity]))
     for i, line in enumerate(waiting_lines(cap, TOP_WAITING)):
         console.print(Text(line, style="bold" if i == 0 else ""))
 

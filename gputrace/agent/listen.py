@@ -111,19 +111,22 @@ class Listener:
         self.path_inside = path_inside or path
         self.files: list[str] = []
         self.pid = 0  # the process it was made for (the session's pid for it), when an offer
+        self.closed = False
 
     def close(self) -> None:
         """Remove the socket file if it is still ours, and the other files; close everything."""
+        if self.closed:
+            return
         self.unlink()
-        if self.dir_fd is not None and self.dir_fd >= 0:
+        if self.dir_fd is not None:
             os.close(self.dir_fd)
-            self.dir_fd = -1  # closed: unlink() has nothing left to do
         self.sock.close()
+        self.closed = True
 
     def unlink(self) -> None:
         """Remove the socket file if it is still ours, and the other files (the sockets stay open)."""
-        if self.dir_fd == -1:
-            return  # closed
+        if self.closed:
+            return
         if self.dir_fd is None:
             unlink_if_ours(self.path, self.ino)
             for name in self.files:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gputrace.analysis.load import load
-from gputrace.analysis.notes import capture_notes
+from gputrace.analysis.notes import capture_notes, lost_records
 from gputrace.analysis.report import CAUSES, SCHEMA, assemble
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.capture import CaptureReader
@@ -24,16 +24,6 @@ def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, 
     if min_gap_ns <= 0:
         raise ValueError("min_gap_ns must be > 0")
     return assemble(load(reader), min_gap_ns)
-
-
-
-
-def lost_records(drops: dict[str, int]) -> str:
-    """"1234 records (ebpf.ringbuf=1200, agent.pid42.queue=34)", or "" when no source lost any."""
-    lost = {k: v for k, v in drops.items() if type(v) is int and v > 0}
-    if not lost:
-        return ""
-    return f"{sum(lost.values())} records ({', '.join(f'{k}={v}' for k, v in lost.items())})"
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

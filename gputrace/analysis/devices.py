@@ -60,6 +60,9 @@ class DeviceMap:
                 self.by_key[key] = d
             if d.uuid and not d.simulated:
                 self.uuids[key] = d.uuid
+        self.cuda_ids: dict[DeviceKey, list[tuple[int, int]]] = {}  # for each device, the (pid, CUDA id)s naming it
+        for pair, key in sorted(self._keys.items()):
+            self.cuda_ids.setdefault(key, []).append(pair)
 
     def key(self, pid: int, dev: int) -> DeviceKey:
         """The device a process's CUDA id ``dev`` names. A process whose device record never arrived: a real
@@ -68,13 +71,6 @@ class DeviceMap:
         if known is not None:
             return known
         return (SHARED, dev) if dev in self._real_ids else (pid, dev)
-
-    def cuda_ids(self) -> dict[DeviceKey, list[tuple[int, int]]]:
-        """For each device, the (pid, CUDA id) pairs naming it."""
-        out: dict[DeviceKey, list[tuple[int, int]]] = {}
-        for pair, key in sorted(self._keys.items()):
-            out.setdefault(key, []).append(pair)
-        return out
 
 
 class ReportDevices:

@@ -1,5 +1,6 @@
-"""The caveats of a capture, phrased once for the end-of-capture summary and the terminal and HTML reports:
-no eBPF, probe runs the kernel skipped, malformed records, threads still waiting when it stopped."""
+"""The caveats of a capture, phrased once for the end-of-capture summary, the terminal and HTML reports and
+the exports: records lost, no eBPF, processes left out, probe runs the kernel skipped, malformed records,
+threads still waiting when it stopped."""
 
 from __future__ import annotations
 
@@ -52,7 +53,22 @@ def left_out_note(cap: dict[str, Any]) -> str:
             "(setuid/setgid/setcap), as the kernel would refuse that user ptrace on them") if n else ""
 
 
+def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
+    """(severity, text) of each caveat the capture has, in summary_lines' order: "warn" (no host side at all),
+    "note", or "alert" (records skipped). The threads still waiting are apart: waiting_lines."""
+    notes = [("warn", no_ebpf_note(cap)), ("note", left_out_note(cap)), ("note", skipped_probes_note(cap)),
+             ("alert", malformed_note(cap))]  # fmt: skip
+    return [(severity, text) for severity, text in notes if text]
+
+
 def capture_notes(cap: dict[str, Any], waiting: int = 3) -> list[str]:
-    """All of the above in summary_lines' order."""
-    notes = [no_ebpf_note(cap), left_out_note(cap), skipped_probes_note(cap), malformed_note(cap)]
-    return [n for n in notes if n] + waiting_lines(cap, waiting)
+    """All of the above, as lines."""
+    return [text for _, text in caveats(cap)] + waiting_lines(cap, waiting)
+
+
+def lost_records(drops: dict[str, int]) -> str:
+    """"1234 records (ebpf.ringbuf=1200, agent.pid42.queue=34)", or "" when no source lost any."""
+    lost = {k: v for k, v in drops.items() if type(v) is int and v > 0}
+    if not lost:
+        return ""
+    return f"{sum(lost.values())} records ({', '.join(f'{k}={v}' for k, v in lost.items())})"

@@ -113,7 +113,7 @@ def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:
     uuid = cap.device_map.uuids.get(tl.key)
     if uuid:
         out["uuid"] = uuid
-    named = cap.device_map.cuda_ids().get(tl.key)
+    named = cap.device_map.cuda_ids.get(tl.key)
     if named:  # how each process numbers it (CUDA_VISIBLE_DEVICES renumbers): what exporters place records by
         out["cuda_ids"] = [{"pid": pid, "id": dev} for pid, dev in named]
     nvml = cap.nvml.get(tl.key[1]) if tl.key[0] < 0 else None  # a real device is keyed by NVML's index

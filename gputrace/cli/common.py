@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from gputrace.errors import UserError
+from gputrace.signals import on_signals
 
 if TYPE_CHECKING:
     from gputrace.capture import CaptureReader
@@ -76,18 +77,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def catch_termination() -> Callable[[], None]:
     """SIGTERM and SIGHUP raise Terminated from here on (a SIGHUP ignored, as under nohup, stays ignored);
     returns what restores the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, _raise_terminated)
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
+    return on_signals((signal.SIGTERM, signal.SIGHUP), _raise_terminated)
 
 
 @contextlib.contextmanager

@@ -115,7 +115,7 @@ def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
 
 def _warn_losses(reader: CaptureReader, what_we_have: str) -> None:
     """A cut-off capture, and records its sources lost: an export must not look whole when it is not."""
-    from gputrace.analysis import lost_records
+    from gputrace.analysis.notes import lost_records
 
     if not reader.complete:
         _warn(f"the capture is incomplete: {reader.problem or 'records were lost'}; {what_we_have}")

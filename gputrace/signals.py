@@ -1,0 +1,25 @@
+"""Stop signals, handled the one way the CLI and the capture session both need."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def on_signals(sigs: Sequence[int], handler: Callable[[int, Any], None]) -> Callable[[], None]:
+    """Install ``handler`` for ``sigs``; returns what restores the previous handlers. A SIGHUP the caller
+    ignores (as under nohup) stays ignored. Only the main thread can install handlers: elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in sigs
+                if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN}  # fmt: skip
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
