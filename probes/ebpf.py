@@ -39,6 +39,7 @@ from gputrace.probes.syscalls import BY_NAME, SPECS, syscall_numbers
 from gputrace.records import (
     Drops,
     ProcExit,
+    ProcFork,
     ProcLeftOut,
     SourceStatus,
 )
@@ -412,6 +413,8 @@ class EbpfSource:
             self._emit_in_order([rec, *procfs.new_task_metadata(rec)])
             if isinstance(rec, (ProcExit, ProcLeftOut)) and rec.tid == rec.pid:
                 self._files.process_gone(rec.pid)
+            elif isinstance(rec, ProcFork) and not rec.is_thread:
+                self._files.process_started(rec.child_pid)
         except Exception:  # noqa: BLE001
             self._callback_errors += 1
         if self.on_proc is not None:

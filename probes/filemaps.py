@@ -7,12 +7,19 @@ probes/overlay.py), and a FileMap record goes into the capture before the first 
 it. The kernel announces each (process, file) at its first fault (the faulting thread holds the mapping
 then); a fault event whose file was not announced yet is resolved when it arrives, as a fallback.
 
+A process can unmap the file, or exit, before its announcement is read (a fault on a page of libc
+evicted under memory pressure, in the last milliseconds of a process, while its mappings are torn down).
+What the maps of each process showed is kept for that (up to _KEPT_MAX files), through its exit for the
+most recent ones: the same device and inode in the same process is the same file.
+
 An fd received in an SCM_RIGHTS message is named the same way, from /proc/PID/fd/N: see ReceivedFds.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace import clock
@@ -20,6 +27,16 @@ from gputrace.probes import events, overlay, procfs
 from gputrace.records import FdInfo, FileMap
 
 Key = tuple[int, str, int]  # (pid, "MAJ:MIN", inode)
+_GONE_KEPT = 64  # processes whose last maps stay readable after their exit
+_KEPT_MAX = 8192  # files kept per process, mapped now or before
+
+
+@dataclass
+class _Seen:
+    """What was last read of one process: its mapped files, and its overlays (read once)."""
+
+    maps: dict[tuple[str, int], str] = field(default_factory=dict)
+    overlays: dict[str, overlay.Overlay] | None = None
 
 
 class MappedFiles:
@@ -29,7 +46,8 @@ class MappedFiles:
         self._emit = emit
         self._forget = forget
         self._written: set[Key] = set()
-        self._overlays: dict[int, dict[str, overlay.Overlay]] = {}  # by pid, its mountinfo read once
+        self._live: dict[int, _Seen] = {}
+        self._gone: OrderedDict[int, _Seen] = OrderedDict()  # the last _GONE_KEPT exits
 
     def announced(self, raw: bytes) -> None:
         key = events.mapfile_key(raw)
@@ -47,22 +65,36 @@ class MappedFiles:
             self._write(key, self._path(key))
 
     def process_gone(self, pid: int) -> None:
-        """Its pid may be reused: the next process of that pid has its files read again."""
-        self._overlays.pop(pid, None)
+        """Its pid may be reused: the next process of that pid has its files read again. What was read of
+        it stays at hand for the fault events still to come, until process_started(pid)."""
+        seen = self._live.pop(pid, None)
+        if seen is not None:
+            self._gone[pid] = seen
+            if len(self._gone) > _GONE_KEPT:
+                self._gone.popitem(last=False)
         gone = [k for k in self._written if k[0] == pid]
         for key in gone:
             self._written.discard(key)
             self._forget(key)
 
+    def process_started(self, pid: int) -> None:
+        """A new process of this pid: nothing of an earlier one names its files."""
+        self._gone.pop(pid, None)
+
     def _path(self, key: Key) -> str:
         pid, dev, ino = key
-        mapped = procfs.mapped_files(pid)
-        path = mapped.get((dev, ino))
+        live = procfs.mapped_files(pid)
+        seen = self._live.get(pid) or self._gone.get(pid) or _Seen()
+        path = live.get((dev, ino)) or seen.maps.get((dev, ino))
+        if live and pid not in self._gone:  # not after its exit was seen: those maps may be partial
+            # kept with what was mapped before: a process tearing down its mappings reads partial, too
+            self._live[pid] = seen
+            seen.maps = seen.maps | live if len(seen.maps) + len(live) <= _KEPT_MAX else live
         if path:
             return path
-        if pid not in self._overlays:
-            self._overlays[pid] = overlay.overlays(pid)
-        return overlay.resolve(pid, dev, ino, mapped, self._overlays[pid])
+        if seen.overlays is None:
+            seen.overlays = overlay.overlays(pid)
+        return overlay.resolve(pid, dev, ino, live or seen.maps, seen.overlays)
 
     def _write(self, key: Key, path: str) -> None:
         self._written.add(key)

@@ -37,21 +37,25 @@ def test_mapped_reads_are_page_faults_on_the_file(tmp_path: Path) -> None:
     maps = {(m.dev, m.ino): m.path for m in of(records, FileMap) if m.pid == pid}
     assert (fs.majmin, _inode(records, mapped)) in maps
 
-    faults = [f for f in of(records, PageFault) if f.tid == tid]
+    every = [f for f in of(records, PageFault) if f.tid == tid]
+    faults = [f for f in every if f.dev == fs.majmin]
     assert faults, "no page fault recorded"
-    # every recorded wait is on the mapped file, at a page of it; none on the sync() after the shared write
+    # every recorded wait on the test's device is on the mapped file, at a page of it; none on the sync()
+    # after the shared write. Under memory pressure the thread also waits on pages of its own code
+    # (python, libc): those are named too, even when the process has exited before they are read.
     assert {f.obj for f in faults} == {str(mapped)}, {f.obj for f in faults}
+    assert all(f.obj for f in every), [f for f in every if not f.obj]
     assert all(0 <= f.offset < MAPPED_SIZE and f.offset % 4096 == 0 for f in faults)
-    assert all(f.start_ns < f.end_ns and 0 < f.wait_ns <= f.end_ns - f.start_ns for f in faults)
+    assert all(f.start_ns < f.end_ns and 0 < f.wait_ns <= f.end_ns - f.start_ns for f in every)
     # each is a real off-CPU wait in D of that thread, ending where the fault's record ends
     waits = [o for o in of(records, OffCpu) if o.tid == tid and o.state == "D"]
-    for f in faults:
+    for f in every:
         assert any(o.end_ns == f.end_ns and f.start_ns <= o.start_ns for o in waits), f
     # faults never overlap the thread's syscalls (the pread() waits are the syscall's)
     calls = [s for s in of(records, Syscall) if s.tid == tid]
     preads = [s for s in calls if s.name == "pread64" and s.obj == str(plain)]
     assert preads
-    for f in faults:
+    for f in every:
         assert not any(s.start_ns < f.end_ns and f.start_ns < s.end_ns for s in calls), f
     # the device's read requests: the mapped file's under the faults, the plain file's under the preads
     reads = [b for b in of(records, BlockIO) if b.dev == fs.name and "R" in b.rwbs and b.tid == tid]
@@ -97,7 +101,7 @@ def test_faults_on_an_overlay_file_name_the_overlay_path(tmp_path: Path) -> None
     assert f"{os.major(merged_dev)}:{os.minor(merged_dev)}" != fs.majmin  # maps and the fault disagree
     names = {(m.dev, m.ino): m.path for m in of(records, FileMap)}
     assert names.get((fs.majmin, layer_ino)) == str(mapped), names
-    faults = [f for f in of(records, PageFault) if f.tid == tid]
+    faults = [f for f in of(records, PageFault) if f.tid == tid and f.dev == fs.majmin]  # not python's own
     assert faults and {f.obj for f in faults} == {str(mapped)}
 
 

@@ -1,0 +1,83 @@
+"""Names of mapped files for fault events, read from a real process's /proc/PID/maps: while it runs, after
+it unmapped a file, and after it exited (a fault in its last milliseconds, read late)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gputrace.probes import events
+from gputrace.probes.filemaps import MappedFiles
+from gputrace.records import FileMap
+
+MAPPER = """
+import mmap, sys
+maps = []
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+print("mapped", flush=True)
+sys.stdin.readline()
+maps.pop().close()
+print("unmapped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _fault(pid: int, path: Path) -> bytes:
+    st = path.stat()
+    devt = os.major(st.st_dev) << 20 | os.minor(st.st_dev)
+    return events.FAULT.pack(events.EV_FAULT, devt, pid, pid, 1, 2, 3, st.st_ino, 0)
+
+
+def test_a_file_is_named_after_its_unmap_and_after_the_exit(tmp_path: Path) -> None:
+    files = [tmp_path / name for name in ("a.bin", "b.bin", "c.bin", "never.bin")]
+    for f in files:
+        f.write_bytes(b"x" * 8192)
+    a, b, c, never = files
+    emitted: list[FileMap] = []
+    forgotten: list[tuple[int, str, int]] = []
+    names = MappedFiles(emitted.extend, forgotten.append)
+    proc = subprocess.Popen([sys.executable, "-c", MAPPER, str(a), str(b), str(c)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "mapped"
+        names.fault(_fault(proc.pid, a))  # read while everything is mapped
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "unmapped"
+        names.fault(_fault(proc.pid, c))  # c is gone from maps now: the earlier read names it
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    names.process_gone(proc.pid)
+    names.fault(_fault(proc.pid, b))  # after the exit
+    names.fault(_fault(proc.pid, never))  # never mapped: no name, and none made up
+    assert [(m.pid, m.path) for m in emitted] == [(proc.pid, str(p)) for p in (a, c, b)] + [(proc.pid, "")]
+    assert all(m.dev == f"{os.major(a.stat().st_dev)}:{os.minor(a.stat().st_dev)}" for m in emitted)
+    assert {k[2] for k in forgotten} == {a.stat().st_ino, c.stat().st_ino}  # announced again if pid reused
+
+
+def test_a_new_process_of_the_same_pid_is_read_afresh(tmp_path: Path) -> None:
+    """What an exited process had mapped does not name files for the next process of its pid."""
+    a = tmp_path / "a.bin"
+    a.write_bytes(b"x" * 4096)
+    emitted: list[FileMap] = []
+    names = MappedFiles(emitted.extend, lambda _key: None)
+    me = os.getpid()
+    with a.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        names.fault(_fault(me, a))
+    names.process_gone(me)  # as if this pid had exited ...
+    names.fault(_fault(me, a))  # ... with this fault of its last moments still to be read
+    names.process_started(me)  # ... and this process were the next one of that pid
+    names.process_gone(me)
+    names.fault(_fault(me, a))  # which has not mapped it
+    assert [m.path for m in emitted] == [str(a), str(a), ""]
