@@ -195,7 +195,8 @@ class _Session:
         self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
         self._start_sampler()
         if not self.opts.command:
-            self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids))
+            self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids,
+                                                  owner_uid=self.opts.owner_uid))
 
     def _start_sampler(self) -> None:
         """CPU stack samples of every process traced so far; children forked later come through _on_proc."""

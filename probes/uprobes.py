@@ -18,13 +18,15 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import PermissionDenied, UserError
+from gputrace.probes.ebpf_owner import LEFT_OUT_WHY, foreign, owner_cflags
 from gputrace.records import CudaApi, SourceStatus
 from gputrace.source import Sink
 
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
 PROGRAM = BPF_DIR / "libcuda.bpf.c"
 MAX_FUNCS = 24  # CU_MAX_FUNCS in bpf/libcuda.h
-DROP_NAMES = ("ringbuf", "inflight")  # CU_DROP_* in bpf/libcuda.h
+KERNEL_COUNTS = ("ringbuf", "inflight", "left_out")  # CU_DROP_*, CU_LEFT_OUT in bpf/libcuda.h
+NOT_LOSSES = ("left_out",)  # calls of a process left out because it gained privileges: not recorded on purpose
 API = "enqueue-only"
 
 # Driver entry points that start or wait for device work. The _ptsz forms are what the runtime calls for
@@ -95,8 +97,10 @@ class UprobeSource:
 
     def __init__(
         self, pids: Iterable[int], *, library: str = "libcuda.so", symbols: Sequence[str] = SYMBOLS,
-        rescan_s: float = 0.5, ringbuf_pages: int = 256,
+        rescan_s: float = 0.5, ringbuf_pages: int = 256, owner_uid: int | None = None,
     ) -> None:  # fmt: skip
+        """``owner_uid``: the capture is for this non-root user: a process holding privileges it lacks is not
+        probed, and no call is recorded of one that gains them later (at an exec)."""
         if len(symbols) > MAX_FUNCS:
             raise ValueError(f"at most {MAX_FUNCS} symbols")
         self.pids = list(dict.fromkeys(pids))
@@ -106,11 +110,13 @@ class UprobeSource:
         self.ringbuf_pages = ringbuf_pages
         self.attached: dict[int, tuple[str, list[str]]] = {}  # pid → (library path, symbols attached)
         self.watching: set[int] = set()
+        self.owner_uid = owner_uid
+        self.left_out: set[int] = set()  # pids not probed: privileged for their owner when found
         self._bpf: Any = None
         self._sink: Sink | None = None
         self._batch: list[tuple[Any, ...]] = []
         self._malformed = 0
-        self._final_drops: dict[str, int] = {}
+        self._final_counts: dict[str, int] = dict.fromkeys(KERNEL_COUNTS, 0)
         self._lock = threading.Lock()
         self._attach_lock = threading.Lock()  # bcc's attach bookkeeping is not thread-safe
         self._stop = threading.Event()
@@ -145,12 +151,16 @@ class UprobeSource:
             self._thread.join()
         self._bpf.ring_buffer_consume()
         self._flush()
-        self._final_drops = self._read_drops()
+        self._final_counts = self._read_counts()
         self._bpf.cleanup()
         self._bpf = None
+        left = self._final_counts["left_out"]
+        if left:
+            self._status("stopped", f"{left} calls not recorded, of processes left out: {LEFT_OUT_WHY}")
 
     def drops(self) -> dict[str, int]:
-        out = self._read_drops() if self._bpf is not None else dict(self._final_drops)
+        counts = self._read_counts() if self._bpf is not None else dict(self._final_counts)
+        out = {k: v for k, v in counts.items() if k not in NOT_LOSSES}
         out["malformed"] = self._malformed
         return out
 
@@ -163,7 +173,7 @@ class UprobeSource:
             from bcc import BPF
         except ImportError:
             raise UserError("bcc is not importable: install python3-bpfcc (run setup.sh)") from None
-        cflags = [f"-I{BPF_DIR}", f"-DRINGBUF_PAGES={self.ringbuf_pages}"]
+        cflags = [f"-I{BPF_DIR}", f"-DRINGBUF_PAGES={self.ringbuf_pages}", *owner_cflags(self.owner_uid)]
         try:
             return BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exceptions for compile failures
@@ -174,6 +184,11 @@ class UprobeSource:
             self._attach_locked(pid)
 
     def _attach_locked(self, pid: int) -> None:
+        if self.owner_uid is not None and os.path.isdir(f"/proc/{pid}") and foreign(pid, self.owner_uid):
+            self.watching.discard(pid)  # not even its maps read for the owner
+            self.left_out.add(pid)
+            self._status("degraded", f"pid {pid} left out: it holds privileges you lack (setuid/setgid/setcap)")
+            return
         try:
             path = find_library(pid, self.library)
         except ProcessLookupError:
@@ -231,9 +246,9 @@ class UprobeSource:
             batch, self._batch = self._batch, []
             self._sink.emit(batch)
 
-    def _read_drops(self) -> dict[str, int]:
+    def _read_counts(self) -> dict[str, int]:
         table = self._bpf[b"drops"]
-        return {name: int(table[ctypes.c_int(i)].value) for i, name in enumerate(DROP_NAMES)}
+        return {name: int(table[ctypes.c_int(i)].value) for i, name in enumerate(KERNEL_COUNTS)}
 
     def _status(self, status: str, detail: str) -> None:
         if self._sink is not None:

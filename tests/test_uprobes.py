@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator, Sequence
@@ -193,3 +196,75 @@ def test_find_library_in_maps(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):
         find_library(78, proc=proc)
     assert visible_path(1, "/proc") == "/proc"
+
+
+# A uid-65534 process calls cuLaunchKernel three times, then execs a setuid-root copy of python that calls
+# it three times more: the same pid, the same library inode, so the same probes fire.
+PRIV_CHILD = textwrap.dedent("""
+    import ctypes, os, sys
+    lib = ctypes.CDLL(sys.argv[1])
+    print("ready", os.geteuid(), flush=True)
+    sys.stdin.readline()
+    for _ in range(3):
+        lib.cuLaunchKernel(None, None, None)
+    print("ran", flush=True)
+    if len(sys.argv) > 2:
+        os.execv(sys.argv[2], [sys.argv[2], __file__, sys.argv[1]])
+""")
+
+
+@pytest.fixture(scope="module")
+def privileged(libcuda: Path) -> Iterator[Path]:
+    """A directory uid 65534 can reach: the library, the child script, and a setuid-root python."""
+    d = Path(tempfile.mkdtemp(prefix="gputrace-uprobe-"))
+    os.chmod(d, 0o755)
+    shutil.copy(libcuda, d / libcuda.name)
+    (d / "child.py").write_text(PRIV_CHILD)
+    shutil.copy(Path(sys.executable).resolve(), d / "suid-python")
+    os.chown(d / "suid-python", 0, 0)
+    os.chmod(d / "suid-python", 0o4755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("owner", [None, 65534])
+def test_calls_after_a_setuid_exec_are_not_recorded_for_a_user(privileged: Path, owner: int | None) -> None:
+    """Root sees all six calls; the process's owner sees the three made before it gained root."""
+    child = PipedChild(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                        str(privileged / "child.py"), str(privileged / "libcuda.so.1"),
+                        str(privileged / "suid-python")])  # fmt: skip
+    sink = ListSink()
+    src = UprobeSource([child.pid], owner_uid=owner)
+    try:
+        assert child.readline() == "ready 65534"
+        src.start(sink)
+        assert child.pid in src.attached
+        for euid in ("65534", "0"):
+            child.send("go")
+            assert child.readline() == "ran"
+            if euid == "65534":
+                assert child.readline() == "ready 0"  # the setuid copy, same pid, same library
+    finally:
+        src.stop()
+        child.close()
+    launches = [c for c in sink.of(CudaApi) if c.name == "cuLaunchKernel"]
+    assert len(launches) == (6 if owner is None else 3)
+    assert src.drops() == {"ringbuf": 0, "inflight": 0, "malformed": 0}
+    left = [s.detail for s in sink.of(SourceStatus) if "not recorded" in s.detail]
+    assert left == ([] if owner is None else ["3 calls not recorded, of processes left out: they gained "
+                                              "privileges you lack (setuid/setgid/setcap)"])
+
+
+def test_a_process_privileged_when_found_is_not_probed_for_a_user(libcuda: Path, child: Child) -> None:
+    """A root process, for uid 65534: not even its maps are read, nothing is attached or recorded."""
+    sink = ListSink()
+    src = UprobeSource([child.pid], owner_uid=65534)
+    src.start(sink)
+    try:
+        child.run(["cuLaunchKernel"])
+    finally:
+        src.stop()
+    assert src.attached == {} and src.left_out == {child.pid}
+    assert not sink.of(CudaApi)
+    assert [s.detail for s in sink.of(SourceStatus)] == [
+        f"pid {child.pid} left out: it holds privileges you lack (setuid/setgid/setcap)"]

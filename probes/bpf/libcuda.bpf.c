@@ -2,10 +2,15 @@
  *
  * One uprobe and one uretprobe per symbol, each a tiny wrapper passing its slot number: bcc 0.26 has no
  * bpf cookies. Entry time is kept per (thread, function); the return emits one event. The process filter is
- * the uprobe attachment itself (pid=), which covers every thread sharing the process's mm.
- * Build-time parameters (cflags): RINGBUF_PAGES, INFLIGHT_MAX. */
+ * the uprobe attachment itself (pid=), which covers every thread sharing the process's mm, and the mm of
+ * whatever that process execs. With GT_OWNER_UID (a non-root owner), no call is recorded of a task that
+ * holds privileges the owner lacks (gt_task_foreign in gputrace.h): a traced process that exec'd a setuid
+ * program, say.
+ * Build-time parameters (cflags): RINGBUF_PAGES, INFLIGHT_MAX, GT_OWNER_UID and the offsets gt_task_foreign
+ * reads. */
 #include <uapi/linux/ptrace.h>
 #include "libcuda.h"
+#include "gputrace.h"
 
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 64
@@ -25,6 +30,12 @@ static __always_inline void count_drop(u32 where) {
 }
 
 static __always_inline int on_enter(u32 fn) {
+#ifdef GT_OWNER_UID
+    if (gt_task_foreign(bpf_get_current_task())) {
+        count_drop(CU_LEFT_OUT); /* and no entry time: its return records nothing either */
+        return 0;
+    }
+#endif
     struct cu_key key = {.tid = (u32)bpf_get_current_pid_tgid(), .fn = fn};
     u64 ts = bpf_ktime_get_ns();
     if (inflight.update(&key, &ts) != 0)

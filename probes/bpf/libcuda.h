@@ -8,7 +8,8 @@
 /* Where records were lost: indexes of the `drops` array. */
 #define CU_DROP_RINGBUF 0  /* ring buffer full: the call is not recorded */
 #define CU_DROP_INFLIGHT 1 /* in-flight map full: the call is not recorded */
-#define CU_DROP_MAX 2
+#define CU_LEFT_OUT 2      /* not a loss: a call of a task with privileges the owner lacks (GT_OWNER_UID) */
+#define CU_DROP_MAX 3
 
 struct cu_key {
     u32 tid;
