@@ -296,7 +296,10 @@ class EbpfSource:
         return {k.value for k in self._bpf[b"targets"] if Path(f"/proc/{k.value}").is_dir()}
 
     def any_live(self) -> bool:
-        return bool(self.live_targets())
+        """Whether a traced process still runs: one that exited and waits, a zombie, to be reaped does not."""
+        if self._bpf is None:
+            return False
+        return any(procfs.running(k.value) for k in self._bpf[b"targets"])
 
     def program_text(self) -> str:
         return program_text()

@@ -91,6 +91,18 @@ def thread_state(pid: int, tid: int) -> str:
     return after[0] if after else ""
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited: a zombie whose parent has not reaped it yet is
+    gone, unless threads of it still run (its leader exited alone)."""
+    state = thread_state(pid, pid)
+    if state in ("Z", "X"):
+        try:
+            return len(os.listdir(PROC / str(pid) / "task")) > 1
+        except OSError:
+            return False
+    return state != ""
+
+
 def blocked_syscall(pid: int, tid: int) -> tuple[int, int] | None:
     """(syscall nr, first argument) a sleeping thread is blocked in, from /proc/PID/task/TID/syscall;
     None when it is running, in no syscall (-1: a fault or a stop), or gone."""

@@ -304,7 +304,8 @@ def test_a_job_forking_many_short_lived_children_holds_no_offer_for_the_dead(tmp
     attach = tmp_path / "attach"
     env = {**clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
     (tmp_path / "forker.py").write_text(FORKER)
-    job = subprocess.Popen([PYTHON, str(tmp_path / "forker.py"), "8"], env=env, stdout=subprocess.PIPE, text=True)
+    # runs until killed: under load, the capture may take seconds to start
+    job = subprocess.Popen([PYTHON, str(tmp_path / "forker.py"), "120"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert job.stdout is not None and job.stdout.readline().strip() == "ready"
         cap = subprocess.Popen([sys.executable, "-m", "gputrace", "capture", "-p", str(job.pid), "-d", "4",

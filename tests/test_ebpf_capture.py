@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_harness import wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
+from gputrace.probes import procfs
 from gputrace.probes.syscalls import syscall_numbers
 from gputrace.records import BlockIO, OffCpu, ProcFork, Syscall, SyscallAgg
 
@@ -128,3 +130,20 @@ def test_short_calls_are_aggregated_not_lost(tree: Tree, tmp_path: Path) -> None
     assert aggs["read"].count >= SIZE_A // (128 << 10) + 1
     assert aggs["pread64"].count >= -(-SIZE_B // (128 << 10)) + 1
     assert aggs["read"].total_ns > 0
+
+
+def test_a_target_that_exited_before_tracing_began_is_not_live(tmp_path: Path) -> None:
+    """A target can exit while the programs compile (seconds): unreaped, it is a zombie in the target set,
+    whose exit the probes never saw. The capture must not wait on it (`capture -p` ends when no target runs)."""
+    zombie = subprocess.Popen(["true"])
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        wait_for(lambda: procfs.thread_state(zombie.pid, zombie.pid) == "Z", 10, "the child to exit")
+        with ebpf_capture(tmp_path / "z.gputrace", [zombie.pid]) as src:
+            assert zombie.pid in src.live_targets() and not src.any_live()
+            src.add_target(live.pid)
+            assert src.any_live()
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()

@@ -27,3 +27,29 @@ def test_blocked_syscall_of_a_reader_and_of_a_kernel_thread() -> None:
     # kthreadd's /proc/2/syscall is all zeros: not "blocked in read(0)"
     assert procfs.comm(2) == "kthreadd"
     assert procfs.blocked_syscall(2, 2) is None
+
+
+LEADER_EXITS = """
+import ctypes, sys, threading, time
+def worker():
+    sys.stdin.readline()
+threading.Thread(target=worker).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)  # the main thread ends alone; the process runs on
+"""
+
+
+def test_running_tells_a_zombie_from_a_live_process_and_a_leaderless_one() -> None:
+    zombie = subprocess.Popen(["true"])  # exits at once and is not reaped until wait()
+    wait_for(lambda: procfs.thread_state(zombie.pid, zombie.pid) == "Z", 10, "the child to exit")
+    assert (procfs.PROC / str(zombie.pid)).is_dir() and not procfs.running(zombie.pid)
+    zombie.wait()
+    assert not procfs.running(zombie.pid)  # reaped: gone
+    leaderless = subprocess.Popen([sys.executable, "-c", LEADER_EXITS], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert leaderless.stdout is not None and leaderless.stdout.readline() == b"ready\n"
+        wait_for(lambda: procfs.thread_state(leaderless.pid, leaderless.pid) == "Z", 10, "the main thread to end")
+        assert procfs.running(leaderless.pid) and procfs.running(os.getpid())
+    finally:
+        leaderless.kill()
+        leaderless.wait()

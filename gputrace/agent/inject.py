@@ -31,6 +31,7 @@ from gputrace.agent.nsexec import trusted_binary
 from gputrace.agent.pidns import PeerIds
 from gputrace.caps import CAP_SYS_ADMIN, CAP_SYS_PTRACE, has_cap
 from gputrace.errors import PermissionDenied, UserError
+from gputrace.probes import procfs
 
 MIN_VERSION = (3, 14)
 HELPER_TIMEOUT_S = 10.0
@@ -69,6 +70,8 @@ def target_exe(pid: int) -> str:
                             "start it armed instead (see `gputrace env`)") from None
         raise PermissionDenied(f"cannot read /proc/{pid}/exe: run as root or as the process's user") from None
     except OSError as e:
+        if not procfs.running(pid):
+            raise UserError(f"pid {pid} has exited") from None
         raise UserError(f"pid {pid}: cannot read its executable ({e.strerror}); is it a kernel thread?") from None
 
 
