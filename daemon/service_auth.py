@@ -20,7 +20,7 @@ from .service_protocol import ProtocolError
 def process_uids(pid: int) -> tuple[int, int, int]:
     """(real, effective, saved) uid of a live process."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/status").read_text(errors="replace")  # Name: any bytes
     except (FileNotFoundError, ProcessLookupError):
         raise ProtocolError(f"no process with pid {pid}") from None
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)

@@ -19,7 +19,7 @@ def comm_of(pid: int) -> str:
     if pid <= 0:
         raise UserError(f"invalid pid {pid}")
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")  # comm: any bytes
     except FileNotFoundError:
         raise UserError(f"no process with pid {pid}") from None
     except PermissionError:
@@ -79,7 +79,7 @@ class ProcTargets:
 def _start_time(pid: int) -> str:
     """Field 22 of /proc/PID/stat (clock ticks after boot); "" for a process that is gone or a zombie."""
     try:
-        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+        stat = Path(f"/proc/{int(pid)}/stat").read_text(errors="replace")
     except OSError:
         return ""
     fields = stat[stat.rindex(")") + 2:].split()

@@ -12,7 +12,7 @@ CAP_BPF = 39
 
 
 def effective_caps(pid: int | str = "self") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text(errors="replace").splitlines():
         if line.startswith("CapEff:"):
             return int(line.split()[1], 16)
     return 0

@@ -60,7 +60,7 @@ def mount_table(mountinfo: str = "/proc/self/mountinfo", mounts: str = "/proc/se
     path from a disk and find the block device under a path (source /dev/loop3, device 7:3). Readers must
     accept the older two-field rows."""
     try:
-        text = Path(mountinfo).read_text()
+        text = Path(mountinfo).read_text(errors="replace")  # a mount point may be any bytes
     except OSError:
         return _mounts_fallback(mounts)
     out: list[list[str]] = []
@@ -77,7 +77,7 @@ def mount_table(mountinfo: str = "/proc/self/mountinfo", mounts: str = "/proc/se
 def _mounts_fallback(path: str) -> list[list[str]]:
     out: list[list[str]] = []
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(errors="replace")
     except OSError:
         return out
     for line in text.splitlines():
@@ -97,6 +97,22 @@ def _boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+def valid_text(obj: Any) -> Any:
+    """``obj`` with every string made valid UTF-8: bytes Python kept as surrogate escapes (a file name, an
+    argument) become U+FFFD, as everything read from /proc is decoded."""
+    if isinstance(obj, str):
+        try:
+            raw = obj.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a lone surrogate that escapes no byte
+            raw = obj.encode("utf-8", "replace")
+        return raw.decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        return {valid_text(k): valid_text(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [valid_text(v) for v in obj]
+    return obj
 
 
 class CaptureWriter:
@@ -161,7 +177,10 @@ class CaptureWriter:
         self.partial_path.unlink(missing_ok=True)
 
     def _frame(self, obj: list[Any]) -> None:
-        data = self._packer.pack(obj)
+        try:
+            data = self._packer.pack(obj)
+        except UnicodeEncodeError:  # a name read from the OS as undecodable bytes (surrogate escapes)
+            data = self._packer.pack(valid_text(obj))
         if self._fd is None:
             raise ValueError("capture writer is closed")
         view = memoryview(data)

@@ -80,7 +80,7 @@ def foreign(pid: int, owner_uid: int) -> bool:
     /proc/PID to root). True when it cannot be read: a process gone may have been anything."""
     try:
         owner = os.stat(f"/proc/{pid}").st_uid
-        text = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/status").read_text(errors="replace")  # Name: any bytes
     except OSError:
         return True
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)

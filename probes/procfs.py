@@ -31,6 +31,12 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
+def readlink(path: Path) -> str:
+    """Where a /proc link points (an executable, an fd's file), decoded with replacement like everything
+    else read here: a path may be any bytes. Raises OSError."""
+    return _text(os.readlink(os.fsencode(path)))
+
+
 def read_text(path: Path, limit: int = 4096) -> str:
     """At most `limit` bytes of `path`, decoded with replacement; "" when unreadable."""
     return _text(_read(path, limit))
@@ -59,7 +65,7 @@ def proc_info(pid: int) -> ProcInfo | None:
     if args and args[-1] == b"":
         args.pop()
     try:
-        exe = os.readlink(PROC / str(pid) / "exe")
+        exe = readlink(PROC / str(pid) / "exe")
     except OSError:
         exe = ""
     cmdline = [_text(a) for a in args[:_MAX_ARGS]]
@@ -192,7 +198,7 @@ def fd_snapshot(pid: int) -> list[FdInfo]:
     base = PROC / str(pid)
     now = clock.monotonic_ns()
     try:
-        cwd = FdInfo(now, pid, AT_FDCWD, "cwd", os.readlink(base / "cwd"))
+        cwd = FdInfo(now, pid, AT_FDCWD, "cwd", readlink(base / "cwd"))
         names = os.listdir(base / "fd")
     except OSError:
         return []
@@ -207,7 +213,7 @@ def fd_infos(ts: int, pid: int, fds: list[int]) -> list[FdInfo]:
     peers: dict[int, str] | None = None
     for fd in fds:
         try:
-            link = os.readlink(base / str(fd))
+            link = readlink(base / str(fd))
         except OSError:
             continue  # closed meanwhile
         if link.startswith("socket:") and peers is None:

@@ -66,7 +66,7 @@ def find_library(pid: int, prefix: str = "libcuda.so", proc: Path = Path("/proc"
     Raises ProcessLookupError when the process is gone.
     """
     try:
-        maps = (proc / str(pid) / "maps").read_text()
+        maps = (proc / str(pid) / "maps").read_text(errors="replace")
     except FileNotFoundError:
         raise ProcessLookupError(pid) from None
     except OSError:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +14,9 @@ from pathlib import Path
 import pytest
 from agent_harness import wait_for
 
-from gputrace.capture import CaptureReader
+from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.probes import procfs
-from gputrace.records import ProcFork, SourceStatus, Syscall
+from gputrace.records import FdInfo, ProcFork, ProcInfo, SourceStatus, Syscall
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 
@@ -222,3 +224,51 @@ def _waiting(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+ODD_NAMES = """
+import ctypes, os, sys, time
+ctypes.CDLL(None).prctl(15, b"odd\\xff\\xe9", 0, 0, 0)  # PR_SET_NAME: a comm that is not UTF-8
+fd = os.open(os.fsencode(sys.argv[1]), os.O_RDONLY)
+sys.stdin.readline()
+for _ in range(20):
+    os.pread(fd, 4096, 0)
+    time.sleep(0.01)
+"""
+
+
+def test_names_that_are_not_utf8_are_captured_with_replacement(tmp_path: Path) -> None:
+    """A process's comm, executable path and open files, and the host's mount points, are bytes, not text:
+    undecodable ones (a dataset with latin-1 file names) are recorded with U+FFFD, and neither stop the
+    capture nor its report."""
+    odd = tmp_path / os.fsdecode(b"dir\xe9")
+    odd.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(odd)], check=True)
+    try:
+        exe, data = odd / os.fsdecode(b"py\xff"), odd / os.fsdecode(b"data\xe9.bin")
+        shutil.copy(Path(sys.executable).resolve(), exe)
+        data.write_bytes(b"x" * 8192)
+        target = subprocess.Popen([str(exe), "-c", ODD_NAMES, str(data)], stdin=subprocess.PIPE, text=True)
+        capture_until_exit(tmp_path, target, target.pid)
+        target.wait()
+    finally:
+        subprocess.run(["umount", str(odd)], check=False)
+    with CaptureReader(tmp_path / "t.gputrace") as reader:
+        records = list(reader.records())
+        assert reader.complete
+    info = next(r for r in records if isinstance(r, ProcInfo) and r.pid == target.pid)
+    assert info.exe == f"{tmp_path}/dir\ufffd/py\ufffd" and info.comm == "odd\ufffd\ufffd"
+    assert any(isinstance(r, FdInfo) and r.obj == f"{tmp_path}/dir\ufffd/data\ufffd.bin" for r in records)
+    assert [f"{tmp_path}/dir\ufffd", "tmpfs"] in [m[:2] for m in reader.header["mounts"]]
+    report = gputrace("report", "t.gputrace", "--json", cwd=tmp_path)
+    assert report.returncode == 0 and json.loads(report.stdout)["capture"]["pids"] == [target.pid], report.stderr
+
+
+def test_a_capture_writer_takes_strings_python_decoded_with_surrogate_escapes(tmp_path: Path) -> None:
+    """An argument or a path Python holds as surrogate escapes (os.fsdecode of undecodable bytes)."""
+    writer = CaptureWriter(tmp_path / "s.gputrace", host_header(["run", os.fsdecode(b"a\xffb"), "\ud800"]))
+    writer.write([FdInfo(1, 2, 3, "file", os.fsdecode(b"/data/x\xe9.bin"))])
+    writer.close({})
+    with CaptureReader(tmp_path / "s.gputrace") as reader:
+        assert reader.header["argv"] == ["run", "a\ufffdb", "?"]
+        assert [r.obj for r in reader.records()] == ["/data/x\ufffd.bin"]

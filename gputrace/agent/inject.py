@@ -80,7 +80,7 @@ def python_version(pid: int, exe: str) -> tuple[int, int]:
     m = _VERSION_RE.search(os.path.basename(exe))
     if m is None:
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
+            maps = Path(f"/proc/{pid}/maps").read_text(errors="replace")
         except OSError:
             maps = ""
         m = re.search(r"libpython(\d+)\.(\d+)", maps)

@@ -85,7 +85,7 @@ class Credentials:
 
 
 def credentials(proc_fd: int) -> Credentials:
-    with open("status", opener=lambda name, flags: os.open(name, flags, dir_fd=proc_fd)) as f:
+    with open("status", errors="replace", opener=lambda name, flags: os.open(name, flags, dir_fd=proc_fd)) as f:
         return Credentials.parse(f.read())
 
 

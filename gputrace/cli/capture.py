@@ -108,7 +108,7 @@ def process_ids(ids: list[int]) -> list[int]:
 def _tgid(tid: int) -> int:
     """The process a thread id belongs to; the id itself when /proc cannot say (the session reports why)."""
     try:
-        status = Path(f"/proc/{tid}/status").read_text()
+        status = Path(f"/proc/{tid}/status").read_text(errors="replace")  # Name: any bytes
     except (OSError, ValueError):
         return tid
     for line in status.splitlines():
