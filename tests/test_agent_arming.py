@@ -255,6 +255,51 @@ if __name__ == "__main__":
     assert h.server.stats["ended_early"] == 0, h.server.rejections
 
 
+# A target's own sitecustomize (run after gputrace's, so the agent's thread has started) whose import of
+# logging takes a second: what torch, asyncio or concurrent.futures importing logging on the main thread
+# looks like to the agent's thread, which finds a half-made module (no getLogger yet) in sys.modules.
+SLOW_LOGGING_IMPORT = """
+import importlib.abc, importlib.machinery, sys, time
+
+class _Slow(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "logging":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        real = spec.loader
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                time.sleep(1.0)
+                real.exec_module(module)
+
+        spec.loader = _Loader()
+        return spec
+
+sys.meta_path.insert(0, _Slow())
+import logging
+"""
+
+
+def test_the_agent_connects_while_the_target_is_still_importing_logging(tmp_path: Path) -> None:
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text(SLOW_LOGGING_IMPORT)
+    h = Harness(tmp_path)
+    base = clean_env(PYTHONPATH=str(own))
+    p = h.spawn(WORKLOAD, env={**base, **h.server.child_env(base)})
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and out.startswith("steps done"), err
+    assert err == "to stderr\n", "nothing of the agent's may reach the target's stderr"
+    recs = h.finish()
+    assert [k.name for k in of(recs, "GpuKernel")] == ["k0", "k1", "k2"], h.server.stats
+    assert of(recs, "GpuDevice")[0].pid == p.pid
+
+
 def test_gputrace_env_prints_arming_lines() -> None:
     out = subprocess.run([sys.executable, "-m", "gputrace", "env"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0

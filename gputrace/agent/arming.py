@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gputrace.agent import wire
+from gputrace.agent.threads import debug as _debug
 from gputrace.agent.threads import start_thread
 
 if TYPE_CHECKING:
@@ -230,13 +231,6 @@ def discover_cupti(agent: Agent) -> None:
         agent.add_backend(CuptiBackend())
     except Exception as e:  # noqa: BLE001
         agent.unavailable["cupti"] = f"{type(e).__name__}: {e}"
-
-
-def _debug(msg: str, *args: Any) -> None:
-    """Debug logging only, and only if the target uses logging: importing it just to discard is not free."""
-    logging = sys.modules.get("logging")
-    if logging is not None:
-        logging.getLogger("gputrace.agent").debug("gputrace agent: " + msg, *args)
 
 
 # ---------------------------------------------------------------------------- what arms a process ---

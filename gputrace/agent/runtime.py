@@ -20,6 +20,7 @@ from typing import Any
 
 from gputrace.agent import wire
 from gputrace.agent.backend import GpuBackend
+from gputrace.agent.threads import debug as _debug
 from gputrace.agent.threads import start_thread
 
 QUEUE_MAX_RECORDS = 65536
@@ -193,7 +194,10 @@ class Agent:
         try:
             if self.discover is not None:
                 discover, self.discover = self.discover, None
-                discover(self)
+                try:
+                    discover(self)
+                except Exception as e:  # noqa: BLE001 - no CUPTI must not mean no session (the sim still reports)
+                    _debug("backend discovery failed: %s", e)
             sock = self._dial(retry_s)
             if sock is None:
                 return
@@ -343,13 +347,6 @@ class Agent:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-
-
-def _debug(msg: str, *args: Any) -> None:
-    """Debug logging only, and only if the target uses logging: importing it just to discard is not free."""
-    logging = sys.modules.get("logging")
-    if logging is not None:
-        logging.getLogger("gputrace.agent").debug("gputrace agent: " + msg, *args)
 
 
 # ------------------------------------------------------------------------------------- messages ---
