@@ -80,6 +80,17 @@ def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
     return ev
 
 
+ETIMEDOUT = 110
+POLLS = frozenset({"poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2"})
+
+
+def _timed_out(sc: Syscall) -> bool:
+    """A futex wait that returned ETIMEDOUT, or a poll/select/epoll that returned no ready fd."""
+    if sc.name in ("futex", "futex_waitv"):
+        return sc.ret == -ETIMEDOUT
+    return sc.name in POLLS and sc.ret == 0
+
+
 class Explainer:
     def __init__(self, cap: Capture) -> None:
         self.cap = cap
@@ -111,7 +122,7 @@ class Explainer:
         for sc in sys_index.overlapping(a, b) if sys_index else ():
             x, y = max(sc.start_ns, a), min(sc.end_ns, b)
             in_syscalls += y - x
-            parts.extend(self._syscall(sc, x, y, depth))
+            parts.extend(self._syscall(sc, x, y, depth, b))
         outside = self._offcpu_outside_syscalls(tid, a, b, parts)
         on_cpu = (b - a) - in_syscalls - outside
         if on_cpu > 0:
@@ -134,7 +145,7 @@ class Explainer:
                 parts.append(Part("unknown", ns, empty_culprit(), evidence=[evidence_offcpu(o)]))
         return total
 
-    def _syscall(self, sc: Syscall, x: int, y: int, depth: int) -> list[Part]:
+    def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
         kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
         offs = list(self.cap.offcpu[sc.tid].overlapping(x, y)) if sc.tid in self.cap.offcpu else []
         preempted = [o for o in offs if o.state == "R"]
@@ -144,7 +155,7 @@ class Explainer:
         blocked = [o for o in offs if o.state != "R"]
         ns = (y - x) - runq
         if kind == "wait":
-            return parts + self._wait(sc, x, y, blocked, ns, depth)
+            return parts + self._wait(sc, x, y, blocked, ns, depth, end)
         if kind == "sync":
             late_signal = self._late_completion(sc, x, y, blocked, depth)
             parts += late_signal
@@ -254,15 +265,19 @@ class Explainer:
                 out["block_shared_with"] = sorted({self.cap.pid_of(t) or t for t in tie.shared_with})
         return out
 
-    def _wait(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], ns: int, depth: int) -> list[Part]:
+    def _wait(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], ns: int, depth: int,
+              end: int) -> list[Part]:
         """Blocked on a futex / pipe / poll: the time belongs to whoever the thread waited for."""
         parts: list[Part] = []
         used = 0
+        timed_out = _timed_out(sc)
         for o in blocked:
             ox, oy = max(o.start_ns, x), min(o.end_ns, y)
             woke = min(o.wake_ns, oy) if o.wake_ns else oy
             wait_ns = max(woke - ox, 0)
-            if wait_ns > 0:
+            if wait_ns > 0 and timed_out and o.wake_ns and is_kernel_task(o.waker_pid, o.waker_comm):
+                parts.extend(self._timed_wait(sc, o, ox, woke, depth, end))
+            elif wait_ns > 0:
                 parts.extend(self._follow(sc, o, ox, woke, depth))
             if oy > woke:  # woken but not yet running
                 parts.append(Part("cpu.runqueue", oy - woke, self.culprit(sc.tid, "woken, waiting for a CPU"),
@@ -275,6 +290,41 @@ class Explainer:
             else:  # no off-CPU record tells who ended this wait
                 parts.append(Part("unknown", rest, empty_culprit(), evidence=[evidence_syscall(sc)]))
         return parts
+
+    def _timed_wait(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int, end: int) -> list[Part]:
+        """A wait that ended by its own timeout (queue.get(timeout=...), a lock's or the GIL's timed wait,
+        an event loop's timer). When the thread waits again before ``end`` and that wait is ended by a
+        task, the thread was polling for that task: the timed-out time is followed to it as well. When
+        nothing ends a later wait, the timeout itself ended the wait: a ``sleep``."""
+        later = self._next_woken_wait(sc, end)
+        if later is not None:
+            return self._follow(*later, x, y, depth)
+        ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
+        if depth == 0 and sc.name in POLLS:  # an event loop's timer (asyncio.sleep) on the launching thread
+            dur = sc.end_ns - sc.start_ns
+            return [Part("sleep", y - x, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev,
+                         extra={"why": f"{sc.name} timed out"})]
+        # A futex timeout alone says nothing: a timed sleep, or a lock's or the GIL's timed wait whose
+        # holder let go while this thread was on its way back
+        return [Part("unknown", y - x, empty_culprit(), evidence=ev)]
+
+    def _next_woken_wait(self, first: Syscall, end: int) -> tuple[Syscall, OffCpu] | None:
+        """The first wait of the same call as ``first`` by its thread, starting in [its end, end), not
+        ended by a timeout, with the off-CPU record whose wakeup by another task ended it; None when the
+        next such wait was ended otherwise, or there is none."""
+        tid = first.tid
+        sys_index, off_index = self.cap.syscalls.get(tid), self.cap.offcpu.get(tid)
+        if sys_index is None or off_index is None:
+            return None
+        for sc in sys_index.starting_in(first.end_ns, end):
+            if sc.name != first.name or _timed_out(sc):
+                continue
+            woken = [o for o in off_index.overlapping(sc.start_ns, sc.end_ns) if o.state != "R" and o.wake_ns]
+            o = woken[-1] if woken else None
+            if o is None or not o.waker_tid or o.waker_tid == tid or is_kernel_task(o.waker_pid, o.waker_comm):
+                return None
+            return sc, o
+        return None
 
     def _follow(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int) -> list[Part]:
         hop = f"wait:pid {o.waker_pid}" if o.waker_pid else "wait"

@@ -145,6 +145,11 @@ def _mapped(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 8, **_loop(w, st, [2 << 20], 8, 256 * KIB)}
 
 
+def _timed_waits(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # 4 shards of 160 KiB at 1 MiB/s (~50 ms each beyond blk-throttle's first slice), and 4 sleeps
+    return {"steps": 8, "sleep_ms": 15, **_loop(w, st, [1 << 20], 4, 160 * KIB)}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -156,6 +161,7 @@ SCENARIOS: dict[str, Setup] = {
     "sleep": lambda w, st: {"steps": 10, "sleep_ms": 15},
     "mixed": _mixed,
     "mapped": _mapped,
+    "timed_waits": _timed_waits,
 }
 
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import queue
+import selectors
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -361,10 +364,38 @@ def mixed(cfg: dict[str, Any]) -> None:
     workers.join()
 
 
+def timed_waits(cfg: dict[str, Any]) -> None:
+    """Waits that time out before they end: the trainer polls a prefetching thread's queue with
+    queue.get(timeout=...) (a futex wait that times out again and again until the thread's read of a
+    throttled shard ends), and sleeps in an event loop's select() with only a timeout (asyncio.sleep)."""
+    join_cgroup(cfg["cgroups"][0])
+    batches: queue.Queue[str] = queue.Queue(maxsize=1)
+
+    def prefetch() -> None:
+        for path in cfg["files"]:
+            read_uncached(path)
+            batches.put(path)
+
+    threading.Thread(target=prefetch, daemon=True).start()
+    loop = selectors.DefaultSelector()
+
+    def wait(k: int) -> tuple[str, str, int]:
+        if k % 2 == 0:
+            while True:
+                try:
+                    return "storage", batches.get(timeout=0.005), os.getpid()
+                except queue.Empty:
+                    pass
+        loop.select(timeout=cfg["sleep_ms"] / 1e3)
+        return "sleep", "", os.getpid()
+
+    trainer_loop(cfg, wait)
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
-    "mapped": mapped,
+    "mapped": mapped, "timed_waits": timed_waits,
 }  # fmt: skip
 
 if __name__ == "__main__":
