@@ -258,7 +258,7 @@ def block_devices() -> dict[str, str]:
     return out
 
 
-_MAX_MAPS = 32 << 20
+MAX_MAPS = 32 << 20
 
 
 def mapped_files(pid: int) -> dict[tuple[str, int], str]:
@@ -269,7 +269,7 @@ def mapped_files(pid: int) -> dict[tuple[str, int], str]:
     mappings (inode 0) and pseudo-files (``[heap]``) are left out.
     """
     out: dict[tuple[str, int], str] = {}
-    for line in _text(_read(PROC / str(pid) / "maps", _MAX_MAPS)).splitlines():
+    for line in _text(_read(PROC / str(pid) / "maps", MAX_MAPS)).splitlines():
         parts = line.split(maxsplit=5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue

@@ -20,6 +20,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
+from gputrace.probes import elfsyms
 from gputrace.probes.ebpf_host import BPF_DIR, check_host, final_status, format_has, program_skips, unload
 from gputrace.probes.ebpf_owner import foreign, owner_cflags
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
@@ -37,8 +38,7 @@ NOT_LOSSES = ("no_user_stack", "left_out")
 MAX_FRAMES = 64  # SP_STACK_DEPTH in bpf/sampler.h
 MAX_FRAME_CHARS = 200
 _POLL_MS = 100
-_REFRESH_S = 1.0  # at most this often per process, re-read its mappings for an address no module holds
-_SWEEP_S = 1.0  # how often symbol caches of exited processes are freed and grown drop counts written
+_SWEEP_S = 1.0  # how often what is kept of exited processes' mappings goes and grown drop counts are written
 
 
 class SampleEvent(ctypes.Structure):
@@ -80,56 +80,24 @@ def frame_name(name: bytes | None, module: bytes | None) -> str:
 
 
 class Symbolizer:
-    """One bcc symbol cache per process; each is freed when its process is gone or at close."""
+    """Frame names for the stacks of traced processes (probes/elfsyms.py); what is kept of a process goes
+    when it is gone."""
 
     def __init__(self) -> None:
-        self._caches: dict[int, Any] = {}
-        self._refreshed: dict[int, float] = {}
+        self._elf = elfsyms.Symbolizer()
 
     def frames(self, pid: int, addrs: list[int]) -> list[str]:
-        if pid not in self._caches and not Path(f"/proc/{pid}").is_dir():
-            return [frame_name(None, None)] * len(addrs)  # gone before its first sample was read: no maps
-        cache = self._cache(pid)
-        resolved = [cache.resolve(a, True) for a in addrs]
-        if any(module is None for _, _, module in resolved) and self._may_refresh(pid):
-            from bcc.libbcc import lib
-
-            lib.bcc_symcache_refresh(cache.cache)  # a library loaded after the first look (dlopen)
-            resolved = [cache.resolve(a, True) if r[2] is None else r for a, r in zip(addrs, resolved, strict=True)]
-        return [frame_name(name, module) for name, _, module in resolved]
+        return [frame_name(name, module) for name, module in self._elf.resolve(pid, addrs)]
 
     def sweep(self, alive: Any = lambda pid: Path(f"/proc/{pid}").is_dir()) -> set[int]:
-        """Free the caches of processes that are gone; returns their pids."""
-        gone = {p for p in self._caches if not alive(p)}
+        """Forget the processes that are gone; returns their pids."""
+        gone = {p for p in self._elf.pids() if not alive(p)}
         for pid in gone:
-            self._free(pid)
+            self._elf.forget(pid)
         return gone
 
     def close(self) -> None:
-        for pid in list(self._caches):
-            self._free(pid)
-
-    def _cache(self, pid: int) -> Any:
-        cache = self._caches.get(pid)
-        if cache is None:
-            from bcc import SymbolCache
-
-            cache = self._caches[pid] = SymbolCache(pid)
-        return cache
-
-    def _may_refresh(self, pid: int) -> bool:
-        now = time.monotonic()
-        if now - self._refreshed.get(pid, 0.0) < _REFRESH_S:
-            return False
-        self._refreshed[pid] = now
-        return True
-
-    def _free(self, pid: int) -> None:
-        from bcc.libbcc import lib
-
-        cache = self._caches.pop(pid)
-        self._refreshed.pop(pid, None)
-        lib.bcc_free_symcache(cache.cache, pid)
+        self._elf.close()
 
 
 class StackSampler:

@@ -6,10 +6,12 @@ its thread's hottest frames from the samples in its window, and says nothing whe
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,8 @@ from gputrace.analysis.load import load
 from gputrace.analysis.synth import Builder
 from gputrace.capture import open_capture
 from gputrace.daemon.writer import source_capture
+from gputrace.probes import elfsyms
+from gputrace.probes.elfsyms import ElfSymbols
 from gputrace.probes.sampler import BPF_DIR, SampleEvent, StackSampler, clean_name, frame_name
 from gputrace.records import Drops, StackFrames, StackSample
 
@@ -274,3 +278,104 @@ def test_capture_names_the_workers_hot_function(spin: Path, tmp_path: Path) -> N
         assert s["culprit"]["comm"] == "spin" and s["via"], s
         assert s["culprit"]["frames"][0]["frame"] == f"{HOT} (spin)", s["culprit"]
         assert s["culprit"]["samples"] >= 10
+
+
+FORKER = """
+import os, sys, time
+sys.stdin.readline()
+for _ in range(60):
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + 0.012
+        while time.monotonic() < end:  # on a CPU long enough to be sampled, then gone
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+print("done", flush=True)
+"""
+
+
+def test_naming_the_frames_of_many_short_lived_processes_closes_nothing_of_ours(tmp_path: Path) -> None:
+    """Each new process's stacks are named from its files, and what is kept of it goes when it does; none of
+    that may close a file descriptor it does not own (the capture file, a map, an agent's socket)."""
+    base = os.open("/dev/null", os.O_RDONLY)
+    sentinels: list[int] = []
+    stop = threading.Event()
+
+    def take_freed_numbers() -> None:  # the lowest free numbers: those the symbolizer just closed
+        while not stop.wait(0.001) and len(sentinels) < 400:
+            sentinels.append(os.dup(base))
+
+    child = PipedChild([sys.executable, "-c", FORKER])
+    path = tmp_path / "forks.gputrace"
+    taker = threading.Thread(target=take_freed_numbers)
+    try:
+        with sampled(path, [child.pid]) as src:
+            taker.start()
+            child.send("go")
+            assert child.readline() == "done"
+            time.sleep(1.5)  # a sweep of the gone processes
+            assert src.samples > 0
+    finally:
+        stop.set()
+        if taker.is_alive():
+            taker.join()
+        child.close()
+        os.close(base)
+        closed = []
+        for fd in sentinels:
+            try:
+                os.fstat(fd)
+                os.close(fd)
+            except OSError:
+                closed.append(fd)
+    assert closed == []
+    recs = records(path)
+    named = {r.pid for r in recs if isinstance(r, StackFrames) and any("python" in f for f in r.frames)}
+    assert len(named) >= 10, named  # the children's own frames were named
+
+
+def test_elf_symbols_of_a_real_binary_and_of_hostile_files(spin: Path, tmp_path: Path) -> None:
+    """Names come from the file's own tables (checked against nm); a file that is not ELF, cut short or
+    claims absurd tables yields an error or no names, never a crash or a huge read."""
+    nm = subprocess.run(["nm", "--defined-only", str(spin)], capture_output=True, text=True, check=True).stdout
+    hot = next(int(line.split()[0], 16) for line in nm.splitlines() if line.endswith(f" {HOT}"))
+    fd = os.open(spin, os.O_RDONLY)
+    try:
+        elf = ElfSymbols(fd)
+    finally:
+        os.close(fd)
+    assert elf.name(hot) == HOT.encode() and elf.name(hot + 1) == HOT.encode() and elf.name(0) is None
+    raw = spin.read_bytes()
+    for name, data in (("text", b"#!/bin/sh\n" * 20), ("cut", raw[:200]), ("zeros", raw[:64] + bytes(4096)),
+                       ("huge", raw[:0x28] + (2**63).to_bytes(8, "little") + raw[0x30:])):  # e_shoff far away
+        (tmp_path / name).write_bytes(data)
+        fd = os.open(tmp_path / name, os.O_RDONLY)
+        try:
+            if name == "text":
+                with pytest.raises(ValueError):
+                    ElfSymbols(fd)
+            else:
+                assert ElfSymbols(fd).name(hot) is None, name
+        finally:
+            os.close(fd)
+
+
+def test_jitted_code_is_named_from_the_perf_map() -> None:
+    """Code in anonymous memory (a JIT, Python 3.12+ with -X perf) is named from /tmp/perf-PID.map, which
+    is read again when an address is new to it (the map grows as code is compiled)."""
+    code = mmap.mmap(-1, 8192, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(code))
+    perf = Path(f"/tmp/perf-{os.getpid()}.map")
+    try:
+        perf.write_text(f"{start:x} 1000 py::train_step:/srv/train.py\n")
+        symbols = elfsyms.Symbolizer()
+        first = symbols.resolve(os.getpid(), [start + 0x10, start + 0x1010])
+        assert first == [(b"py::train_step:/srv/train.py", os.fsencode(f"/tmp/{perf.name}")), (None, None)]
+        perf.write_text(f"{start:x} 1000 py::train_step:/srv/train.py\n{start + 0x1000:x} 80 py::collate:/srv/d.py\n")
+        time.sleep(elfsyms.REFRESH_S)
+        assert symbols.resolve(os.getpid(), [start + 0x1010])[0][0] == b"py::collate:/srv/d.py"
+    finally:
+        perf.unlink(missing_ok=True)
+        code.close()
