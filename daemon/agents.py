@@ -46,6 +46,9 @@ QUEUE_MAX_RECORDS = 262144
 AUTHORIZE_GRACE_S = 1.0  # a child may connect before the session has seen its fork
 STOP_TIMEOUT_S = 2.0
 RECV_BYTES = 256 << 10
+LOGGED_PER_KIND = 5
+_KINDS = {"refused": "refused", "ended_early": "ended without saying bye", "degraded": "with a problem",
+          "started": "started", "stopped": "stopped"}  # what each kind of line says of its peers
 
 
 class AgentServer:
@@ -65,6 +68,7 @@ class AgentServer:
         self.stats = {"accepted": 0, "refused": 0, "cut_off": 0, "ended_early": 0, "records": 0}
         self.rejections: list[str] = []  # "pid N: reason", for the log and the tests
         self.rejected_records = 0
+        self._logged: dict[str, int] = {}  # lines for the user, by kind (see _log)
         self._peers: dict[socket.socket, Peer] = {}
         self._gone: list[Peer] = []
         self._offers: list[Listener] = []
@@ -216,6 +220,7 @@ class AgentServer:
         assert self._fwd is not None and self._sink is not None
         self._fwd.close()
         self._sink.emit_meta("agent", {"peers": [p.summary() for p in self._gone]})
+        self._log_counts()
 
     def drops(self) -> dict[str, int]:
         out = {"queue": self._fwd.dropped if self._fwd else 0, "rejected": self.rejected_records}
@@ -429,7 +434,22 @@ class AgentServer:
     def _reject(self, peer: Peer, reason: str) -> None:
         text = f"pid {peer.pid}: {reason}"
         self.rejections.append(text)
-        log.warning("gputrace: agent %s", text)
+        self._log("refused", text)
+
+    def _log(self, kind: str, text: str) -> None:
+        """A line about one peer for the user: the first few of each kind, then a count at the end (a job
+        forking hundreds of short-lived workers would bury everything else). The capture keeps every one."""
+        n = self._logged[kind] = self._logged.get(kind, 0) + 1
+        if n <= LOGGED_PER_KIND:
+            log.warning("gputrace: agent %s", text)
+        elif n == LOGGED_PER_KIND + 1:
+            log.warning("gputrace: agent: more peers %s; not shown one by one, counted at the end",
+                        _KINDS.get(kind, kind))
+
+    def _log_counts(self) -> None:
+        for kind, n in self._logged.items():
+            if n > LOGGED_PER_KIND:
+                log.warning("gputrace: agent: %d peers %s in all", n, _KINDS.get(kind, kind))
 
     def _cut_off(self, peer: Peer, reason: str, brief: str | None = None) -> None:
         """End a peer that broke the protocol: counted, logged with ``reason``, its end told as ``brief``."""
@@ -460,7 +480,7 @@ class AgentServer:
 
     def _status(self, status: str, detail: str, *, log_it: bool = True) -> None:
         if log_it:
-            log.warning("gputrace: agent %s", detail)
+            self._log(status, detail)
         self._forward([SourceStatus(clock.monotonic_ns(), self.name, status, detail)])
 
     def _withdraw_offers(self) -> None:

@@ -272,3 +272,31 @@ def test_a_capture_writer_takes_strings_python_decoded_with_surrogate_escapes(tm
     with CaptureReader(tmp_path / "s.gputrace") as reader:
         assert reader.header["argv"] == ["run", "a\ufffdb", "?"]
         assert [r.obj for r in reader.records()] == ["/data/x\ufffd.bin"]
+
+
+FORKS_AND_EXITS = """
+import os
+from gputrace.sim import Device
+s = Device(0).stream()
+for _ in range(24):
+    pid = os.fork()
+    if pid == 0:  # each child connects its own agent, then leaves by os._exit: no goodbye
+        s.launch("child", duration_ms=1.0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+s.launch("parent", duration_ms=1.0)
+s.synchronize()
+"""
+
+
+def test_many_children_ending_without_goodbye_are_summed_up_not_listed(tmp_path: Path) -> None:
+    r = gputrace("capture", "-o", "f.gputrace", "--no-perfetto", "--", sys.executable, "-c", FORKS_AND_EXITS,
+                 cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    one_by_one = [line for line in r.stderr.splitlines()
+                  if line.startswith("gputrace: agent pid ") and "without saying bye" in line]  # fmt: skip
+    with CaptureReader(tmp_path / "f.gputrace") as reader:
+        ended = [s for s in reader.records() if isinstance(s, SourceStatus) and s.status == "ended_early"]
+    assert len(ended) > 5, r.stderr  # the capture keeps each one
+    assert len(one_by_one) == 5, r.stderr
+    assert f"gputrace: agent: {len(ended)} peers ended without saying bye in all" in r.stderr
