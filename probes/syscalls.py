@@ -20,6 +20,7 @@ from gputrace.probes.events import (
     F_PATH,
     F_PATH0,
     F_PIPE,
+    F_POLLFD,
     F_SOCKADDR,
     F_SOCKADDR_PLEN,
     F_TIMESPEC,
@@ -63,8 +64,8 @@ SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("fdatasync", F_FD, 0, _WRITE),
     SyscallSpec("futex", 0, 0, _WAIT),
     SyscallSpec("futex_waitv", 0, 0, _WAIT),
-    SyscallSpec("poll", 0, 2, _POLL),
-    SyscallSpec("ppoll", 0, 1, _POLL),
+    SyscallSpec("poll", F_FD | F_POLLFD, 2, _POLL),  # one fd: a socket read with a timeout
+    SyscallSpec("ppoll", F_FD | F_POLLFD, 1, _POLL),
     SyscallSpec("select", 0, 0, _POLL),
     SyscallSpec("pselect6", 0, 0, _POLL),
     SyscallSpec("epoll_wait", F_FD, 3, _POLL),

@@ -159,3 +159,45 @@ def test_fds_received_over_a_unix_socket_are_named(tmp_path: Path) -> None:
     assert received == [("file", str(shard)), ("pipe", f"pipe:[{os.fstat(rpipe).st_ino}]")]
     os.close(rpipe)
     os.close(wpipe)
+
+
+TIMED_RECV = """
+import select, socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.settimeout(10)  # Python waits for the data in poll() on the one socket, then reads it at once
+print("ready", flush=True)
+sys.stdin.readline()
+got = s.recv(16)
+p = select.poll()  # two fds polled: no one fd names the wait
+for _ in range(2):
+    p.register(__import__("os").pipe()[0], select.POLLIN)
+p.poll(20)
+print("done", got.decode(), s.fileno(), flush=True)
+"""
+
+
+def test_a_socket_read_with_a_timeout_waits_on_the_peer(tmp_path: Path) -> None:
+    """A socket with a timeout (requests, grpc, socket.settimeout) waits in poll() on that one socket, not in
+    recv(): the poll names the peer and is a network wait, not a wait for another task."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    child = PipedChild([sys.executable, "-c", TIMED_RECV, str(port)])
+    try:
+        conn, _ = server.accept()
+        assert child.readline() == "ready"
+        with ebpf_capture(tmp_path / "p.gputrace", [child.pid], threshold_ns=THRESHOLD_NS):
+            child.send("go")
+            time.sleep(0.08)
+            conn.sendall(b"batch")
+            words = child.readline().split()
+            assert words[:2] == ["done", "batch"], words
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        server.close()
+    records, _ = read_capture(tmp_path / "p.gputrace")
+    polls = [s for s in of(records, Syscall) if s.pid == child.pid and s.name == "poll"]
+    [wait] = [s for s in polls if s.end_ns - s.start_ns > 50_000_000]
+    assert (wait.fd, wait.obj, classify(wait)) == (int(words[2]), f"127.0.0.1:{port}", "network")
+    two = [s for s in polls if s is not wait]
+    assert two and all(s.fd == -1 and s.obj == "" for s in two), polls

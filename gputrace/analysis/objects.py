@@ -51,6 +51,8 @@ def classify(sc: Any) -> str:
         return "storage"
     if name in SLEEP:
         return "sleep"
+    if kind == "peer" and name in ("poll", "ppoll"):  # one socket polled: a read or write with a timeout
+        return "network"
     if name in WAIT or (name == "fcntl" and sc.arg in FCNTL_LOCK_WAITS):
         return "wait"
     if name == "ioctl":

@@ -281,6 +281,12 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
         if (e->arg && bpf_probe_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
             e->arg = ts[0] * 1000000000ULL + ts[1];
     }
+    if (si->flags & GT_F_POLLFD) { /* a wait for one fd (a socket with a timeout) names it; several, none */
+        int fd = -1;
+        if (c->args[1] != 1 || bpf_probe_read_user(&fd, sizeof(fd), (void *)c->args[0]))
+            fd = -1;
+        e->a0 = (u64)(s64)fd;
+    }
     if ((si->flags & GT_F_PIPE) && ret == 0) {
         int fds[2] = {-1, -1};
         bpf_probe_read_user(fds, sizeof(fds), (void *)c->args[0]);

@@ -53,6 +53,7 @@
 #define GT_F_PATH0 0x200        /* with GT_F_PATH: the path is args[0] and there is no dirfd (chdir) */
 #define GT_F_DUPFD 0x400        /* changes the fd table when args[1] is F_DUPFD or F_DUPFD_CLOEXEC (fcntl) */
 #define GT_F_MSGHDR 0x800       /* args[1] is a struct user_msghdr: fds it receives (SCM_RIGHTS) are reported */
+#define GT_F_POLLFD 0x1000      /* args[0] points to args[1] struct pollfd: a0 reports the fd of a single one, else -1 */
 
 struct gt_sysinfo {
     u32 flags;
