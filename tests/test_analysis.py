@@ -75,6 +75,42 @@ def test_storage_through_a_wakeup_chain(tmp_path: Path) -> None:
     assert ("wakeup", TRAINER, ns(9)) in kinds and any(k == "gpu" for k, _, _ in kinds)
 
 
+def test_time_before_a_waker_existed_is_its_creators(tmp_path: Path) -> None:
+    """A multiprocessing.Queue's feeder thread, started by the worker's first put(), wakes the trainer: before
+    it was created, the worker's main thread was reading the batch, and that read is the stall's cause."""
+    feeder = WORKER + 1
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,
+                                                           (WORKER, feeder, "QueueFeederThr"))
+    worker_reads(b, WORKER, start=12.0, end=34.0)
+    b.fork(WORKER, WORKER, WORKER, feeder, 35.0, "QueueFeederThr")
+    b.syscall(WORKER, feeder, "write", 39.0, 39.7, "pipe:[77]", 4096)  # hands the batch over, on CPU
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage", s
+    assert (s["culprit"]["pid"], s["culprit"]["tid"]) == (WORKER, WORKER)
+    assert s["culprit"]["object"] == PATH and s["culprit"]["op"] == "pread64"
+    assert s["via"] == [f"wait:pid {WORKER}"]  # a thread created by its own process's thread: no hop
+    kinds = {(e["kind"], e["pid"], e["tid"], e["start_ns"]) for e in s["evidence"]}
+    assert ("wakeup", TRAINER, TRAINER, ns(9)) in kinds and ("syscall", WORKER, WORKER, ns(12)) in kinds
+    # the feeder's own time, from its creation on, is what remains of the window: on CPU
+    cpu = [p for p in s["breakdown"] if p["cause"] == "cpu" and p["pid"] == WORKER]
+    assert cpu and sum(p["ns"] for p in cpu) >= ns(39.8) - ns(35.0)
+
+
+def test_time_before_a_forked_waker_existed_is_its_parents(tmp_path: Path) -> None:
+    """A process forked inside the window wakes the trainer: the time before the fork is explained on the
+    forking thread, and the hop says so. Creators that name each other (hostile input) still end."""
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "read", 9.0, 39.9, "pipe:[4242]")
+    b.offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8, (WORKER2, WORKER2, "pool_child"))
+    worker_reads(b, WORKER, start=11.0, end=30.0)
+    b.fork(WORKER, WORKER, WORKER2, WORKER2, 31.0, "pool_child").proc(WORKER2, "pool_child", WORKER)
+    b.fork(WORKER2, WORKER2, WORKER, WORKER, 10.5)  # impossible: each created by the other
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and s["culprit"]["pid"] == WORKER and s["culprit"]["object"] == PATH
+    assert s["via"] == [f"wait:pid {WORKER2}", f"fork:pid {WORKER}"]
+
+
 def test_wakeup_chain_across_two_processes(tmp_path: Path) -> None:
     b = trainer()
     b.syscall(TRAINER, TRAINER, "read", 9.0, 39.9, "pipe:[4242]")

@@ -112,6 +112,33 @@ class Explainer:
         return {**self.culprit(tid, "cpu"), **hottest_frames(self.cap, tid, a, b)}
 
     def explain(self, tid: int, a: int, b: int, depth: int = 0) -> list[Part]:
+        """Parts covering [a, b) of thread ``tid``'s time. A thread created inside the window did not exist
+        before its creation: that time was its creator's (the thread that made it, doing the work that led
+        to it: a worker's main thread reading the batch its queue's feeder thread then hands over), and is
+        explained on the creator, up the chain of creators while each was created inside the window too.
+        Creation times strictly decrease up that chain, so it ends. A creator in another process (a fork)
+        adds ``fork:pid P`` to ``via``; a thread created by its own process's thread adds no hop."""
+        parts: list[Part] = []
+        hops: list[str] = []
+        pid = self.cap.pid_of(tid)
+        while b > a:
+            made = self.cap.creation(tid, b)
+            born = made[0] if made is not None and made[0] > a else a
+            for p in self._explain_alive(tid, born, b, depth):
+                if hops:
+                    p.via = [*hops, *p.via]
+                parts.append(p)
+            if born == a or made is None:
+                break
+            b, tid = made  # creation before b: the window shrinks every turn
+            creator_pid = self.cap.pid_of(tid)
+            if creator_pid and creator_pid != pid:
+                hops.append(f"fork:pid {creator_pid}")
+                pid = creator_pid
+        return parts
+
+    def _explain_alive(self, tid: int, a: int, b: int, depth: int) -> list[Part]:
+        """[a, b) of a thread that existed throughout it."""
         if b <= a:
             return []
         if not self.traced(tid):

@@ -99,6 +99,7 @@ class Capture:
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
     nspids: dict[int, int] = field(default_factory=dict)  # pid -> its pid in its own pid namespace, if other
     tgid: dict[int, int] = field(default_factory=dict)  # tid -> pid
+    created: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # tid -> [(creation ns, creating tid)]
     pids: set[int] = field(default_factory=set)
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
@@ -119,6 +120,16 @@ class Capture:
 
     def pid_of(self, tid: int) -> int:
         return self.tgid.get(tid, 0)
+
+    def creation(self, tid: int, before: int) -> tuple[int, int] | None:
+        """(creation ns, creating tid) of the thread numbered ``tid`` just before ``before``: the last ProcFork
+        record earlier than ``before`` naming it as the child; None where none was recorded (it existed
+        before tracing began)."""
+        made = self.created.get(tid)
+        if not made:
+            return None
+        i = bisect_left(made, (before,)) - 1
+        return made[i] if i >= 0 else None
 
 
 class _Loader:
@@ -200,6 +211,8 @@ class _Loader:
         cap.blocks_by_dev = {d: Intervals(v, "issue_ns", "complete_ns") for d, v in self.by_dev.items()}
         cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
         cap.samples = {t: Samples(v) for t, v in self.samples.items()}
+        for made in cap.created.values():
+            made.sort()
         self._merge_shared_devices(nvml_meta)
         for ops in cap.ops.values():
             ops.sort(key=lambda o: (o.start_ns, o.end_ns))
@@ -244,6 +257,12 @@ def _fork(ld: _Loader, r: ProcFork) -> None:
         ld.cap.comms.setdefault(r.child_pid, r.comm)
     ld._thread(r.child_pid, r.child_tid)
     ld.cap.kernel_pids.add(r.child_pid)
+    # when and by which thread: before that, the time a wait chain finds on the child was its creator's
+    ts, ptid, ppid = r.ts, r.parent_tid, r.parent_pid
+    if type(ts) is int and type(ptid) is int and ts > 0 and ptid > 0 and r.child_tid > 0 and ptid != r.child_tid:
+        ld.cap.created.setdefault(r.child_tid, []).append((ts, ptid))
+        if type(ppid) is int and ppid > 0:
+            ld.cap.tgid.setdefault(ptid, ppid)
 
 
 def _exec(ld: _Loader, r: ProcExec) -> None:

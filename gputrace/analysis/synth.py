@@ -22,6 +22,7 @@ from gputrace.records import (
     NvmlSample,
     OffCpu,
     PageFault,
+    ProcFork,
     ProcInfo,
     StackFrames,
     StackSample,
@@ -48,6 +49,14 @@ class Builder:
 
     def thread(self, pid: int, tid: int, comm: str) -> Builder:
         self.records.append(ThreadInfo(ns(0), pid, tid, comm))
+        return self
+
+    def fork(self, parent_pid: int, parent_tid: int, child_pid: int, child_tid: int, at_ms: float,
+             comm: str = "python") -> Builder:
+        """Thread ``parent_tid`` creates task ``child_tid`` at ``at_ms``: a thread of its own process when
+        ``child_pid == parent_pid``, else a new process."""
+        self.records.append(ProcFork(ns(at_ms), parent_pid, parent_tid, child_pid, child_tid,
+                                     child_pid == parent_pid, comm))
         return self
 
     def device(self, pid: int, dev: int = 0, simulated: bool = True, name: str = "sim-gpu",

@@ -150,6 +150,11 @@ def _timed_waits(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 8, "sleep_ms": 15, **_loop(w, st, [1 << 20], 4, 160 * KIB)}
 
 
+def _mp_queue(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # 5 shards of 160 KiB at 1 MiB/s, one per step, handed over a fresh multiprocessing.Queue
+    return {"steps": 5, **_loop(w, st, [1 << 20], 5, 160 * KIB)}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -162,6 +167,7 @@ SCENARIOS: dict[str, Setup] = {
     "mixed": _mixed,
     "mapped": _mapped,
     "timed_waits": _timed_waits,
+    "mp_queue": _mp_queue,
 }
 
 

@@ -40,6 +40,14 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
         assert all(s["culprit"]["op"] == "page_fault" and s["culprit"]["bytes"] > 0 for s in stalls), stalls
         assert all(s["culprit"].get("block_requests", 0) > 0 for s in stalls)
         assert any(s["via"] for s in stalls) and any(not s["via"] for s in stalls)  # the worker's and the trainer's
+    elif name == "mp_queue":
+        # the first stall's waker is the queue's feeder thread, created inside it: the time before that is
+        # the worker's main thread's, reading
+        first = stalls[0]
+        c = first["culprit"]
+        wakers = {(e["waker_pid"], e["waker_tid"]) for e in first["evidence"] if e["kind"] == "wakeup"}
+        assert c["op"] == "read" and any(p == c["pid"] and t != c["tid"] for p, t in wakers), first
+        assert all(s["via"] and s["via"][0] == f"wait:pid {c['pid']}" for s in stalls)
     elif name == "network":
         assert all(s["culprit"]["object"].startswith("127.0.0.1:") for s in stalls)
 

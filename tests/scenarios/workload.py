@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import multiprocessing
 import os
 import queue
 import selectors
@@ -364,6 +365,45 @@ def mixed(cfg: dict[str, Any]) -> None:
     workers.join()
 
 
+def mp_queue(cfg: dict[str, Any]) -> None:
+    """A DataLoader-style worker process hands its batches over a multiprocessing.Queue (as PyTorch's
+    DataLoader does), reading a throttled shard on request. The queue is fresh: its feeder thread, which
+    writes to the queue's pipe and so wakes the trainer, is started by the worker's first put(), inside the
+    first stall, after the read that stall waits for."""
+    batches = multiprocessing.get_context("fork").Queue()
+    ready_r, ready_w = os.pipe()
+    req_r, req_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            os.close(req_w)
+            join_cgroup(cfg["cgroups"][0])
+            send(ready_w, "ready")  # over a pipe: the queue's feeder thread must not start before the stalls
+            for path in cfg["files"]:
+                if not os.read(req_r, 1):
+                    break
+                read_uncached(path)
+                batches.put({"object": path, "pid": os.getpid()})
+            batches.close()
+            batches.join_thread()
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(req_r)
+    if not os.read(ready_r, 4096):
+        raise RuntimeError("the worker ended early")
+
+    def wait(_k: int) -> tuple[str, str, int]:
+        os.write(req_w, b"1")
+        msg = batches.get(timeout=30)
+        return "storage", msg["object"], msg["pid"]
+
+    trainer_loop({**cfg, "steps": min(cfg["steps"], len(cfg["files"]))}, wait)
+    os.close(req_w)
+    os.waitpid(pid, 0)
+
+
 def timed_waits(cfg: dict[str, Any]) -> None:
     """Waits that time out before they end: the trainer polls a prefetching thread's queue with
     queue.get(timeout=...) (a futex wait that times out again and again until the thread's read of a
@@ -395,7 +435,7 @@ def timed_waits(cfg: dict[str, Any]) -> None:
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
-    "mapped": mapped, "timed_waits": timed_waits,
+    "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue,
 }  # fmt: skip
 
 if __name__ == "__main__":
