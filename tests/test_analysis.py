@@ -167,6 +167,18 @@ def test_a_poll_on_one_socket_is_a_wait_on_the_peer_even_when_it_timed_out(tmp_p
     assert only_stall(run(b, tmp_path))["cause"] == "unknown"
 
 
+def test_a_wait_woken_before_the_stall_counts_only_its_run_queue_time_inside_it(tmp_path: Path) -> None:
+    """Woken at 6 ms, on a CPU again at 12: of the stall [10, 40), 2 ms waiting for a CPU, not 6; the
+    breakdown never adds up to more than the stall."""
+    b = trainer().syscall(TRAINER, TRAINER, "futex", 5.0, 12.0)
+    b.offcpu(TRAINER, TRAINER, 5.0, 12.0, "S", 6.0, (WORKER, WORKER, "pt_data_worker"))
+    b.proc(WORKER, "pt_data_worker", TRAINER)
+    s = only_stall(run(b, tmp_path))
+    runq = sum(p["ns"] for p in s["breakdown"] if p["cause"] == "cpu.runqueue")
+    assert runq == 2_000_000, s["breakdown"]
+    assert sum(p["ns"] for p in s["breakdown"]) <= s["duration_ns"], s["breakdown"]
+
+
 def test_sleep(tmp_path: Path) -> None:
     s = only_stall(run(trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8), tmp_path))
     assert s["cause"] == "sleep" and s["culprit"]["op"] == "clock_nanosleep"

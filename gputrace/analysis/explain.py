@@ -300,7 +300,7 @@ class Explainer:
         timed_out = _timed_out(sc)
         for o in blocked:
             ox, oy = max(o.start_ns, x), min(o.end_ns, y)
-            woke = min(o.wake_ns, oy) if o.wake_ns else oy
+            woke = min(max(o.wake_ns, ox), oy) if o.wake_ns else oy  # woken before the window: from its start
             wait_ns = max(woke - ox, 0)
             if wait_ns > 0 and timed_out and o.wake_ns and is_kernel_task(o.waker_pid, o.waker_comm):
                 parts.extend(self._timed_wait(sc, o, ox, woke, depth, end))
