@@ -86,7 +86,13 @@ def _child(rfd: int, wfd: int, errw: int, exe: str, argv: list[str], env: dict[s
             signal.signal(sig, signal.SIG_DFL)
         if os.read(rfd, 2) != b"go":
             os._exit(127)
-        os.execve(exe, argv, env)
+        try:
+            os.execve(exe, argv, env)
+        except OSError as e:
+            if e.errno != errno.ENOEXEC:
+                raise
+            # A script with no #! line: run by /bin/sh, as execvp(3) and every shell do
+            os.execve("/bin/sh", ["/bin/sh", exe, *argv[1:]], env)
     except OSError as e:
         os.write(errw, f"cannot run {argv[0]}: {_exec_failure(exe, e)}".encode())
     os._exit(127)

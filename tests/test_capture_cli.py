@@ -300,3 +300,12 @@ def test_many_children_ending_without_goodbye_are_summed_up_not_listed(tmp_path:
     assert len(ended) > 5, r.stderr  # the capture keeps each one
     assert len(one_by_one) == 5, r.stderr
     assert f"gputrace: agent: {len(ended)} peers ended without saying bye in all" in r.stderr
+
+
+def test_a_script_without_a_shebang_is_run_by_sh_as_a_shell_would(tmp_path: Path) -> None:
+    script = tmp_path / "job"
+    script.write_text('echo "ran with $1"\nexit 3\n')
+    script.chmod(0o755)
+    r = gputrace("capture", "-o", "s.gputrace", "--no-perfetto", "--", str(script), "arg", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert "ran with arg" in r.stdout
