@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.agent.arming import is_armed
-from gputrace.capture import CaptureWriter, check_output_path, host_header
+from gputrace.capture import CaptureWriter, check_output_path, cut_off_captures, host_header
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
@@ -123,6 +124,9 @@ class _Session:
         if self.output.suffix != ".gputrace":
             raise UserError(f"{self.output}: the capture file's name must end in .gputrace")
         check_output_path(self.output, force=self.opts.force)
+        for left in cut_off_captures(self.output):
+            self.log(f"gputrace: note: {left} is what a capture to this name wrote before it was cut off "
+                     f"(`gputrace report {shlex.quote(str(left))}` reads it); remove it when done")
         if self.opts.perfetto:
             check_output_path(perfetto_path_for(self.output), force=self.opts.force)
         header = host_header(self.opts.argv) | {

@@ -15,6 +15,7 @@ everything up to the cut and reports the capture incomplete.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import socket
@@ -113,6 +114,17 @@ def valid_text(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [valid_text(v) for v in obj]
     return obj
+
+
+def cut_off_captures(path: Path) -> list[Path]:
+    """Temporary files of earlier captures to ``path`` whose process is gone (killed, or its machine lost
+    power): what they wrote is readable, up to the cut, by `gputrace report`."""
+    out = []
+    for p in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.partial")):
+        pid = p.name[len(path.name) + 2 : -len(".partial")]
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            out.append(p)
+    return out
 
 
 class CaptureWriter:

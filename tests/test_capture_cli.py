@@ -309,3 +309,24 @@ def test_a_script_without_a_shebang_is_run_by_sh_as_a_shell_would(tmp_path: Path
     r = gputrace("capture", "-o", "s.gputrace", "--no-perfetto", "--", str(script), "arg", cwd=tmp_path)
     assert r.returncode == 3, r.stderr
     assert "ran with arg" in r.stdout
+
+
+def test_a_capture_killed_outright_is_pointed_out_by_the_next_one(tmp_path: Path) -> None:
+    """SIGKILL leaves the hidden temporary file; the next capture to that name says where it is and that
+    `report` reads it."""
+    marker = str(tmp_path / "sleeper")  # names the command, which outlives the killed capture
+    cap = subprocess.Popen(GPUTRACE + ["capture", "-o", "k.gputrace", "--", sys.executable, "-c",
+                                       "import time; time.sleep(30)", marker], cwd=tmp_path,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert cap.stderr is not None
+    while not cap.stderr.readline().startswith("gputrace: tracing"):
+        assert cap.poll() is None, "gputrace ended before tracing"
+    cap.kill()
+    cap.wait()
+    subprocess.run(["pkill", "-f", marker], check=False)
+    [left] = tmp_path.glob(".k.gputrace.*.partial")
+    r = gputrace("capture", "-o", "k.gputrace", "--no-perfetto", "--", "true", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"gputrace: note: {left.name} is what a capture to this name wrote before it was cut off" in r.stderr
+    report = gputrace("report", str(left), cwd=tmp_path)
+    assert report.returncode == 0 and "INCOMPLETE" in report.stdout + report.stderr, report.stdout + report.stderr
