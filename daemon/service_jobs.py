@@ -129,6 +129,8 @@ class JobTable:
             result = self._capture(job)
             if job.lost or (job.pidfds and not job.confirmed):
                 raise UserError(job.lost or "tracing started unconfirmed; capture discarded")
+            if result.cut_off:  # a full state dir: a capture cut off is not published
+                raise UserError(result.cut_off.split("; the capture is cut off")[0] + "; capture discarded")
             job.summary = _summary(result)
             if self.otlp and result.report is not None:
                 self._export_otlp(job, result)

@@ -23,7 +23,7 @@ from typing import Any
 from gputrace import clock
 from gputrace.agent.arming import is_armed
 from gputrace.capture import CaptureWriter, check_output_path, cut_off_captures, host_header
-from gputrace.errors import PermissionDenied, UserError
+from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
 
@@ -70,6 +70,7 @@ class CaptureResult:
     report: dict[str, Any] | None
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
+    cut_off: str = ""  # why writing the capture failed part way (a full disk); the file holds what came before
 
 
 def run_capture(opts: CaptureOptions, stop: threading.Event | None = None, log: Log = _stderr) -> CaptureResult:
@@ -98,6 +99,7 @@ class _Session:
         self.sock_dir: Path | None = None
         self.statuses: list[SourceStatus] = []
         self.started_ns = 0  # when tracing began: the capture's start (the header's start_ns is earlier)
+        self.cut_off = ""  # why the capture file was cut off, when writing it failed part way
         self._uncatch: Callable[[], None] = _nothing  # puts back the signal handlers the session replaced
 
     # ---------------------------------------------------------------------------------- lifecycle ---
@@ -330,7 +332,10 @@ class _Session:
         if self.offers_failed:
             self._status("agent", "degraded", f"{self.offers_failed} armed child process(es) were not offered the "
                          "session: their GPU work is not traced")
-        self.sink.close()
+        try:
+            self.sink.close()
+        except CaptureCutOff as e:
+            return self._cut_off(e)
         drops = self._drops()
         trailer = {
             "end_ns": clock.monotonic_ns(),
@@ -341,9 +346,17 @@ class _Session:
             "sources": {s.source: [s.status, s.detail] for s in self.statuses},
             "skipped": self._skipped(),
         }
-        path = self.writer.close(trailer)
         self.drops = drops
-        return path
+        try:
+            return self.writer.close(trailer)
+        except CaptureCutOff as e:
+            return self._cut_off(e)
+
+    def _cut_off(self, e: CaptureCutOff) -> Path:
+        """Writing failed part way: the file keeps what was written; the command is left to finish."""
+        self.cut_off = str(e)
+        self.drops = self._drops()
+        return Path(str(e.path))
 
     def _agents_never_heard(self) -> None:
         """Say so when an agent we injected or offered never connected: no GPU records is then no news."""
@@ -421,7 +434,12 @@ class _Session:
         from .finish import analyse_and_export
 
         result = CaptureResult(path, None, None, not any(self.drops.values()), self.drops, None, reason)
-        analyse_and_export(result, self.opts, self.log)
+        if self.cut_off:
+            result.complete, result.cut_off = False, self.cut_off
+            self.log(f"gputrace: error: {self.cut_off}")
+            self.log(f"Next:\n  gputrace report {shlex.quote(str(path))}")
+        else:
+            analyse_and_export(result, self.opts, self.log)
         if self.child is not None:
             if self.child.poll() is None:
                 self.log(f"gputrace: waiting for pid {self.child.pid} ({self.opts.command[0]}) to exit")  # type: ignore[index]

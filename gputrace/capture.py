@@ -15,6 +15,7 @@ everything up to the cut and reports the capture incomplete.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -27,7 +28,7 @@ from typing import Any
 import msgpack
 
 from gputrace import __version__, clock
-from gputrace.errors import CorruptCapture, PermissionDenied, UserError
+from gputrace.errors import CaptureCutOff, CorruptCapture, PermissionDenied, UserError
 from gputrace.records import RECORD_TYPES
 
 FORMAT = "gputrace.capture/1"
@@ -134,6 +135,7 @@ class CaptureWriter:
         self.path = Path(path)
         self.counts: dict[str, int] = {}
         self._packer = msgpack.Packer(use_bin_type=True)
+        self._good = 0  # bytes of whole frames written: where a failed write cuts the capture
         check_output_path(self.path, force=force)
         self.partial_path = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -201,8 +203,28 @@ class CaptureWriter:
                 n = os.write(self._fd, view)
                 view = view[n:]
         except OSError as e:
-            self.abort()
-            raise UserError(f"writing {self.path}: {e.strerror}; nothing was written under that name") from None
+            if self._good == 0 or not self._cut_off():  # not even the header: nothing worth keeping
+                self.abort()
+                raise UserError(f"writing {self.path}: {e.strerror}; nothing was written under that name") from None
+            raise CaptureCutOff(f"writing {self.path}: {e.strerror}; the capture is cut off there: {self.path} "
+                                f"holds its first {self._good:,} bytes (gputrace report reads it up to the cut)",
+                                self.path) from None
+        self._good += len(data)
+
+    def _cut_off(self) -> bool:
+        """Keep what was written (a full disk mid-capture must not cost the whole capture): the partial frame
+        truncated away, which needs no space, and the rest under the final name, without a trailer."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, self._good)
+            with contextlib.suppress(OSError):
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.rename(self.partial_path, self.path)
+        except OSError:
+            return False
+        return True
 
 
 def check_output_path(path: Path, *, force: bool, source: str | os.PathLike[str] | None = None) -> None:

@@ -17,3 +17,12 @@ class PermissionDenied(UserError):
     """The caller lacks a privilege the operation needs; the message names it."""
 
     exit_code = 4
+
+
+class CaptureCutOff(UserError):
+    """Writing the capture failed (a full disk) after some of it was written: ``path`` holds what was, a
+    capture cut off at a frame boundary that readers read up to the cut."""
+
+    def __init__(self, message: str, path: object) -> None:
+        super().__init__(message)
+        self.path = path

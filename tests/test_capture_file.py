@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header, open_capture
-from gputrace.errors import CorruptCapture, UserError
+from gputrace.errors import CaptureCutOff, CorruptCapture, UserError
 from gputrace.records import Drops, GpuKernel, ProcInfo, SourceStatus
 
 
@@ -108,18 +108,26 @@ def test_unwritable_directory_is_refused(tmp_path: Path) -> None:
         CaptureWriter(tmp_path / "nope" / "a.gputrace", host_header([]))
 
 
-def test_full_disk_leaves_no_file(tmp_path: Path) -> None:
-    """A real full filesystem: a tiny tmpfs."""
+def test_full_disk_keeps_whole_frames(tmp_path: Path) -> None:
+    """A real full filesystem (a tiny tmpfs): the error says so, and the file keeps every whole frame."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if os.system(f"mount -t tmpfs -o size=64k tmpfs {mnt}") != 0:
         pytest.fail("cannot mount tmpfs (tests run as root)")
     try:
         w = CaptureWriter(mnt / "a.gputrace", host_header([]))
-        with pytest.raises(UserError, match="No space left"):
+        written = 0
+        with pytest.raises(CaptureCutOff, match="No space left") as err:
             for _ in range(100):
                 w.write([GpuKernel(1, 0, 0, 0, i, i + 1, i, "k" * 200, (1, 1, 1), (1, 1, 1)) for i in range(100)])
-        assert list(mnt.iterdir()) == []
+                written += 100
+        assert err.value.path == mnt / "a.gputrace"
+        assert [p.name for p in mnt.iterdir()] == ["a.gputrace"]
+        w.abort()  # what the session does on the way out: the kept file stays
+        with CaptureReader(mnt / "a.gputrace") as reader:
+            kernels = list(reader.records())
+            assert not reader.complete and reader.trailer is None and reader.skipped_bytes == 0
+        assert 0 < written == len(kernels)
     finally:
         os.system(f"umount {mnt}")
 

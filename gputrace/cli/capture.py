@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:  # outside the traced window: the session cleaned up, say what is left
         _interrupted(opts.output, tracing)
         return 128 + e.signum if isinstance(e, common.Terminated) else 130
-    return result.exit_code if result.exit_code is not None else 0
+    if result.exit_code is not None:  # -- CMD: its exit code, even when writing the capture failed part way
+        return result.exit_code
+    return UserError.exit_code if result.cut_off else 0
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
