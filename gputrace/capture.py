@@ -145,7 +145,11 @@ class CaptureWriter:
             raise UserError(f"{self.partial_path} exists (an earlier capture was cut off?); remove it") from None
         except OSError as e:
             raise UserError(f"cannot create {self.partial_path}: {e.strerror}") from None
-        self._frame(["H", header])
+        try:
+            self._frame(["H", header])
+        except BaseException:
+            self.abort()  # no temporary file left behind by a header that could not be written
+            raise
 
     def write_meta(self, source: str, meta: dict[str, Any]) -> None:
         self._frame(["M", source, meta])

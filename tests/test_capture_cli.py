@@ -341,3 +341,21 @@ def test_a_capture_killed_outright_is_pointed_out_by_the_next_one(tmp_path: Path
     assert f"gputrace: note: {left.name} is what a capture to this name wrote before it was cut off" in r.stderr
     report = gputrace("report", str(left), cwd=tmp_path)
     assert report.returncode == 0 and "INCOMPLETE" in report.stdout + report.stderr, report.stdout + report.stderr
+
+
+def test_a_command_whose_arguments_are_not_utf8_is_captured(tmp_path: Path) -> None:
+    """gputrace capture -- CMD with an argument that is not UTF-8 (a latin-1 file name, a newline in it): the
+    command runs with its bytes and its exit code is gputrace's; the header records the argument with U+FFFD,
+    and nothing but the capture and its trace is left behind."""
+    r = subprocess.run([*map(os.fsencode, GPUTRACE), b"capture", b"-d", b"30", b"-o", b"a.gputrace", b"--",
+                        b"sh", b"-c", b'test "$1" = "$(printf "caf\\351\\nline two")" && exit 6', b"x",
+                        b"caf\xe9\nline two"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 6, r.stderr
+    assert "Traceback" not in r.stderr
+    with CaptureReader(tmp_path / "a.gputrace") as reader:
+        list(reader.records())
+        assert reader.trailer is not None and reader.trailer["stop_reason"] == "command exited"
+        assert reader.header["argv"][-1] == reader.header["command"][-1] == "caf\ufffd\nline two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gputrace", "a.pftrace"]
+    report = gputrace("report", "a.gputrace", cwd=tmp_path)
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr

@@ -108,6 +108,14 @@ def test_unwritable_directory_is_refused(tmp_path: Path) -> None:
         CaptureWriter(tmp_path / "nope" / "a.gputrace", host_header([]))
 
 
+def test_a_header_that_cannot_be_written_leaves_no_file(tmp_path: Path) -> None:
+    """The writer fails on its first frame (here a value msgpack cannot hold): the error is raised and neither
+    the output nor its hidden temporary file is left behind in the user's directory."""
+    with pytest.raises(TypeError):
+        CaptureWriter(tmp_path / "a.gputrace", host_header([]) | {"targets": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_full_disk_keeps_whole_frames(tmp_path: Path) -> None:
     """A real full filesystem (a tiny tmpfs): the error says so, and the file keeps every whole frame."""
     mnt = tmp_path / "small"
