@@ -207,28 +207,33 @@ class CaptureWriter:
                 n = os.write(self._fd, view)
                 view = view[n:]
         except OSError as e:
-            if self._good == 0 or not self._cut_off():  # not even the header: nothing worth keeping
+            kept = self._cut_off() if self._good else None
+            if kept is None:  # not even the header: nothing worth keeping
                 self.abort()
                 raise UserError(f"writing {self.path}: {e.strerror}; nothing was written under that name") from None
-            raise CaptureCutOff(f"writing {self.path}: {e.strerror}; the capture is cut off there: {self.path} "
+            raise CaptureCutOff(f"writing {self.path}: {e.strerror}; the capture is cut off there: {kept} "
                                 f"holds its first {self._good:,} bytes (gputrace report reads it up to the cut)",
-                                self.path) from None
+                                kept) from None
         self._good += len(data)
 
-    def _cut_off(self) -> bool:
+    def _cut_off(self) -> Path | None:
         """Keep what was written (a full disk mid-capture must not cost the whole capture): the partial frame
-        truncated away, which needs no space, and the rest under the final name, without a trailer."""
+        truncated away, which needs no space, and the rest under the final name, without a trailer; under
+        the temporary name where even the rename fails (a full directory block). None: nothing kept."""
         assert self._fd is not None
         try:
             os.ftruncate(self._fd, self._good)
             with contextlib.suppress(OSError):
                 os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+        except OSError:
+            return None
+        os.close(self._fd)
+        self._fd = None
+        try:
             os.rename(self.partial_path, self.path)
         except OSError:
-            return False
-        return True
+            return self.partial_path
+        return self.path
 
 
 def check_output_path(path: Path, *, force: bool, source: str | os.PathLike[str] | None = None) -> None:
