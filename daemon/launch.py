@@ -10,6 +10,7 @@ import signal
 from collections.abc import Mapping, Sequence
 
 from gputrace.errors import UserError
+from gputrace.signals import INHERITED_IGNORED
 
 
 class HeldChild:
@@ -81,9 +82,10 @@ def _child(rfd: int, wfd: int, errw: int, exe: str, argv: list[str], env: dict[s
         os.close(wfd)  # the parent's end: if the parent dies before releasing us, the read sees EOF
         # The command gets the dispositions a shell would give it: Python ignores SIGPIPE and SIGXFSZ (execve
         # keeps an ignored signal ignored: `yes | head` would print "Broken pipe"), and our handlers for
-        # SIGINT, SIGTERM and SIGHUP must not run Python code here before the exec.
+        # SIGINT, SIGTERM and SIGHUP must not run Python code here before the exec: they go back to what
+        # gputrace was started with (ignored under nohup, or in a script's background job; else default).
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if sig in INHERITED_IGNORED else signal.SIG_DFL)
         if os.read(rfd, 2) != b"go":
             os._exit(127)
         try:

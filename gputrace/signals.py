@@ -8,6 +8,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+# Stop signals this process was started with ignored (a job started in the background by a script, nohup),
+# read when this module is first imported, before any handler of ours: a command we launch gets them back.
+INHERITED_IGNORED = frozenset(sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                              if signal.getsignal(sig) is signal.SIG_IGN)  # fmt: skip
+
+
 def on_signals(sigs: Sequence[int], handler: Callable[[int, Any], None]) -> Callable[[], None]:
     """Install ``handler`` for ``sigs``; returns what restores the previous handlers. A SIGHUP the caller
     ignores (as under nohup) stays ignored. Only the main thread can install handlers: elsewhere, nothing."""

@@ -193,11 +193,18 @@ def test_a_script_whose_interpreter_is_missing_names_the_interpreter(tmp_path: P
 
 def test_the_command_gets_default_signal_dispositions(tmp_path: Path) -> None:
     """Python ignores SIGPIPE and SIGXFSZ; a command run under gputrace must not inherit that (`yes | head`
-    would print "Broken pipe", a pipeline's exit codes would change)."""
-    r = gputrace("capture", "-o", "x.gputrace", "--", "sh", "-c",
-                 "grep SigIgn /proc/self/status; yes | head -c 10 >/dev/null", cwd=tmp_path)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "SigIgn:\t0000000000000000" in r.stdout and "Broken pipe" not in r.stderr
+    would print "Broken pipe", a pipeline's exit codes would change). Stop signals gputrace was itself
+    started with ignored stay ignored for the command, as a shell leaves them (nohup, a background job)."""
+    stops = 1 << signal.SIGINT - 1 | 1 << signal.SIGQUIT - 1 | 1 << signal.SIGHUP - 1 | 1 << signal.SIGTERM - 1
+    for ignored in ((), (signal.SIGHUP, signal.SIGINT)):
+        r = subprocess.run(GPUTRACE + ["capture", "-o", "x.gputrace", "-f", "--", "sh", "-c",
+                                       "grep SigIgn /proc/self/status; yes | head -c 10 >/dev/null"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           preexec_fn=lambda sigs=ignored: [signal.signal(s, signal.SIG_IGN) for s in sigs])  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        here = int(Path("/proc/self/status").read_text().split("SigIgn:")[1].split()[0], 16)  # SIGQUIT, say
+        want = (here & stops) | sum(1 << s - 1 for s in ignored)
+        assert f"SigIgn:\t{want:016x}" in r.stdout and "Broken pipe" not in r.stderr, (r.stdout, ignored)
 
 
 def test_sigterm_to_gputrace_reaches_the_command_and_the_capture_is_written(tmp_path: Path) -> None:
