@@ -7,7 +7,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
 # Stop signals this process was started with ignored (a job started in the background by a script, nohup),
 # read when this module is first imported, before any handler of ours: a command we launch gets them back.
 INHERITED_IGNORED = frozenset(sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -200,7 +200,8 @@ def test_the_command_gets_default_signal_dispositions(tmp_path: Path) -> None:
         r = subprocess.run(GPUTRACE + ["capture", "-o", "x.gputrace", "-f", "--", "sh", "-c",
                                        "grep SigIgn /proc/self/status; yes | head -c 10 >/dev/null"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=120,
-                           preexec_fn=lambda sigs=ignored: [signal.signal(s, signal.SIG_IGN) for s in sigs])  # fmt: skip
+                           preexec_fn=lambda sigs=ignored: [signal.signal(n, signal.SIG_IGN) for n in sigs],
+                           )  # fmt: skip
         assert r.returncode == 0, r.stderr
         here = int(Path("/proc/self/status").read_text().split("SigIgn:")[1].split()[0], 16)  # SIGQUIT, say
         want = (here & stops) | sum(1 << s - 1 for s in ignored)
