@@ -47,8 +47,7 @@ AUTHORIZE_GRACE_S = 1.0  # a child may connect before the session has seen its f
 STOP_TIMEOUT_S = 2.0
 RECV_BYTES = 256 << 10
 LOGGED_PER_KIND = 5
-_KINDS = {"refused": "refused", "ended_early": "ended without saying bye", "degraded": "with a problem",
-          "started": "started", "stopped": "stopped"}  # what each kind of line says of its peers
+_KINDS = {"refused": "refused", "ended_early": "ended without saying bye"}  # what each kind says of its peers
 
 
 class AgentServer:

@@ -24,9 +24,10 @@ import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from gputrace.probes import procfs
+from gputrace.probes.procfs import Mapping
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _PHDR = struct.Struct("<IIQQQQQQ")
@@ -130,28 +131,9 @@ def demangle(name: bytes) -> bytes:
         free(out)
 
 
-class Mapping(NamedTuple):
-    start: int
-    end: int
-    offset: int
-    dev: str  # "MAJ:MIN" as maps shows it (hex)
-    ino: int
-    path: str
-
-
 def executable_mappings(pid: int) -> list[Mapping]:
     """The file-backed executable mappings of ``pid``, by start address."""
-    out = []
-    for line in procfs.read_text(procfs.PROC / str(pid) / "maps", procfs.MAX_MAPS).splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "x" not in parts[1] or not parts[5].startswith("/"):
-            continue
-        try:
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append(Mapping(start, end, int(parts[2], 16), parts[3], int(parts[4]), parts[5]))
-        except ValueError:
-            continue
-    return sorted(out)
+    return [m for m in procfs.mappings(pid) if "x" in m.perms]
 
 
 class PerfMap:

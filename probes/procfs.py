@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from gputrace import clock
 from gputrace.probes.events import AT_FDCWD
@@ -261,24 +262,45 @@ def block_devices() -> dict[str, str]:
 MAX_MAPS = 32 << 20
 
 
-def mapped_files(pid: int) -> dict[tuple[str, int], str]:
-    """("MAJ:MIN", inode) → path of every file ``pid`` has mapped, from /proc/PID/maps.
+class Mapping(NamedTuple):
+    """One file-backed line of /proc/PID/maps."""
+
+    start: int
+    end: int
+    perms: str  # "r-xp"
+    offset: int  # in the file
+    dev: str  # "MAJ:MIN", decimal
+    ino: int
+    path: str
+
+
+def mappings(pid: int) -> list[Mapping]:
+    """The file-backed mappings of ``pid``, in address order, from /proc/PID/maps.
 
     A maps line is ``start-end perms offset MAJ:MIN inode path`` with MAJ and MIN in hex; the kernel
     escapes a newline in a path as ``\\012`` and appends `` (deleted)`` to unlinked files. Anonymous
     mappings (inode 0) and pseudo-files (``[heap]``) are left out.
     """
-    out: dict[tuple[str, int], str] = {}
+    out = []
     for line in _text(_read(PROC / str(pid) / "maps", MAX_MAPS)).splitlines():
         parts = line.split(maxsplit=5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
-        dev, inode = parts[3], parts[4]
-        major, _, minor = dev.partition(":")
+        major, _, minor = parts[3].partition(":")
         try:
-            key = (f"{int(major, 16)}:{int(minor, 16)}", int(inode))
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            m = Mapping(start, end, parts[1], int(parts[2], 16), f"{int(major, 16)}:{int(minor, 16)}",
+                        int(parts[4]), parts[5])  # fmt: skip
         except ValueError:
             continue
-        if key[1]:
-            out.setdefault(key, parts[5])
+        if m.ino:
+            out.append(m)
+    return out
+
+
+def mapped_files(pid: int) -> dict[tuple[str, int], str]:
+    """("MAJ:MIN", inode) → path of every file ``pid`` has mapped."""
+    out: dict[tuple[str, int], str] = {}
+    for m in mappings(pid):
+        out.setdefault((m.dev, m.ino), m.path)
     return out
