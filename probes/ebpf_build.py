@@ -3,6 +3,7 @@ and the compile, whose failure becomes a user error."""
 
 from __future__ import annotations
 
+import platform
 import warnings
 from typing import Any
 
@@ -28,6 +29,8 @@ def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid:
         flags.append("-DHAVE_GROUP_DEAD")
     if file_faults_supported():
         flags.append("-DHAVE_FILEMAP_FAULT")
+    if platform.machine() != "x86_64":  # only x86_64 packs struct epoll_event
+        flags.append("-DGT_EPOLL_DATA_OFF=8")
     return flags
 
 

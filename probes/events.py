@@ -36,7 +36,8 @@ F_TIMESPEC = 0x80
 F_PATH0 = 0x200  # with F_PATH: the path is the first argument, relative to the cwd (chdir)
 F_DUPFD = 0x400  # an fd-table change when the second argument is F_DUPFD / F_DUPFD_CLOEXEC (fcntl)
 F_MSGHDR = 0x800  # fds received in an SCM_RIGHTS message are reported (recvmsg)
-F_POLLFD = 0x1000  # poll/ppoll: the first argument reports the fd when one fd is polled, else -1
+F_POLLFD = 0x1000  # poll/ppoll: the first argument reports the one fd polled, else the first ready one, else -1
+F_EPOLLFD = 0x2000  # epoll: the first argument reports the first ready event's data as an fd, else -1
 F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
 DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault",

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from gputrace.probes.events import (
     F_DUPFD,
+    F_EPOLLFD,
     F_FD,
     F_FDTABLE,
     F_MSGHDR,
@@ -64,13 +65,14 @@ SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("fdatasync", F_FD, 0, _WRITE),
     SyscallSpec("futex", 0, 0, _WAIT),
     SyscallSpec("futex_waitv", 0, 0, _WAIT),
-    SyscallSpec("poll", F_FD | F_POLLFD, 2, _POLL),  # one fd: a socket read with a timeout
+    # The fd a poll names: the one polled (a socket read with a timeout), else the first that was ready
+    SyscallSpec("poll", F_FD | F_POLLFD, 2, _POLL),
     SyscallSpec("ppoll", F_FD | F_POLLFD, 1, _POLL),
     SyscallSpec("select", 0, 0, _POLL),
     SyscallSpec("pselect6", 0, 0, _POLL),
-    SyscallSpec("epoll_wait", F_FD, 3, _POLL),
-    SyscallSpec("epoll_pwait", F_FD, 3, _POLL),
-    SyscallSpec("epoll_pwait2", F_FD, 3, _POLL),
+    SyscallSpec("epoll_wait", F_FD | F_EPOLLFD, 3, _POLL),  # names the first ready fd (asyncio's registration)
+    SyscallSpec("epoll_pwait", F_FD | F_EPOLLFD, 3, _POLL),
+    SyscallSpec("epoll_pwait2", F_FD | F_EPOLLFD, 3, _POLL),
     SyscallSpec("recvfrom", F_FD | F_XFER, 2, _NET),
     SyscallSpec("recvmsg", F_FD | F_XFER | F_MSGHDR, 2, _NET),
     SyscallSpec("recvmmsg", F_FD, 2, _NET),

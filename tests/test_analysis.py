@@ -161,10 +161,26 @@ def test_a_poll_on_one_socket_is_a_wait_on_the_peer_even_when_it_timed_out(tmp_p
     s = only_stall(run(b, tmp_path))
     assert (s["cause"], s["culprit"]["object"], s["culprit"]["op"]) == ("network", "10.0.0.7:29500", "poll")
     assert s["breakdown"][0]["ns"] >= 28_000_000, s["breakdown"]  # both polls, the timed-out one too
-    b = trainer().syscall(TRAINER, TRAINER, "poll", 10.5, 39.5)  # several fds: none named
-    b.records[-1] = b.records[-1]._replace(ret=1)  # one was ready
+    b = trainer().syscall(TRAINER, TRAINER, "poll", 10.5, 39.5)  # several fds, the ready one not known
+    b.records[-1] = b.records[-1]._replace(ret=1)
     b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (0, 0, "ksoftirqd/0"))
     assert only_stall(run(b, tmp_path))["cause"] == "unknown"
+
+
+def test_an_event_loop_wait_is_named_by_the_fd_it_found_ready(tmp_path: Path) -> None:
+    """asyncio waits in epoll_wait: the first ready fd names the wait. A peer's socket makes it a network wait
+    (woken by the network's softirq); a pipe or unix socket stays a wait for whoever wrote to it."""
+    b = trainer().syscall(TRAINER, TRAINER, "epoll_wait", 10.5, 39.5, "10.0.0.7:29500")
+    b.records[-1] = b.records[-1]._replace(ret=1)
+    b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (0, 0, "swapper/1"))
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["object"], s["culprit"]["op"]) == ("network", "10.0.0.7:29500", "epoll_wait")
+    b = trainer().syscall(TRAINER, TRAINER, "epoll_wait", 10.5, 39.5, "pipe:[77]")
+    b.records[-1] = b.records[-1]._replace(ret=1)
+    b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (WORKER, WORKER, "worker"))
+    b.syscall(WORKER, WORKER, "read", 10.0, 39.0, "/data/shard-3.bin")
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["object"], s["via"]) == ("storage", "/data/shard-3.bin", [f"wait:pid {WORKER}"])
 
 
 def test_a_wait_woken_before_the_stall_counts_only_its_run_queue_time_inside_it(tmp_path: Path) -> None:

@@ -201,3 +201,68 @@ def test_a_socket_read_with_a_timeout_waits_on_the_peer(tmp_path: Path) -> None:
     assert (wait.fd, wait.obj, classify(wait)) == (int(words[2]), f"127.0.0.1:{port}", "network")
     two = [s for s in polls if s is not wait]
     assert two and all(s.fd == -1 and s.obj == "" for s in two), polls
+
+
+READY_WAITS = """
+import ctypes, os, select, socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+r, w = os.pipe()
+ep = select.epoll()  # asyncio's loop: the data word of each registration is the fd
+ep.register(r, select.EPOLLIN)
+ep.register(s.fileno(), select.EPOLLIN)
+p = select.poll()  # several fds: the ready one is named
+p.register(r, select.POLLIN)
+p.register(s.fileno(), select.POLLIN)
+libc = ctypes.CDLL(None, use_errno=True)
+class Event(ctypes.Structure):  # x86_64 packs struct epoll_event
+    _pack_ = 1
+    _fields_ = [("events", ctypes.c_uint32), ("data", ctypes.c_uint64)]
+raw = select.epoll()  # a loop whose data word is a pointer, not an fd (-100 in its low half: AT_FDCWD)
+ev = Event(select.EPOLLIN, 0x7F00DEADFFFFFF9C)
+assert libc.epoll_ctl(raw.fileno(), 1, s.fileno(), ctypes.byref(ev)) == 0
+out = (Event * 4)()
+print("ready", flush=True)
+for kind in ("epoll", "poll", "raw"):
+    sys.stdin.readline()
+    if kind == "epoll":
+        got = ep.poll(10)
+    elif kind == "poll":
+        got = p.poll(10000)
+    else:
+        got = libc.epoll_wait(raw.fileno(), out, 4, 10000)
+    print(kind, got, s.recv(16).decode(), flush=True)
+print("done", s.fileno(), flush=True)
+"""
+
+
+def test_an_event_loop_wait_names_the_fd_found_ready(tmp_path: Path) -> None:
+    """An event loop (asyncio) waits in epoll_wait on many fds; the one it found ready names the wait: the peer's
+    socket makes it a network wait. A poll of several fds names its ready one the same way. A loop whose data
+    word is no fd (a pointer whose low half happens to be AT_FDCWD) names nothing."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    child = PipedChild([sys.executable, "-c", READY_WAITS, str(port)])
+    lines = []
+    try:
+        conn, _ = server.accept()
+        assert child.readline() == "ready"
+        with ebpf_capture(tmp_path / "p.gputrace", [child.pid], threshold_ns=THRESHOLD_NS):
+            for _ in range(3):
+                child.send("go")
+                time.sleep(0.08)
+                conn.sendall(b"batch")
+                lines.append(child.readline())
+            words = child.readline().split()
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        server.close()
+    assert words[0] == "done" and all(line.endswith(" batch") for line in lines), (lines, words)
+    records, _ = read_capture(tmp_path / "p.gputrace")
+    waits = [s for s in of(records, Syscall) if s.pid == child.pid and s.end_ns - s.start_ns > 50_000_000]
+    assert [s.name for s in waits] == ["epoll_wait", "poll", "epoll_wait"], waits
+    epoll, poll, raw = waits
+    peer, fd = f"127.0.0.1:{port}", int(words[1])
+    assert (epoll.ret, epoll.fd, epoll.obj, classify(epoll)) == (1, fd, peer, "network")
+    assert (poll.ret, poll.fd, poll.obj, classify(poll)) == (1, fd, peer, "network")
+    assert (raw.ret, raw.fd, raw.obj, classify(raw)) == (1, -1, "", "wait")

@@ -97,5 +97,5 @@ def test_header_constants_match() -> None:
         events.EV_FAULT, events.EV_MAPFILE, events.EV_FDRECV)  # fmt: skip
     assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX
     for name in ("FD", "XFER", "PATH", "SOCKADDR", "SOCKADDR_PLEN", "FDTABLE", "PIPE", "TIMESPEC", "PATH0",
-                 "DUPFD", "MSGHDR"):  # fmt: skip
+                 "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD"):  # fmt: skip
         assert defs[f"GT_F_{name}"] == getattr(events, f"F_{name}"), name

@@ -14,7 +14,7 @@ from typing import Any
 
 from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import FAULT_OP, Capture
-from gputrace.analysis.objects import classify, filesystem_of, is_kernel_task, is_remote_fs
+from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.records import BlockIO, OffCpu, Syscall
 
 MAX_DEPTH = 4
@@ -81,7 +81,6 @@ def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
 
 
 ETIMEDOUT = 110
-POLLS = frozenset({"poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2"})
 
 
 def _timed_out(sc: Syscall) -> bool:

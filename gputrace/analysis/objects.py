@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 SLEEP = frozenset({"nanosleep", "clock_nanosleep"})
+POLLS = frozenset({"poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2"})
 WAIT = frozenset({
     "futex", "futex_waitv", "poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2",
     "wait4", "waitid", "semop", "semtimedop", "msgrcv", "mq_timedreceive", "pause", "rt_sigtimedwait",
@@ -51,7 +52,7 @@ def classify(sc: Any) -> str:
         return "storage"
     if name in SLEEP:
         return "sleep"
-    if kind == "peer" and name in ("poll", "ppoll"):  # one socket polled: a read or write with a timeout
+    if kind == "peer" and name in POLLS:  # the socket polled, or the one found ready: its peer answered
         return "network"
     if name in WAIT or (name == "fcntl" and sc.arg in FCNTL_LOCK_WAITS):
         return "wait"

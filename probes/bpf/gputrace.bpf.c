@@ -263,6 +263,33 @@ static __always_inline void add_agg(struct gt_inflight *v, u32 pid, u32 tid, u32
     v->agg_ns += dur;
 }
 
+/* struct pollfd: int fd; short events; short revents. */
+struct gt_pollfd {
+    s32 fd;
+    s16 events;
+    s16 revents;
+};
+
+/* The fd a poll names: a wait for one fd (a socket with a timeout) names it whatever it returned; of
+ * several, the first with events among the first GT_POLL_SCAN, when the call returned some; else -1. */
+static __always_inline s32 poll_fd(struct gt_inflight *c, s64 ret)
+{
+    struct gt_pollfd p = {};
+    u64 n = c->args[1];
+    if (n == 1)
+        return bpf_probe_read_user(&p, sizeof(p), (void *)c->args[0]) ? -1 : p.fd;
+    if (ret <= 0)
+        return -1;
+#pragma unroll
+    for (int i = 0; i < GT_POLL_SCAN; i++) {
+        if (i >= n || bpf_probe_read_user(&p, sizeof(p), (void *)c->args[0] + i * sizeof(p)))
+            return -1;
+        if (p.revents && p.fd >= 0)
+            return p.fd;
+    }
+    return -1;
+}
+
 static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt_inflight *c, u64 id,
                                      u64 now, s64 ret, struct gt_sysinfo *si)
 {
@@ -281,9 +308,13 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
         if (e->arg && bpf_probe_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
             e->arg = ts[0] * 1000000000ULL + ts[1];
     }
-    if (si->flags & GT_F_POLLFD) { /* a wait for one fd (a socket with a timeout) names it; several, none */
-        int fd = -1;
-        if (c->args[1] != 1 || bpf_probe_read_user(&fd, sizeof(fd), (void *)c->args[0]))
+    if (si->flags & GT_F_POLLFD)
+        e->a0 = (u64)(s64)poll_fd(c, ret);
+    if (si->flags & GT_F_EPOLLFD) {
+        /* The data word is the caller's: asyncio, libuv and libev put the fd there; other loops a pointer
+         * or a token, which the reader finds in no fd table or (a small token) may take for an fd. */
+        s32 fd = -1;
+        if (ret <= 0 || bpf_probe_read_user(&fd, sizeof(fd), (void *)c->args[1] + GT_EPOLL_DATA_OFF) || fd < 0)
             fd = -1;
         e->a0 = (u64)(s64)fd;
     }

@@ -8,6 +8,10 @@
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
 #define GT_FILENAME_LEN 128
+#define GT_POLL_SCAN 8 /* pollfds of a poll of several fds searched for the first ready one */
+#ifndef GT_EPOLL_DATA_OFF
+#define GT_EPOLL_DATA_OFF 4 /* struct epoll_event's data: packed on x86_64 (the build says 8 elsewhere) */
+#endif
 #define GT_FDRECV_MAX 16 /* fds of one SCM_RIGHTS message reported (the first control message only) */
 #define GT_NR_MAX 512
 
@@ -53,7 +57,10 @@
 #define GT_F_PATH0 0x200        /* with GT_F_PATH: the path is args[0] and there is no dirfd (chdir) */
 #define GT_F_DUPFD 0x400        /* changes the fd table when args[1] is F_DUPFD or F_DUPFD_CLOEXEC (fcntl) */
 #define GT_F_MSGHDR 0x800       /* args[1] is a struct user_msghdr: fds it receives (SCM_RIGHTS) are reported */
-#define GT_F_POLLFD 0x1000      /* args[0] points to args[1] struct pollfd: a0 reports the fd of a single one, else -1 */
+#define GT_F_POLLFD 0x1000      /* args[0] points to args[1] struct pollfd: a0 reports the fd of a single one, else the
+                                 * first ready one among the first GT_POLL_SCAN when the call returned > 0, else -1 */
+#define GT_F_EPOLLFD 0x2000     /* args[1] points to struct epoll_event: a0 reports the low 32 bits of the first ready
+                                 * event's data (the fd, as event loops register it) when the call returned > 0, else -1 */
 
 struct gt_sysinfo {
     u32 flags;

@@ -172,6 +172,7 @@ SCENARIOS: dict[str, Setup] = {
     "mapped": _mapped,
     "timed_waits": _timed_waits,
     "mp_queue": _mp_queue,
+    "asyncio_fetch": _network,
 }
 
 

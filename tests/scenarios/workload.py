@@ -221,6 +221,28 @@ def network(cfg: dict[str, Any]) -> None:
     sock.close()
 
 
+def asyncio_fetch(cfg: dict[str, Any]) -> None:
+    """The batch comes from the slow peer through an asyncio stream: the trainer waits in epoll_wait on the
+    event loop, with the loop's own wakeup socketpair registered beside the peer's socket."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    reader, writer = loop.run_until_complete(asyncio.open_connection("127.0.0.1", cfg["port"]))
+    peer = f"127.0.0.1:{cfg['port']}"
+
+    async def fetch() -> bytes:
+        writer.write(b"next\n")
+        return await reader.readline()
+
+    def wait(_k: int) -> tuple[str, str, int]:
+        loop.run_until_complete(fetch())
+        return "network", peer, os.getpid()
+
+    trainer_loop(cfg, wait)
+    writer.close()
+    loop.close()
+
+
 def sleep(cfg: dict[str, Any]) -> None:
     def wait(_k: int) -> tuple[str, str, int]:
         time.sleep(cfg["sleep_ms"] / 1e3)
@@ -435,7 +457,7 @@ def timed_waits(cfg: dict[str, Any]) -> None:
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
-    "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue,
+    "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
 }  # fmt: skip
 
 if __name__ == "__main__":
