@@ -167,6 +167,57 @@ def test_a_poll_on_one_socket_is_a_wait_on_the_peer_even_when_it_timed_out(tmp_p
     assert only_stall(run(b, tmp_path))["cause"] == "unknown"
 
 
+def _gil_wait(b: Builder, *running: int) -> Builder:
+    """The trainer's GIL wait: a futex that timed out (woken by the timer); ``running`` threads of its process
+    were switched in before it and out after it."""
+    b.syscall(TRAINER, TRAINER, "futex", 10.5, 39.5)
+    b.records[-1] = b.records[-1]._replace(ret=-110)
+    b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.3, (0, 0, "[timer]"))
+    for tid in running:
+        b.thread(TRAINER, tid, "python")
+        b.offcpu(TRAINER, tid, 5.0, 9.8, "S", 9.7, (0, 0, "swapper/0"))
+        b.offcpu(TRAINER, tid, 39.8, 45.0, "S", 44.9, (0, 0, "swapper/0"))
+    return b
+
+
+def test_a_timed_out_gil_wait_is_the_running_thread_s(tmp_path: Path) -> None:
+    """Python's GIL wait is a futex with a 5 ms timeout; the holder drops the lock when asked, too fast for a
+    recorded wait. In a Python process, the one other thread that ran through the timed-out wait held it."""
+    s = only_stall(run(_gil_wait(trainer(), TRAINER + 1), tmp_path))
+    assert (s["cause"], s["culprit"]["tid"], s["via"]) == ("cpu", TRAINER + 1, [f"gil:tid {TRAINER + 1}"]), s
+    # preempted for a quarter of the wait, in the run queue: a holder that cannot run still holds the lock
+    b = _gil_wait(trainer(), TRAINER + 1).offcpu(TRAINER, TRAINER + 1, 20.0, 27.0, "R")
+    s = only_stall(run(b, tmp_path))
+    assert (s["culprit"]["tid"], s["breakdown"][0]["cause"]) == (TRAINER + 1, "cpu"), s
+    assert {b["cause"] for b in s["breakdown"]} == {"cpu", "cpu.runqueue"}, s["breakdown"]
+    # blocked for a quarter of it: it let go of the lock, and may not have held it at all
+    b = _gil_wait(trainer(), TRAINER + 1).offcpu(TRAINER, TRAINER + 1, 20.0, 27.0, "S", 26.9, (0, 0, "[timer]"))
+    assert only_stall(run(b, tmp_path))["cause"] == "unknown"
+    # not an interpreter with a global lock: a timed-out wait names nobody
+    b = Builder().proc(TRAINER, "trainer").device(TRAINER)
+    b.op(TRAINER, TRAINER, 0.0, 0.0, 10.0, "step_fwd")
+    b.op(TRAINER, TRAINER, 39.95, 40.0, 50.0, "step_bwd")
+    assert only_stall(run(_gil_wait(b, TRAINER + 1), tmp_path))["cause"] == "unknown"
+    # two threads ran: either may have held it
+    assert only_stall(run(_gil_wait(trainer(), TRAINER + 1, TRAINER + 2), tmp_path))["cause"] == "unknown"
+
+
+def test_the_culprit_is_the_thread_with_most_of_its_process_s_time(tmp_path: Path) -> None:
+    """CPU time of one process sums to one cause; its culprit is the thread that holds most of it, not the
+    one with the longest single part (the trainer's own 12 ms of work against 3 x 6 ms of a lock holder's)."""
+    b = trainer()
+    for at in (10.0, 18.0, 26.0):
+        b.syscall(TRAINER, TRAINER, "futex", at + 0.5, at + 6.5)
+        b.records[-1] = b.records[-1]._replace(ret=-110)
+        b.offcpu(TRAINER, TRAINER, at + 0.6, at + 6.4, "S", at + 6.3, (0, 0, "[timer]"))
+    b.thread(TRAINER, TRAINER + 1, "python")
+    for a, z in ((5.0, 10.2), (16.8, 18.2), (24.8, 26.2), (32.8, 45.0)):
+        b.offcpu(TRAINER, TRAINER + 1, a, z, "S", z - 0.1, (0, 0, "swapper/0"))
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["tid"]) == ("cpu", TRAINER + 1), s
+    assert s["breakdown"][0]["cause"] == "cpu" and s["breakdown"][0]["ns"] > 25_000_000, s["breakdown"]
+
+
 def test_an_event_loop_wait_is_named_by_the_fd_it_found_ready(tmp_path: Path) -> None:
     """asyncio waits in epoll_wait: the first ready fd names the wait. A peer's socket makes it a network wait
     (woken by the network's softirq); a pipe or unix socket stays a wait for whoever wrote to it."""

@@ -92,16 +92,20 @@ def _verdict(cause: str, culprit: dict[str, Any], via: list[str], evidence: list
 
 
 def _dominant(parts: list[Part]) -> Part:
-    """The part holding the most time once parts with the same cause and culprit are summed."""
+    """The part holding the most time once parts with the same cause and culprit are summed: of those, the
+    largest part of the thread that holds the most time among them (a process's CPU time may be two threads',
+    the waiting one's and a lock holder's)."""
     totals: dict[tuple[str, int, str], int] = {}
-    first: dict[tuple[str, int, str], Part] = {}
     for p in parts:
-        k = p.key()
-        totals[k] = totals.get(k, 0) + p.ns
-        if k not in first or p.ns > first[k].ns:
-            first[k] = p
+        totals[p.key()] = totals.get(p.key(), 0) + p.ns
     best = max(totals, key=lambda k: totals[k])
-    return first[best]
+    mine = [p for p in parts if p.key() == best]
+    by_tid: dict[int, int] = {}
+    for p in mine:
+        tid = int(p.culprit.get("tid", 0))
+        by_tid[tid] = by_tid.get(tid, 0) + p.ns
+    tid = max(by_tid, key=lambda t: by_tid[t])
+    return max((p for p in mine if int(p.culprit.get("tid", 0)) == tid), key=lambda p: p.ns)
 
 
 def _breakdown(parts: list[Part]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ followed to the waker and its time before the wakeup is explained the same way, 
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from gputrace.records import BlockIO, OffCpu, Syscall
 MAX_DEPTH = 4
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
+GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Explainer:
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
         self.ties = BlockTies(cap, self.mounts)
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
+        self._threads: dict[int, list[int]] | None = None
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -201,16 +203,24 @@ class Explainer:
         a wake from an interrupt or the driver stays ``sync``."""
         parts: list[Part] = []
         pid = self.cap.pid_of(sc.tid)
+        timed_out = _timed_out(sc)
         for o in blocked:
-            if (not o.wake_ns or o.waker_tid in (0, sc.tid) or is_kernel_task(o.waker_pid, o.waker_comm)
-                    or not self.traced(o.waker_tid)):
+            if not o.wake_ns or o.waker_tid == sc.tid:
+                continue
+            by_task = o.waker_tid and not is_kernel_task(o.waker_pid, o.waker_comm) and self.traced(o.waker_tid)
+            if not by_task and not timed_out:
                 continue
             done = self._device_done(pid, o.wake_ns)
             if done is None:
                 continue
             lx, ly = max(o.start_ns, x, done), min(o.wake_ns, o.end_ns, y)
-            if ly > lx:  # what the chain cannot explain stays the sync's
+            if ly <= lx:
+                continue
+            # what the chain cannot explain stays the sync's
+            if by_task:
                 parts.extend(p for p in self._follow(sc, o, lx, ly, depth) if p.cause != "unknown")
+            else:  # a timed-out wait for a lock once the device was done: the interpreter's, held by another thread
+                parts.extend(p for p in self._held(sc, o, lx, ly, depth) if p.cause != "unknown")
         return parts
 
     def _device_done(self, pid: int, t: int) -> int | None:
@@ -326,6 +336,9 @@ class Explainer:
         if later is not None:
             return self._follow(*later, x, y, depth)
         ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
+        held = self._held(sc, o, x, y, depth)
+        if held:
+            return held
         if depth == 0 and sc.name in POLLS:  # an event loop's timer (asyncio.sleep) on the launching thread
             dur = sc.end_ns - sc.start_ns
             return [Part("sleep", y - x, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev,
@@ -333,6 +346,60 @@ class Explainer:
         # A futex timeout alone says nothing: a timed sleep, or a lock's or the GIL's timed wait whose
         # holder let go while this thread was on its way back
         return [Part("unknown", y - x, empty_culprit(), evidence=ev)]
+
+    def _held(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int) -> list[Part]:
+        """[x, y) of a futex wait that timed out, explained on the thread that held the interpreter's lock
+        (``_gil_holder``); [] where none is known."""
+        holder = self._gil_holder(sc, x, y) if sc.name == "futex" and depth < MAX_DEPTH else None
+        if holder is None:
+            return []
+        ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
+        inner = self.explain(holder, x, y, depth + 1)
+        for p in inner:
+            p.via = [f"gil:tid {holder}", *p.via]
+            p.evidence = (ev + p.evidence)[: MAX_EVIDENCE * 2]
+        return inner
+
+    def _gil_holder(self, sc: Syscall, x: int, y: int) -> int | None:
+        """The thread that kept the interpreter's global lock over a timed-out wait: Python's GIL wait is a
+        futex with a timeout (the switch interval, 5 ms), and the holder lets go when asked without any wait
+        long enough to record. In a process running such an interpreter, the one other thread of the process
+        that ran for most of [x, y) is taken as the holder; none, or several, name nobody."""
+        pid = sc.pid
+        if pid not in self.cap.gil_pids:
+            return None
+        if self._threads is None:
+            self._threads = {}
+            for tid, owner in self.cap.tgid.items():
+                self._threads.setdefault(owner, []).append(tid)
+        running = [t for t in self._threads.get(pid, ()) if t != sc.tid and self.traced(t)
+                   and self._unblocked_ns(t, x, y) >= GIL_RUNNING * (y - x)]
+        return running[0] if len(running) == 1 else None
+
+    def _unblocked_ns(self, tid: int, x: int, y: int) -> int:
+        """How long ``tid`` is known to have run or been runnable (preempted: a holder still holds) in
+        [x, y): between the end of one of its off-CPU records (switched in) and the start of the next
+        (switched out), and in its run-queue records. Before its first record and after its last, nothing is
+        known: not counted."""
+        index = self.cap.offcpu.get(tid)
+        if index is None:
+            return 0
+        recs = index.records
+        i = bisect_right(index.starts, x) - 1
+        if i < 0:
+            return 0
+
+        def within(a: int, b: int) -> int:
+            return max(min(b, y) - max(a, x), 0)
+
+        total = within(recs[i].start_ns, recs[i].end_ns) if recs[i].state == "R" else 0
+        while i < len(recs) - 1 and recs[i].end_ns < y:
+            nxt = recs[i + 1]
+            total += within(recs[i].end_ns, nxt.start_ns)
+            if nxt.state == "R":
+                total += within(nxt.start_ns, nxt.end_ns)
+            i += 1
+        return total
 
     def _next_woken_wait(self, first: Syscall, end: int) -> tuple[Syscall, OffCpu] | None:
         """The first wait of the same call as ``first`` by its thread, starting in [its end, end), not

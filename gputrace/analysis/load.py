@@ -6,6 +6,7 @@ and searched with bisect, so each question about a thread's time costs O(log n +
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
 from gputrace.capture import CaptureReader
 from gputrace.records import (
+    AgentInfo,
     BlockIO,
     Collective,
     CudaApi,
@@ -38,6 +40,9 @@ from gputrace.records import (
 
 GpuOp = GpuKernel | GpuMemcpy | GpuMemset
 FAULT_OP = "page_fault"  # the name a PageFault takes among a thread's blocking calls
+# An interpreter with a global lock: its executable's name, or the agent's hello ("cpython 3.11.2 /usr/bin/python3")
+_GIL_EXE = re.compile(r"^(python|pypy)[0-9.]*$")
+_GIL_AGENT = ("cpython ", "pypy ")
 
 
 class Intervals:
@@ -101,6 +106,8 @@ class Capture:
     tgid: dict[int, int] = field(default_factory=dict)  # tid -> pid
     created: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # tid -> [(creation ns, creating tid)]
     pids: set[int] = field(default_factory=set)
+    gil_pids: set[int] = field(default_factory=set)  # processes running an interpreter with a global lock
+    exited: dict[int, int] = field(default_factory=dict)  # tid -> when it exited (the last exit of that number)
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
     nvml: dict[int, list[float]] = field(default_factory=dict)  # NVML index -> [sum, count] of gpu_util_pct
@@ -238,6 +245,7 @@ def _nvml(ld: _Loader, r: NvmlSample) -> None:
 
 def _proc(ld: _Loader, r: ProcInfo) -> None:
     ld.cap.comms[r.pid] = r.comm
+    _interpreter(ld, r.pid, r.exe)
     if type(r.nspid) is int and 0 < r.nspid != r.pid:
         ld.cap.nspids[r.pid] = r.nspid
     ld.cap.kernel_pids.add(r.pid)
@@ -255,6 +263,8 @@ def _fork(ld: _Loader, r: ProcFork) -> None:
     ld.cap.comms.setdefault(r.child_tid, r.comm)
     if not r.is_thread:
         ld.cap.comms.setdefault(r.child_pid, r.comm)
+        if r.parent_pid in ld.cap.gil_pids:  # a forked interpreter (a multiprocessing worker) until it execs
+            ld.cap.gil_pids.add(r.child_pid)
     ld._thread(r.child_pid, r.child_tid)
     ld.cap.kernel_pids.add(r.child_pid)
     # when and by which thread: before that, the time a wait chain finds on the child was its creator's
@@ -268,6 +278,27 @@ def _fork(ld: _Loader, r: ProcFork) -> None:
 def _exec(ld: _Loader, r: ProcExec) -> None:
     ld.cap.comms[r.pid] = r.comm
     ld.cap.comms[r.tid] = r.comm
+    _interpreter(ld, r.pid, r.filename)
+
+
+def _interpreter(ld: _Loader, pid: int, exe: Any) -> None:
+    """Whether the program ``pid`` runs (its executable's path) is a Python interpreter with a global lock."""
+    name = exe.rsplit("/", 1)[-1] if type(exe) is str else ""
+    if _GIL_EXE.match(name):
+        ld.cap.gil_pids.add(pid)
+    elif name:
+        ld.cap.gil_pids.discard(pid)
+
+
+def _agent(ld: _Loader, r: AgentInfo) -> None:
+    if type(r.interpreter) is str and r.interpreter.startswith(_GIL_AGENT) and type(r.pid) is int:
+        ld.cap.gil_pids.add(r.pid)
+
+
+def _exit(ld: _Loader, r: Any) -> None:
+    tid, ts = getattr(r, "tid", None), getattr(r, "ts", None)
+    if type(tid) is int and type(ts) is int:
+        ld.cap.exited[tid] = ts
 
 
 def _api(ld: _Loader, r: CudaApi) -> None:
@@ -323,6 +354,8 @@ _HANDLERS: dict[str, Any] = {
     "ThreadInfo": _threadinfo,
     "ProcFork": _fork,
     "ProcExec": _exec,
+    "ProcExit": _exit,
+    "AgentInfo": _agent,
     "NvmlSample": _nvml,
     "Drops": lambda ld, r: ld.cap.drops.append(r),
     "InProgress": lambda ld, r: ld.cap.in_progress.append(r),

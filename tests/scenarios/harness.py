@@ -81,7 +81,7 @@ def same_culprit(stall: dict[str, Any], t: dict[str, Any]) -> bool:
     c = stall["culprit"]
     if t["cause"] in OBJECT_CAUSES:
         return c["object"] == t["object"]
-    return c["pid"] == t["culprit_pid"]
+    return c["pid"] == t["culprit_pid"] and c["tid"] == t.get("culprit_tid", c["tid"])  # a thread where it says
 
 
 def score(name: str, report: dict[str, Any], truth: dict[int, list[dict[str, Any]]]) -> Score:
@@ -173,6 +173,7 @@ SCENARIOS: dict[str, Setup] = {
     "timed_waits": _timed_waits,
     "mp_queue": _mp_queue,
     "asyncio_fetch": _network,
+    "gil": lambda w, st: {"steps": 10, "work_ms": 0.2},
 }
 
 

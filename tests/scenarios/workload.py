@@ -44,8 +44,10 @@ class Truth:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def label(self, cause: str, obj: str = "", pid: int = 0) -> None:
+    def label(self, cause: str, obj: str = "", pid: int = 0, tid: int = 0) -> None:
         line = {"pid": os.getpid(), "launch_ns": now(), "cause": cause, "object": obj, "culprit_pid": pid}
+        if tid:
+            line["culprit_tid"] = tid
         os.write(self.fd, (json.dumps(line) + "\n").encode())
 
 
@@ -166,13 +168,13 @@ def cpu_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
 # ---------------------------------------------------------------------------------- scenarios ---
 
 
-def trainer_loop(cfg: dict[str, Any], wait: Callable[[int], tuple[str, str, int]]) -> None:
+def trainer_loop(cfg: dict[str, Any], wait: Callable[[int], tuple[Any, ...]]) -> None:
+    """``wait(k)`` returns the truth of step k: (cause, object, culprit pid[, culprit tid])."""
     truth = Truth(cfg["truth"])
     s = Device(0).stream()
     s.launch("warmup", KERNEL_MS)
     for k in range(cfg["steps"]):
-        cause, obj, pid = wait(k)
-        truth.label(cause, obj, pid)
+        truth.label(*wait(k))
         s.launch(f"train_step_{k}", KERNEL_MS)
     s.synchronize()
 
@@ -241,6 +243,36 @@ def asyncio_fetch(cfg: dict[str, Any]) -> None:
     trainer_loop(cfg, wait)
     writer.close()
     loop.close()
+
+
+def gil(cfg: dict[str, Any]) -> None:
+    """A thread of the trainer's process runs pure Python nonstop: the trainer's own short step of host work
+    first waits for the GIL, a futex that times out every switch interval (5 ms) until the holder is asked
+    to let go."""
+    hog_tid, stop = [], threading.Event()
+
+    def hog() -> None:
+        hog_tid.append(threading.get_native_id())
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    threading.Thread(target=hog, daemon=True).start()
+    while not hog_tid:
+        time.sleep(0.001)
+
+    truth = Truth(cfg["truth"])
+    s = Device(0).stream()
+    for k in range(cfg["steps"]):
+        s.launch(f"train_step_{k}", KERNEL_MS)
+        s.synchronize()  # the GPU drains; the trainer wakes and needs the GIL back
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < cfg["work_ms"] / 1e3:  # host work, in this thread's own CPU time
+            pass
+        truth.label("cpu", "", os.getpid(), hog_tid[0])
+    s.launch("last", KERNEL_MS)
+    s.synchronize()
+    stop.set()
 
 
 def sleep(cfg: dict[str, Any]) -> None:
@@ -458,6 +490,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
+    "gil": gil,
 }  # fmt: skip
 
 if __name__ == "__main__":
