@@ -364,7 +364,8 @@ class Explainer:
         """The thread that kept the interpreter's global lock over a timed-out wait: Python's GIL wait is a
         futex with a timeout (the switch interval, 5 ms), and the holder lets go when asked without any wait
         long enough to record. In a process running such an interpreter, the one other thread of the process
-        that ran for most of [x, y) is taken as the holder; none, or several, name nobody."""
+        that ran or was runnable through ``GIL_RUNNING`` of [x, y) is taken as the holder; none, or several,
+        name nobody."""
         pid = sc.pid
         if pid not in self.cap.gil_pids:
             return None
