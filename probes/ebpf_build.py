@@ -9,7 +9,7 @@ from typing import Any
 
 from gputrace.errors import UserError
 from gputrace.probes import ebpf_hooks as hooks
-from gputrace.probes.ebpf_host import BPF_DIR, file_faults_supported, format_has, tracepoint_exists
+from gputrace.probes.ebpf_host import BPF_DIR, compile_bpf, file_faults_supported, format_has, tracepoint_exists
 from gputrace.probes.ebpf_owner import owner_cflags
 
 
@@ -38,6 +38,6 @@ def compile_program(bcc: Any, flags: list[str]) -> Any:
     try:
         with warnings.catch_warnings():  # bcc 0.26 warns on str paths but cannot join bytes ones
             warnings.simplefilter("ignore", DeprecationWarning)
-            return bcc.BPF(src_file=str(BPF_DIR / "gputrace.bpf.c"), cflags=flags)
+            return compile_bpf(bcc.BPF, src_file=str(BPF_DIR / "gputrace.bpf.c"), cflags=flags)
     except Exception as e:  # bcc raises bare Exception on compile/load failures
         raise UserError(f"loading the eBPF program failed: {hooks.first_line(e)} (check: gputrace doctor)") from None

@@ -86,6 +86,17 @@ def tracepoint_exists(category: str, name: str) -> bool:
         return bool(BPF.tracepoint_exists(category, name))
 
 
+# bcc compiles with process-wide state: two BPF() calls at once in one process crash it (a segfault in
+# libbcc). gputraced starts several captures at once, each on its own thread, so every compile takes this.
+_compiling = threading.Lock()
+
+
+def compile_bpf(bpf_class: Any, **kwargs: Any) -> Any:
+    """``bpf_class(**kwargs)`` (bcc's BPF: compile and load), one at a time in this process."""
+    with _compiling:
+        return bpf_class(**kwargs)
+
+
 _unloading: list[threading.Thread] = []
 _UNLOAD_WAIT_S = 30.0
 

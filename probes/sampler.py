@@ -21,7 +21,7 @@ from typing import Any
 from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import elfsyms
-from gputrace.probes.ebpf_host import BPF_DIR, check_host, final_status, format_has, program_skips, unload
+from gputrace.probes.ebpf_host import BPF_DIR, check_host, compile_bpf, final_status, format_has, program_skips, unload
 from gputrace.probes.ebpf_owner import foreign, owner_cflags
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
@@ -228,7 +228,7 @@ class StackSampler:
     def _load(self, bcc: Any) -> Any:
         flags = self._cflags()  # a UserError of its own when the owner's check cannot be built
         try:
-            return bcc.BPF(src_file=str(PROGRAM).encode(), cflags=flags)
+            return compile_bpf(bcc.BPF, src_file=str(PROGRAM).encode(), cflags=flags)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exceptions for compile failures
             raise UserError(f"cannot load {PROGRAM.name}: {e}") from None
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import PermissionDenied, UserError
+from gputrace.probes.ebpf_host import compile_bpf
 from gputrace.probes.ebpf_owner import LEFT_OUT_WHY, foreign, owner_cflags
 from gputrace.records import CudaApi, SourceStatus
 from gputrace.source import Sink
@@ -175,7 +176,7 @@ class UprobeSource:
             raise UserError("bcc is not importable: install python3-bpfcc (run setup.sh)") from None
         cflags = [f"-I{BPF_DIR}", f"-DRINGBUF_PAGES={self.ringbuf_pages}", *owner_cflags(self.owner_uid)]
         try:
-            return BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
+            return compile_bpf(BPF, src_file=str(PROGRAM).encode(), cflags=cflags)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exceptions for compile failures
             raise UserError(f"cannot load {PROGRAM.name}: {e}") from None
 

@@ -391,6 +391,25 @@ def test_ctrl_c_on_a_waiting_client_stops_the_job_and_reports_it(svc: Svc) -> No
     assert "done" in out and "Wrote" in out and (svc.state / "0" / "interrupted.gputrace").exists()
 
 
+def test_two_captures_starting_at_once_both_finish(tmp_path: Path) -> None:
+    """Two jobs load their eBPF programs at the same time, each on its own thread: bcc's compiler is not
+    thread-safe (two compiles at once crash the process in libbcc), so the service must take them in turn."""
+    service = Svc(tmp_path)
+    children = [_child(), _child()]
+    try:
+        ids = [service.ask({"op": "capture", "pids": [c.pid], "duration_s": 1, "name": f"twin{i}"})["job"]["id"]
+               for i, c in enumerate(children)]
+        jobs = [_wait_job(service, job_id, 90) for job_id in ids]
+        assert service.proc.poll() is None, service.proc.communicate()[1][-2000:]
+    finally:
+        for c in children:
+            c.kill()
+        service.proc.terminate()
+        service.proc.communicate(timeout=90)
+    assert [j["state"] for j in jobs] == ["done", "done"], jobs
+    assert all((service.state / "0" / f"twin{i}.gputrace").exists() for i in range(2))
+
+
 def test_listens_on_unix_sockets_only(svc: Svc) -> None:
     fd_dir = Path(f"/proc/{svc.proc.pid}/fd")
     sockets = []
