@@ -110,7 +110,7 @@ class Service:
             peer_pid, uid, _ = creds
             try:
                 caller = caller_of(conn, creds)
-                req = recv_frame(conn, MAX_REQUEST)
+                req = recv_frame(conn, MAX_REQUEST, within_s=self.request_timeout_s)
                 if req is None:
                     return
                 self._dispatch(conn, validate(req), caller)

@@ -15,6 +15,7 @@ import json
 import re
 import socket
 import struct
+import time
 from typing import Any
 
 MAX_REQUEST = 64 << 10
@@ -38,15 +39,22 @@ def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(struct.pack(">I", len(data)) + data)
 
 
-def recv_frame(sock: socket.socket, limit: int) -> dict[str, Any] | None:
-    """One frame, or None when the peer closed cleanly before sending one."""
-    head = _recv_exact(sock, 4, allow_eof=True)
-    if head is None:
-        return None
-    (size,) = struct.unpack(">I", head)
-    if size > limit:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {limit}")
-    body = _recv_exact(sock, size, allow_eof=False)
+def recv_frame(sock: socket.socket, limit: int, within_s: float | None = None) -> dict[str, Any] | None:
+    """One frame, or None when the peer closed cleanly before sending one. ``within_s``: the whole frame
+    must arrive within that many seconds (the socket's own timeout bounds each recv only, so a peer
+    sending a byte at a time would never hit it)."""
+    deadline = None if within_s is None else time.monotonic() + within_s
+    timeout = sock.gettimeout()
+    try:
+        head = _recv_exact(sock, 4, allow_eof=True, deadline=deadline)
+        if head is None:
+            return None
+        (size,) = struct.unpack(">I", head)
+        if size > limit:
+            raise ProtocolError(f"frame of {size} bytes exceeds the limit of {limit}")
+        body = _recv_exact(sock, size, allow_eof=False, deadline=deadline)
+    finally:
+        sock.settimeout(timeout)  # replies are sent under the socket's own timeout again
     assert body is not None
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
@@ -61,9 +69,14 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
-def _recv_exact(sock: socket.socket, n: int, *, allow_eof: bool) -> bytes | None:
+def _recv_exact(sock: socket.socket, n: int, *, allow_eof: bool, deadline: float | None = None) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError("request not received in time")
+            sock.settimeout(left)
         try:
             chunk = sock.recv(n - len(buf))
         except TimeoutError:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -486,6 +487,31 @@ def test_silent_and_excess_connections_are_cut_off(tmp_path: Path) -> None:
     finally:
         service.proc.terminate()
         service.proc.communicate(timeout=60)
+
+
+def test_a_request_dripped_slowly_is_cut_off_at_the_deadline(tmp_path: Path) -> None:
+    """The whole frame must arrive within the request timeout, not each byte: a client sending one byte at a
+    time just under it would otherwise hold a connection slot for hours (32 such clients lock everyone out)."""
+    service = Svc(tmp_path, "--request-timeout-s", "1")
+    frame = _frame(b'{"op": "status"}')
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(service.sock))
+            t0 = time.monotonic()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                for byte in frame:
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.25)
+                    if select.select([s], [], [], 0)[0]:
+                        break  # the service answered (and closed) before the frame was complete
+            s.settimeout(10)
+            reply = recv_frame(s, 1 << 20)
+            waited = time.monotonic() - t0
+    finally:
+        service.proc.terminate()
+        service.proc.communicate(timeout=60)
+    assert reply == {"ok": False, "error": "request not received in time"}, reply
+    assert waited < 3, f"cut off after {waited:.1f} s, not at the 1 s deadline"
 
 
 def test_service_sends_each_capture_to_an_otlp_collector(tmp_path: Path) -> None:
