@@ -97,17 +97,18 @@ class JobTable:
         if req["duration_s"] > self.limits.max_duration_s:
             raise UserError(f"duration over this service's limit of {self.limits.max_duration_s:g} s")
         pids = list(req["pids"])
-        name = req.get("name") or f"gputrace-{pids[0]}-{time.strftime('%Y%m%d-%H%M%S')}.gputrace"
-        for n in (name, _pftrace(name)):
-            if os.path.lexists(self.state_dir / str(uid) / n):
-                raise UserError(f"{n} already exists in your capture directory; choose another name")
         with self._lock:
             running = [j for j in self._jobs.values() if j.state == "running"]
             if len(running) >= self.limits.max_jobs:
                 raise UserError(f"busy: {len(running)} captures running (limit {self.limits.max_jobs})")
             if sum(j.uid == uid for j in running) >= self.limits.max_jobs_per_user:
                 raise UserError(f"you already run {self.limits.max_jobs_per_user} captures; wait or stop one")
+            if req.get("name"):
+                self._check_name(uid, req["name"], running)
             job_id = next(self._ids)
+            # The job id keeps two unnamed captures of one pid started in the same second apart.
+            name = req.get("name") or f"gputrace-{pids[0]}-{time.strftime('%Y%m%d-%H%M%S')}-{job_id}.gputrace"
+            self._check_name(uid, name, running)
             stage = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self.state_dir / STAGING))
             job = Job(job_id, uid, gid, pids, req["duration_s"], req["min_gap_ms"], name, stage,
                       pidfds=dict(pidfds or {}))
@@ -117,6 +118,16 @@ class JobTable:
         self._threads[job_id] = thread
         thread.start()
         return job
+
+    def _check_name(self, uid: int, name: str, running: list[Job]) -> None:
+        """Refused up front: a name taken in the caller's directory, or one a running job of theirs will
+        publish (found taken only once the capture is done, the second capture would be thrown away)."""
+        for n in (name, _pftrace(name)):
+            if os.path.lexists(self.state_dir / str(uid) / n):
+                raise UserError(f"{n} already exists in your capture directory; choose another name")
+        for job in running:
+            if job.uid == uid and job.name == name:
+                raise UserError(f"{name} is the name of your running job {job.id}; choose another name")
 
     def _forget_old(self) -> None:
         finished = [j.id for j in self._jobs.values() if j.state != "running"]

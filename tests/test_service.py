@@ -411,6 +411,26 @@ def test_two_captures_starting_at_once_both_finish(tmp_path: Path) -> None:
     assert all((service.state / "0" / f"twin{i}.gputrace").exists() for i in range(2))
 
 
+def test_two_jobs_never_share_a_file_name(svc: Svc) -> None:
+    """A name a running job of the same user will publish is refused up front, not found taken when the
+    second capture is done (and thrown away); two unnamed captures of one pid in the same second get
+    different names."""
+    child = _child()
+    try:
+        first = svc.ask({"op": "capture", "pids": [child.pid], "duration_s": 2, "name": "same"})
+        again = svc.ask({"op": "capture", "pids": [child.pid], "duration_s": 2, "name": "same"})
+        assert again == {"ok": False, "error": f"same.gputrace is the name of your running job {first['job']['id']}; "
+                                               "choose another name"}
+        _wait_job(svc, first["job"]["id"], 90)
+        unnamed = [svc.ask({"op": "capture", "pids": [child.pid], "duration_s": 1}) for _ in range(2)]
+        jobs = [_wait_job(svc, r["job"]["id"], 90) for r in unnamed]
+    finally:
+        child.kill()
+    assert [j["state"] for j in jobs] == ["done", "done"], jobs
+    names = [j["name"] for j in jobs]
+    assert len(set(names)) == 2 and all((svc.state / "0" / n).exists() for n in names), names
+
+
 def test_listens_on_unix_sockets_only(svc: Svc) -> None:
     fd_dir = Path(f"/proc/{svc.proc.pid}/fd")
     sockets = []
