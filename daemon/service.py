@@ -156,7 +156,7 @@ class Service:
             conn.settimeout(None)
             job.done.wait()
             conn.settimeout(self.request_timeout_s)
-            send_frame(conn, {"ok": job.state == "done", "event": "done", "job": job.as_dict(),
+            send_frame(conn, {"ok": job.state == "done", "event": "done", "job": job.as_dict(), "log": list(job.log),
                               **({"error": job.error} if job.error else {})})
 
     def status(self, uid: int) -> dict[str, Any]:

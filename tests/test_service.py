@@ -431,6 +431,33 @@ def test_two_jobs_never_share_a_file_name(svc: Svc) -> None:
     assert len(set(names)) == 2 and all((svc.state / "0" / n).exists() for n in names), names
 
 
+def test_the_client_shows_why_a_capture_ended_and_what_it_said(tmp_path: Path) -> None:
+    """A waiting client prints what the capture said (here: the target runs no GPU agent) and how it ended
+    (early, by a stop request); `list` names why a job failed, not just that it did."""
+    service = Svc(tmp_path)
+    child = _child()
+    try:
+        client = subprocess.Popen([sys.executable, "-m", "gputrace", "daemon", "capture", "-p", str(child.pid),
+                                   "-d", "60", "--name", "early", "--socket", str(service.sock)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+        wait_for(lambda: any(j["state"] == "running" for j in service.ask({"op": "list"})["jobs"]), 30, "the job")
+        assert service.client("stop", "1").returncode == 0
+        out, err = client.communicate(timeout=90)
+        os.chown(service.state / "0", 65534, 65534)  # no longer root's: publishing the next capture must fail
+        r = service.client("capture", "-p", str(child.pid), "-d", "1", "--name", "unpublished")
+        listed = service.client("list")
+    finally:
+        child.kill()
+        service.proc.terminate()
+        service.proc.communicate(timeout=90)
+    assert client.returncode == 0, err
+    assert "no GPU agent" in err and "its GPU work is not traced" in err, err
+    assert "job 1: done" in out and "ended by Ctrl-C, SIGTERM or a stop request" in out, out
+    why = f"{service.state / '0'} belongs to uid 65534, not 0"
+    assert r.returncode == 1 and f"job 2: failed, uid 0, pids [{child.pid}], unpublished.gputrace: {why}" in r.stdout
+    assert f"unpublished.gputrace: {why}" in listed.stdout, listed.stdout
+
+
 def test_listens_on_unix_sockets_only(svc: Svc) -> None:
     fd_dir = Path(f"/proc/{svc.proc.pid}/fd")
     sockets = []

@@ -143,6 +143,9 @@ def _capture(args: argparse.Namespace) -> int:
     if final is None:
         raise UserError(f"gputraced closed the connection before job {job['id']} ended (gputrace daemon list "
                         "shows its state)")
+    if not args.json:
+        for line in final.get("log", []):  # what the capture said: notes, warnings, its stall summary
+            print(line, file=sys.stderr)
     _print(final, args.json)
     return 0 if final.get("ok") else 1
 
@@ -161,8 +164,6 @@ def _print(reply: dict[str, Any], as_json: bool) -> None:
         print(_job_line(reply["job"]))
         for path in reply["job"].get("files", []):
             print(f"Wrote {path}")
-        if reply["job"].get("error"):
-            print(f"error: {reply['job']['error']}")
     else:
         for key, value in reply.items():
             if key != "ok":
@@ -172,6 +173,25 @@ def _print(reply: dict[str, Any], as_json: bool) -> None:
 def _job_line(job: dict[str, Any]) -> str:
     extra = ""
     if job.get("state") == "done":
-        incomplete = "" if job.get("complete", True) else ", INCOMPLETE"
-        extra = f", {job.get('stalls', 0)} stalls, {job.get('stall_ns', 0) / 1e6:.1f} ms stalled{incomplete}"
+        extra = f", {job.get('stalls', 0)} stalls, {job.get('stall_ns', 0) / 1e6:.1f} ms stalled" + _losses(job)
+        if job.get("stop_reason") not in (None, "", "duration"):
+            from gputrace.viewer.terminal import ended
+
+            extra += f"; {ended(job['stop_reason'])}"
+    elif job.get("error"):
+        extra = f": {job['error']}"
     return f"job {job['id']}: {job['state']}, uid {job['uid']}, pids {job['pids']}, {job['name']}{extra}"
+
+
+def _losses(job: dict[str, Any]) -> str:
+    """What the capture lacks, counted: records lost per source, processes left out."""
+    out = ""
+    drops = job.get("drops") or {}
+    if drops or not job.get("complete", True):
+        lost = ", ".join(f"{k} {v:,}" for k, v in drops.items())
+        out += f", INCOMPLETE: records lost ({lost or 'see gputrace report'})"
+    if job.get("left_out"):
+        from gputrace.probes.ebpf_owner import LEFT_OUT_WHY
+
+        out += f", {job['left_out']} processes left out: {LEFT_OUT_WHY}"
+    return out
