@@ -37,6 +37,7 @@ DEFAULT_SOCKET = Path("/run/gputrace/gputraced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/gputrace")
 REQUEST_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 32
+MAX_CONNECTIONS_PER_USER = 8  # root aside: no one user can take every slot and leave the others "busy"
 
 
 # ------------------------------------------------------------------------------------------ service ---
@@ -53,7 +54,8 @@ class Service:
         self.jobs = JobTable(state_dir, limits, self.log, otlp=otlp, otlp_protocol=otlp_protocol)
         self.started = time.time()
         self.stopping = stopping or threading.Event()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: dict[int, int] = {}  # uid -> connections being served
+        self._open_lock = threading.Lock()
         self.pin_callers, self.pin_targets = pidfd_support()
         self.listener = self._listen()
 
@@ -88,12 +90,31 @@ class Service:
     def _accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
+            uid = peer_credentials(conn)[1]
         except OSError:
             return
-        if not self._slots.acquire(blocking=False):
-            _reply_and_close(conn, {"ok": False, "error": "busy: too many connections, try again"})
+        busy = self._take_slot(uid)
+        if busy:
+            _reply_and_close(conn, {"ok": False, "error": f"busy: {busy}"})
             return
-        threading.Thread(target=self._handle, args=(conn,), name="gputraced-conn", daemon=True).start()
+        threading.Thread(target=self._handle, args=(conn, uid), name="gputraced-conn", daemon=True).start()
+
+    def _take_slot(self, uid: int) -> str:
+        """A connection slot for ``uid``, or why there is none."""
+        with self._open_lock:
+            if sum(self._open.values()) >= MAX_CONNECTIONS:
+                return "too many connections, try again"
+            if uid != 0 and self._open.get(uid, 0) >= MAX_CONNECTIONS_PER_USER:
+                return (f"you have {MAX_CONNECTIONS_PER_USER} connections open to gputraced (the limit per user); "
+                        "close one and try again")
+            self._open[uid] = self._open.get(uid, 0) + 1
+            return ""
+
+    def _release_slot(self, uid: int) -> None:
+        with self._open_lock:
+            self._open[uid] -= 1
+            if not self._open[uid]:
+                del self._open[uid]
 
     def _pidfd_line(self) -> str:
         callers = ("callers pinned with SO_PEERPIDFD" if self.pin_callers else
@@ -102,7 +123,7 @@ class Service:
                    "no pidfd_open: target pids checked unpinned, a reused pid goes unseen")
         return f"{callers}; {targets}"
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket, slot_uid: int) -> None:
         caller: Caller | None = None
         try:
             conn.settimeout(self.request_timeout_s)
@@ -123,7 +144,7 @@ class Service:
             if caller is not None and caller.pidfd is not None:
                 os.close(caller.pidfd)
             conn.close()
-            self._slots.release()
+            self._release_slot(slot_uid)
 
     def _dispatch(self, conn: socket.socket, req: dict[str, Any], caller: Caller) -> None:
         confirm_caller(caller)

@@ -75,11 +75,11 @@ class Svc:
 
 
 @contextlib.contextmanager
-def running_service(prefix: str) -> Iterator[Svc]:
+def running_service(prefix: str, *extra: str) -> Iterator[Svc]:
     """A gputraced in a fresh directory that uid 65534 can reach, stopped and removed afterwards."""
     base = Path(tempfile.mkdtemp(prefix=prefix))
     os.chmod(base, 0o755)  # uid 65534 must reach the socket
-    service = Svc(base)
+    service = Svc(base, *extra)
     try:
         yield service
     finally:
@@ -534,6 +534,35 @@ def test_silent_and_excess_connections_are_cut_off(tmp_path: Path) -> None:
     finally:
         service.proc.terminate()
         service.proc.communicate(timeout=60)
+
+
+HOLD_CONNECTIONS = """
+import socket, sys
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    held.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_user_cannot_take_every_connection() -> None:
+    """Connections are counted per user: one holding 32 idle ones (reconnecting as each is cut off) would
+    otherwise leave every other user, root included, nothing but "busy"."""
+    with running_service("gputraced-hog-", "--request-timeout-s", "30") as service:
+        hog = subprocess.Popen([*NOBODY, sys.executable, "-c", HOLD_CONNECTIONS, str(service.sock), "32"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert hog.stdout is not None and hog.stdout.readline() == "ready\n"
+            wait_for(lambda: service.raw(_frame(b'{"op": "status"}')).get("ok"), 10, "a slot for root")
+            theirs = service.client("status", user=NOBODY)
+        finally:
+            hog.kill()
+            hog.wait()
+    assert theirs.returncode == 2, theirs.stdout
+    assert "busy: you have 8 connections open to gputraced (the limit per user); close one" in theirs.stderr
 
 
 def test_a_request_dripped_slowly_is_cut_off_at_the_deadline(tmp_path: Path) -> None:
