@@ -162,7 +162,7 @@ class Service:
 
     def _capture(self, conn: socket.socket, req: dict[str, Any], caller: Caller) -> None:
         if self.stopping.is_set():
-            raise ProtocolError("the service is shutting down")
+            raise ProtocolError("the service is shutting down; no new captures")
         pinned = authorize(caller.uid, req["pids"])
         try:
             confirm_caller(caller)  # again: authorising may have taken a while, and no job for a dead caller

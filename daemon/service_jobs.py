@@ -91,6 +91,7 @@ class JobTable:
         self._threads: dict[int, threading.Thread] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._closed = False  # stop_all was called: no job may start after the ones it stopped
 
     def start(self, uid: int, gid: int, req: dict[str, Any], pidfds: dict[int, int] | None = None) -> Job:
         """Start a capture; the job owns ``pidfds`` once this returns (on an error they stay the caller's)."""
@@ -98,6 +99,8 @@ class JobTable:
             raise UserError(f"duration over this service's limit of {self.limits.max_duration_s:g} s")
         pids = list(req["pids"])
         with self._lock:
+            if self._closed:
+                raise UserError("the service is shutting down; no new captures")
             running = [j for j in self._jobs.values() if j.state == "running"]
             if len(running) >= self.limits.max_jobs:
                 raise UserError(f"busy: {len(running)} captures running (limit {self.limits.max_jobs})")
@@ -114,9 +117,9 @@ class JobTable:
                       pidfds=dict(pidfds or {}))
             self._jobs[job_id] = job
             self._forget_old()
-        thread = threading.Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
-        self._threads[job_id] = thread
-        thread.start()
+            thread = threading.Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
+            self._threads[job_id] = thread  # under the lock: stop_all waits for every job it stopped
+            thread.start()
         return job
 
     def _check_name(self, uid: int, name: str, running: list[Job]) -> None:
@@ -214,12 +217,19 @@ class JobTable:
                 if e.is_file(follow_symlinks=False)]
 
     def stop_all(self) -> None:
-        """Ask every running capture to end, and wait (bounded) so each file is closed cleanly."""
+        """Ask every running capture to end, and wait (bounded) so each file is closed cleanly. No job
+        starts from then on."""
+        with self._lock:
+            self._closed = True
         for job in self.visible_to(0):
             job.stop.set()
         deadline = time.monotonic() + STOP_WAIT_S
         for thread in list(self._threads.values()):
             thread.join(max(0.0, deadline - time.monotonic()))
+        for job in self.visible_to(0):
+            if not job.done.is_set():
+                self.log(f"job {job.id}: still finishing after {STOP_WAIT_S:g} s; stopped without it, its capture "
+                         f"is lost (what it wrote stays in {job.stage})")
 
 
 def _confirm_targets(job: Job) -> None:

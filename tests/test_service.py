@@ -27,6 +27,7 @@ from gputrace.capture import CaptureReader
 from gputrace.daemon.service_auth import authorize
 from gputrace.daemon.service_jobs import JobTable, Limits, prepare_state_dir
 from gputrace.daemon.service_protocol import ProtocolError, recv_frame, send_frame
+from gputrace.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -326,6 +327,23 @@ def test_a_target_gone_when_tracing_starts_is_not_published(tmp_path: Path) -> N
     for fd in pinned.values():
         with pytest.raises(OSError):
             os.fstat(fd)  # the job closed its pidfds
+
+
+def test_no_job_starts_once_the_service_is_stopping(tmp_path: Path) -> None:
+    """SIGTERM stops the jobs it finds; a request authorised meanwhile must not start one after them, which
+    nothing would stop or wait for (the service would exit under it, its capture half-written)."""
+    target = _child()
+    state = tmp_path / "state"
+    prepare_state_dir(state)
+    jobs = JobTable(state, Limits(), lambda line: None)
+    jobs.stop_all()
+    try:
+        with pytest.raises(UserError) as refused:
+            jobs.start(0, 0, {"pids": [target.pid], "duration_s": 30.0, "min_gap_ms": 1.0, "name": "late.gputrace"})
+    finally:
+        target.kill()
+    assert str(refused.value) == "the service is shutting down; no new captures"
+    assert not jobs.visible_to(0) and not list((state / ".staging").iterdir())
 
 
 def _frame(body: bytes) -> bytes:
