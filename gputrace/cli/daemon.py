@@ -87,7 +87,14 @@ class _Replies:
         except OSError as e:
             self.sock.close()
             raise UserError(f"cannot reach gputraced at {path}: {e.strerror} (is the service running?)") from None
-        send_frame(self.sock, req)
+        try:
+            send_frame(self.sock, req)
+        except (BrokenPipeError, ConnectionResetError):
+            # A refusal (busy) is sent at once and the connection closed, maybe before our request was: the
+            # reply is still there to read, and says why.
+            if self.next() is None:
+                self.sock.close()
+                raise UserError("gputraced closed the connection before the request was sent") from None
 
     def next(self) -> dict[str, Any] | None:
         """The next reply frame (None: the service closed the connection). A refusal is a UserError."""
