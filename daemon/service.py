@@ -29,7 +29,7 @@ from gputrace.errors import UserError
 
 from .service_auth import Caller, authorize, caller_of, confirm_caller
 from .service_caps import close_pidfds, peer_credentials, pidfd_support
-from .service_jobs import Job, JobTable, Limits, prepare_state_dir
+from .service_jobs import Job, JobTable, Limits, prepare_state_dir, salvage_staging
 from .service_protocol import MAX_REPLY as MAX_REPLY  # re-exported: `gputrace daemon` imports it from here
 from .service_protocol import MAX_REQUEST, ProtocolError, recv_frame, send_frame, validate
 
@@ -240,6 +240,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     limits = Limits(args.max_duration_s, args.max_jobs, args.max_jobs_per_user)
     prepare_state_dir(args.state_dir)
+    salvage_staging(args.state_dir, _log)
     stopping = threading.Event()  # before the socket exists: a stop sent once it appears is never lost
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

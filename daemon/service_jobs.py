@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import pwd
+import re
 import shutil
 import tempfile
 import threading
@@ -277,6 +279,61 @@ def user_dir_fd(path: Path, uid: int, gid: int) -> int:
         os.close(fd)
         raise UserError(f"{path} belongs to uid {st.st_uid}, not {uid}")
     return fd
+
+
+_PARTIAL = re.compile(r"^\.(.+)\.gputrace\.\d+\.partial$")
+
+
+def salvage_staging(state_dir: Path, log: Callable[[str], None]) -> int:
+    """Captures an earlier run of the service left in staging (it was killed or crashed mid-capture): each is
+    handed to the user who asked for it as NAME.cut-off.gputrace (NAME.gputrace when it was finished but not
+    yet handed over), readable up to the cut like any cut-off capture; then its stage goes. One whose owner
+    cannot be read from its header is removed, and said so. Returns how many were handed over."""
+    staging, handed = state_dir / STAGING, 0
+    for stage in sorted(staging.iterdir()):
+        if stage.is_symlink() or not stage.is_dir():
+            stage.unlink()
+            continue
+        for f in sorted(stage.iterdir()):
+            m = _PARTIAL.match(f.name)
+            final = f"{m[1]}.cut-off.gputrace" if m else f.name
+            if not final.endswith(".gputrace") or f.is_symlink() or not f.is_file():
+                continue  # a .pftrace is made again from the capture by `gputrace export`
+            try:
+                uid = _requested_by(f)
+                os.rename(f, stage / final)
+                dfd = user_dir_fd(state_dir / str(uid), uid, _primary_gid(uid))
+                sfd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    _hand_over(sfd, dfd, final, uid, _primary_gid(uid))
+                finally:
+                    os.close(sfd)
+                    os.close(dfd)
+                handed += 1
+                log(f"{final} of uid {uid} was cut off when the service last stopped; handed over as is")
+            except (UserError, OSError, ValueError) as e:
+                log(f"{f.name} left in staging by the service's last run removed: {e}")
+        shutil.rmtree(stage, ignore_errors=True)
+    return handed
+
+
+def _requested_by(path: Path) -> int:
+    """The uid a capture of this service was made for: its header's argv (gputraced job=N uid=U PID...)."""
+    from gputrace.capture import CaptureReader
+
+    with CaptureReader(path) as reader:
+        argv = reader.header.get("argv")
+    if not (isinstance(argv, list) and len(argv) > 2 and argv[0] == "gputraced" and isinstance(argv[2], str)
+            and argv[2].startswith("uid=") and argv[2][4:].isdigit()):
+        raise ValueError("not a capture of this service (no uid in its header)")
+    return int(argv[2][4:])
+
+
+def _primary_gid(uid: int) -> int:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid  # a uid with no name: its files get the group of the same number, as useradd makes them
 
 
 def publish(job: Job, user_dir: Path) -> list[Path]:

@@ -661,3 +661,59 @@ def test_a_user_s_running_python_3_14_gets_the_agent_through_the_service(svc: Sv
     with CaptureReader(svc.state / "65534" / "attached.gputrace") as reader:
         kernels = [rec for rec in reader.records() if type(rec).__name__ == "GpuKernel"]
     assert len(kernels) > 20 and {k.pid for k in kernels} == {child.pid}
+
+
+def test_a_capture_cut_off_by_a_killed_service_is_handed_over_at_its_next_start() -> None:
+    """The service killed mid-capture (a crash, SIGKILL, the machine's OOM killer) leaves the capture in its
+    root-only staging: the next start hands it to the user who asked, cut off but readable, and clears
+    staging; nothing of it is left where no one sees it."""
+    base = Path(tempfile.mkdtemp(prefix="gputraced-crash-"))
+    base.chmod(0o755)  # uid 65534 must reach the socket
+    service = Svc(base, "--request-timeout-s", "30")
+    child = _child(NOBODY)
+    try:
+        r = service.client("capture", "-p", str(child.pid), "-d", "60", "--name", "crash", "--no-wait", user=NOBODY)
+        assert r.returncode == 0, r.stderr
+        staging = service.state / ".staging"
+        wait_for(lambda: any(f.stat().st_size > 4096 for d in staging.iterdir() for f in d.iterdir()), 30,
+                 "the capture to write its first records")
+        service.proc.kill()
+        service.proc.communicate(timeout=30)
+        [left] = [f for d in staging.iterdir() for f in d.iterdir()]
+        assert left.name.endswith(".partial"), left
+        service.sock.unlink()  # left by the killed service: wait for the new one's
+        service = Svc(base, "--request-timeout-s", "30")  # the same state directory
+    finally:
+        child.kill()
+        service.proc.terminate()
+        _, err = service.proc.communicate(timeout=90)
+    try:
+        cap = service.state / "65534" / "crash.cut-off.gputrace"
+        st = cap.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o600)
+        assert "crash.cut-off.gputrace of uid 65534 was cut off when the service last stopped" in err, err
+        assert not list((service.state / ".staging").iterdir()), "staging left behind"
+        with CaptureReader(cap) as reader:
+            recs = list(reader.records())
+            assert not reader.complete and child.pid in reader.header["targets"]
+        assert any(type(rec).__name__ == "ProcInfo" and rec.pid == child.pid for rec in recs)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_staging_a_capture_of_no_user_is_removed_and_said_so(tmp_path: Path) -> None:
+    """What staging holds that names no user (a header cut short, not a capture of this service, a link) is
+    removed at start and logged, never handed to anyone."""
+    from gputrace.daemon.service_jobs import prepare_state_dir, salvage_staging
+
+    prepare_state_dir(tmp_path)
+    stage = tmp_path / ".staging" / "3-x"
+    stage.mkdir()
+    (stage / ".cut.gputrace.77.partial").write_bytes(b"\x92\xa1H")  # the header's first bytes only
+    (stage / "other.gputrace").write_bytes(b"not a capture")
+    (tmp_path / ".staging" / "4-link").symlink_to("/etc")
+    said: list[str] = []
+    assert salvage_staging(tmp_path, said.append) == 0
+    assert not list((tmp_path / ".staging").iterdir()) and os.path.exists("/etc/passwd")
+    assert sorted(m.split(" ")[0] for m in said) == [".cut.gputrace.77.partial", "other.gputrace"], said
+    assert not [p for p in tmp_path.iterdir() if p.name != ".staging"], "nothing handed over"
