@@ -10,6 +10,7 @@ import pytest
 from gputrace.analysis import analyze, summary_lines
 from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
+from gputrace.viewer.terminal import describe
 
 TRAINER, WORKER, WORKER2 = 100, 200, 300
 PATH = "/data/shard-0042.bin"
@@ -185,6 +186,7 @@ def test_a_timed_out_gil_wait_is_the_running_thread_s(tmp_path: Path) -> None:
     recorded wait. In a Python process, the one other thread that ran through the timed-out wait held it."""
     s = only_stall(run(_gil_wait(trainer(), TRAINER + 1), tmp_path))
     assert (s["cause"], s["culprit"]["tid"], s["via"]) == ("cpu", TRAINER + 1, [f"gil:tid {TRAINER + 1}"]), s
+    assert describe(s) == f"pid {TRAINER} (python), thread {TRAINER + 1} cpu"  # the report names the thread
     # preempted for a quarter of the wait, in the run queue: a holder that cannot run still holds the lock
     b = _gil_wait(trainer(), TRAINER + 1).offcpu(TRAINER, TRAINER + 1, 20.0, 27.0, "R")
     s = only_stall(run(b, tmp_path))

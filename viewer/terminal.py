@@ -155,6 +155,8 @@ def describe(s: dict[str, Any]) -> str:
     if s["cause"] == "unknown":
         return "nothing recorded explains it" + (f" ({s['why']})" if s.get("why") else "")
     who = pid_text(c) if c.get("pid") else ""
+    if who and s["cause"] in ("cpu", "cpu.runqueue") and c.get("tid") and c["tid"] != c["pid"]:
+        who += f", thread {c['tid']}"  # not the process's main thread: a worker thread, a GIL holder
     what = " ".join(x for x in (c.get("op", ""), c.get("object", "")) if x)
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):
