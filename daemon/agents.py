@@ -166,8 +166,12 @@ class AgentServer:
     def inject(self, pid: int) -> Path:
         """Load the agent into a running, unarmed Python >= 3.14 (UserError saying why when impossible).
 
-        A process in a container cannot see our socket or files: it gets a socket of its own in its attach
-        dir, as offers do, and the script beside it (both removed when the session ends)."""
+        A process that sees another filesystem than ours cannot see our socket or files: a container's, or
+        a host process seen from gputraced (its /tmp, where the session's socket is, is private). It gets a
+        socket of its own in its attach dir as it sees it, made through /proc/PID/root as offers are (so in
+        the host's /run/gputrace/attach, though the service sees / read-only), and the script beside it (both
+        removed when the session ends). Whether its namespaces are entered is another question, the helper's
+        (gputrace.agent.nsexec: a container's are, the host's are not)."""
         from gputrace.agent.inject import inject, script_name
 
         if not foreign_root(pid):

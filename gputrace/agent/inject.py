@@ -2,12 +2,16 @@
 
 ``sys.remote_exec`` only works between interpreters of the same version, so the call is made by the
 target's own interpreter (its /proc/PID/exe), in a helper process. That file is the target owner's (or a
-container's) to choose, so the helper runs with the target's credentials, in its namespaces and root
-(gputrace.agent.nsexec), never with ours. Before trying, everything that would make it fail is checked and
-reported as one clear line: not Python, too old, remote debugging disabled, no permission to ptrace it.
+container's) to choose, so the helper runs with the target's credentials, in its container's namespaces
+and root when it has them (gputrace.agent.nsexec), never with ours. A host process is in no container, even
+seen from gputraced's own mount and network namespaces: the helper then stays in the service's sandbox,
+which gives it less than the host would. Before trying, everything that would make it fail is checked and
+reported as one clear line: not Python, too old, remote debugging disabled, no permission to ptrace it, a
+container that cannot be entered, an interpreter the sandbox does not show at its path.
 
-A process in a container is given the session's socket and the script in its own root (the caller makes
-them there: daemon/agents.py); the script carries the agent's modules, which the container lacks.
+A process that sees another filesystem than ours (a container's, or the host's seen from gputraced, whose
+/tmp is private) is given the session's socket and the script in its own root (the caller makes them there,
+through /proc/PID/root: daemon/agents.py); the script carries the agent's modules, which it may lack.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import zlib
 from pathlib import Path
 
 from gputrace.agent import nsexec
-from gputrace.agent.listen import as_owner, foreign_root, own_namespace
+from gputrace.agent.listen import as_owner, container_root, in_container, own_namespace
 from gputrace.agent.nsexec import trusted_binary
 from gputrace.agent.pidns import PeerIds
 from gputrace.caps import CAP_SYS_ADMIN, CAP_SYS_PTRACE, has_cap
@@ -114,13 +118,17 @@ def check_ptrace_permission(pid: int, exe: str) -> None:
     except OSError:
         raise UserError(f"no process with pid {pid}") from None
     if os.geteuid() == 0:
-        contained = not all(own_namespace(pid, n) for n in (*nsexec.NAMESPACES, "user"))
+        # A container's namespaces are entered; the host's are not, even where ours differ (gputraced runs
+        # in a mount, network and UTS namespace of its own): the helper then stays in ours (nsexec).
+        contained = any(in_container(pid, n) for n in (*nsexec.NAMESPACES, "user"))
         if contained and not has_cap(CAP_SYS_ADMIN):
             raise PermissionDenied(
                 f"pid {pid} runs in a container, and entering it needs CAP_SYS_ADMIN, which this process does "
                 f"not hold (gputraced does not keep it): run `sudo gputrace capture -p {pid}`, or start it armed"
             )
-        foreign = scope >= 1 and foreign_root(pid)
+        foreign = container_root(pid)
+        if not foreign and not own_namespace(pid, "mnt"):
+            check_interpreter_visible(pid, exe)
         if scope >= 1 and (foreign or not trusted_binary(exe)):
             why = "it runs in a container" if foreign else f"its interpreter {exe} is not root's alone"
             raise PermissionDenied(
@@ -133,6 +141,24 @@ def check_ptrace_permission(pid: int, exe: str) -> None:
     if scope >= 1 and not has_cap(CAP_SYS_PTRACE):
         raise PermissionDenied(
             f"kernel.yama.ptrace_scope = {scope} lets only ancestors attach; attaching needs CAP_SYS_PTRACE"
+        )
+
+
+def check_interpreter_visible(pid: int, exe: str) -> None:
+    """A host process seen from our own mount namespace (gputraced's): the helper runs its interpreter in
+    ours, where that interpreter must find its own files at the paths the process has them, and where Yama's
+    trust in it (``trusted_binary``) is judged by its path. So the path must name the very file the process
+    runs, here too: not one in a private /tmp or a hidden home directory, or another file put in its place."""
+    try:
+        a, b = os.stat(exe), os.stat(f"/proc/{pid}/exe")
+        same = (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    except OSError:
+        same = False
+    if not same:
+        raise UserError(
+            f"pid {pid}: its interpreter {exe} is not that file in this process's view of the file system "
+            "(gputraced has a private /tmp and may hide home directories), where the attach helper would run "
+            f"it; run `sudo gputrace capture -p {pid}`, or start it armed"
         )
 
 

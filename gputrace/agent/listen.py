@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gputrace.agent import nsexec
 from gputrace.errors import UserError
 from gputrace.source import Sink
 
@@ -151,13 +152,49 @@ def own_namespace(pid: int, ns: str) -> bool:
 
 
 def foreign_root(pid: int) -> bool:
-    """Whether ``pid`` sees another filesystem than ours: another mount namespace or root (a container)."""
+    """Whether ``pid`` sees another filesystem than ours: another mount namespace or root. Our paths do not
+    name its files then (a container's; or a host process seen from gputraced, whose /tmp is private), so
+    what it must open is made through /proc/PID/root, in the directory as it sees it (``listen_in_root``).
+    Whether that filesystem is a container's, to be entered, is another question: ``in_container``."""
     try:
         ours = [os.stat(f"/proc/self/{p}") for p in ("ns/mnt", "root")]
         theirs = [os.stat(f"/proc/{pid}/{p}") for p in ("ns/mnt", "root")]
     except OSError:
         return False
     return any((a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) for a, b in zip(ours, theirs, strict=True))
+
+
+def in_container(pid: int, ns: str) -> bool:
+    """Whether ``pid``'s namespace ``ns`` is a container's: neither ours nor the host's (pid 1's), as the
+    attach helper decides what to enter (gputrace.agent.nsexec.container_namespace). A host process is in
+    none, even for gputraced, which runs in a mount and network namespace of its own. An unreadable one
+    counts as shared."""
+    try:
+        proc = os.open(f"/proc/{int(pid)}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return nsexec.container_namespace(ns, proc)
+    except OSError:
+        return False
+    finally:
+        os.close(proc)
+
+
+def container_root(pid: int) -> bool:
+    """Whether ``pid``'s files are a container's (its mount namespace is one) or a chroot's: where the attach
+    helper enters its root (gputrace.agent.nsexec.container_root). False for a host process, even seen from
+    gputraced's own mount namespace; True when it cannot be told."""
+    try:
+        proc = os.open(f"/proc/{int(pid)}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return foreign_root(pid)
+    try:
+        return nsexec.container_root(proc)
+    except OSError:
+        return True
+    finally:
+        os.close(proc)
 
 
 def listen_in_root(pid: int, directory: Path, name: str) -> Listener:

@@ -10,6 +10,18 @@ the target could not do itself, and it names the target by its pid there and rea
 Two things of the target's are not copied: its seccomp filter and its LSM profile; a helper with no
 capabilities gains little from that.
 
+Which namespaces are the target's own (a container's), to be entered, is ``container_namespace``: one that
+differs from ours *and* from pid 1's (the init of our pid namespace, which we and the host's processes
+descend from). A sandboxed caller (gputraced under its unit: a mount, network and UTS namespace of its own,
+no CAP_SYS_ADMIN, setns forbidden) differs from every host process in those, but a host process's namespace
+is the host's, not a container's: the helper then stays in ours. That gives it less, never more: in the
+service's mount namespace it sees the host's files read-only, a private /tmp, no network, and it still has
+only the target's ids and capabilities. What it needs there is only ptrace access to the target (the kernel
+checks that against its credentials, not its namespaces), the target's pid, which is the same in our pid
+namespace, and the target's interpreter and the libraries it maps, at the same paths (gputrace.agent.inject
+checks the interpreter first). Where pid 1's namespaces cannot be read, any namespace unlike ours is a
+container's, as before: the helper tries to enter it and needs CAP_SYS_ADMIN for that.
+
 ``main`` is run with ``PID [--ptrace] -- ARGV...`` by a fresh interpreter of ours (``argv_for``)
 (setns, chroot and fork have no place in a multi-threaded daemon). ARGV[0] ``@exe`` means the target's
 executable itself, opened before entering anything. ``--ptrace`` adds CAP_SYS_PTRACE (for a Yama ptrace
@@ -137,8 +149,9 @@ def _what(argv: list[str]) -> str:
 def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
     proc = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # this process, not a later one
     theirs = credentials(proc).limited_to(Credentials.parse(Path("/proc/self/status").read_text()))
-    names = [n for n in NAMESPACES if not _same(proc, n)]
-    if not _same(proc, "user"):
+    names = [n for n in NAMESPACES if container_namespace(n, proc)]
+    chroot = "mnt" in names or container_root(proc)  # asked before anything is entered
+    if container_namespace("user", proc):
         # A rootless container: its ids are given in its own terms once we are in its user namespace.
         theirs = theirs.inside(_id_map(proc, "uid_map"), _id_map(proc, "gid_map"))
         names.append("user")  # last: entering the others needs our own privileges
@@ -151,9 +164,9 @@ def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
         if libc.setns(fd, 0) != 0:  # os.setns is Python >= 3.12
             err = ctypes.get_errno()
             raise OSError(err, f"cannot enter its {name} namespace: {os.strerror(err)}")
-    if ns or not _same_root(root):
+    if chroot:
         os.fchdir(root)
-        os.chroot(".")  # CAP_SYS_CHROOT: only where the target's root is not ours
+        os.chroot(".")  # CAP_SYS_CHROOT: only where the target's root is not ours, nor the host's
     os.chdir("/")
     child = os.fork()  # a new pid namespace holds only children
     if child == 0:
@@ -170,23 +183,54 @@ def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _same_root(root: int) -> bool:
-    a, b = os.stat("/"), os.fstat(root)
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 def _id_map(proc: int, name: str) -> list[tuple[int, int, int]]:
     """A user namespace's uid_map or gid_map as we read it: (id inside, id here, count) ranges."""
     with open(name, opener=lambda n, flags: os.open(n, flags, dir_fd=proc)) as f:
         return [(int(a), int(b), int(c)) for a, b, c in (line.split() for line in f if line.strip())]
 
 
-def _same(proc: int, ns: str) -> bool:
+def container_namespace(ns: str, proc: int) -> bool:
+    """Whether the process whose /proc/PID directory is open as ``proc`` has a namespace ``ns`` of a
+    container's: one that is not ours and not that of pid 1 of our pid namespace (the host's, where we
+    run sandboxed in namespaces of our own). Where pid 1's cannot be read, any namespace unlike ours is one.
+    A kernel without this namespace kind has none; any other error reading the target's is raised."""
     try:
-        a, b = os.stat(f"/proc/self/ns/{ns}"), os.stat(f"ns/{ns}", dir_fd=proc)
+        ours = _ns_id(f"/proc/self/ns/{ns}")
+        theirs = _ns_id(f"ns/{ns}", proc)
     except FileNotFoundError:
-        return True  # a kernel without this namespace kind
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        return False  # a kernel without this namespace kind
+    if theirs == ours:
+        return False
+    try:
+        return theirs != _ns_id(f"/proc/1/ns/{ns}")
+    except OSError:
+        return True  # pid 1 hides its namespaces (an LSM can): as before, a namespace not ours is entered
+
+
+def container_root(proc: int) -> bool:
+    """Whether the process's files are not those we see: its mount namespace is a container's, or its root
+    is not the root of the mount namespace it shares, ours or the host's (pid 1's): a chroot."""
+    if container_namespace("mnt", proc):
+        return True
+    theirs = _ns_id("root", proc)
+    if theirs == _ns_id("/proc/self/root"):
+        return False
+    try:
+        shares_ours = _ns_id("ns/mnt", proc) == _ns_id("/proc/self/ns/mnt")
+    except FileNotFoundError:
+        shares_ours = True
+    if shares_ours:
+        return True
+    try:
+        return theirs != _ns_id("/proc/1/root")
+    except OSError:
+        return True
+
+
+def _ns_id(path: str, dir_fd: int | None = None) -> tuple[int, int]:
+    """What identifies a namespace or a directory: the device and inode of ``path`` (followed)."""
+    st = os.stat(path, dir_fd=dir_fd)
+    return st.st_dev, st.st_ino
 
 
 def _path_of(fd: int) -> str:
