@@ -88,10 +88,15 @@ class OtlpExporter:
         if result.dropped:
             detail = errors[-1] if errors else "the collector rejected or did not answer the request"
             result.notes.append(f"{result.dropped} spans not delivered: {detail}")
+            given_up = ""
+            if shipper.not_sent:  # said, so that a user does not wonder why the collector saw fewer requests
+                given_up = (f" (the last {shipper.not_sent} were not sent: failed requests had taken "
+                            f"{shipper.failed_s:.1f} s, the timeout)")
+                result.notes.append(given_up.strip(" ()"))
             if not result.items:
                 raise OtlpUnreachable(
                     f"OTLP export to {self.endpoint} ({self.protocol}) failed: {detail}; "
-                    f"{result.dropped} spans not delivered", result)
+                    f"{result.dropped} spans not delivered{given_up}", result)
         return result
 
     def _unreachable_reason(self) -> str:
@@ -158,7 +163,8 @@ class _BatchShipper(SpanProcessor):
         self.batch_size = batch_size
         self.result = result
         self.timeout_s = timeout_s
-        self.silent = False  # a batch failed after waiting the whole timeout: the collector does not answer
+        self.failed_s = 0.0  # time spent on batches that failed, retries included
+        self.not_sent = 0  # spans counted as not delivered without being sent: failures took the whole timeout
         self._batch: list[ReadableSpan] = []
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -170,8 +176,9 @@ class _BatchShipper(SpanProcessor):
         batch, self._batch = self._batch, []
         if not batch:
             return
-        if self.silent:  # waiting a timeout per batch would make a large export hang for minutes
+        if self.gave_up:  # a timeout (or the exporter's retries) per batch would make a large export hang for minutes
             self.result.dropped += len(batch)
+            self.not_sent += len(batch)
             return
         t0 = time.monotonic()
         try:
@@ -183,7 +190,13 @@ class _BatchShipper(SpanProcessor):
             self.result.items += len(batch)
         else:
             self.result.dropped += len(batch)
-            self.silent = time.monotonic() - t0 >= 0.9 * self.timeout_s
+            self.failed_s += time.monotonic() - t0
+
+    @property
+    def gave_up(self) -> bool:
+        """Failed batches have waited (on the collector, or between the exporter's retries) one timeout in all:
+        the collector does not answer, or keeps answering that it is unavailable."""
+        return self.failed_s >= 0.9 * self.timeout_s
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         self.flush()

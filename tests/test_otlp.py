@@ -5,14 +5,18 @@ from __future__ import annotations
 import http.server
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import otlp_receiver
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.rpc.error_details_pb2 import RetryInfo
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from otlp_receiver import Receiver
@@ -199,6 +203,66 @@ def test_collector_that_rejects_counts_drops(capture: CaptureReader) -> None:
     finally:
         server.stop(None)
     assert err.value.result.dropped == 5 and "failed" in str(err.value)
+
+
+class _Unavailable(trace_service_pb2_grpc.TraceServiceServicer):
+    """Answers every request at once that it is unavailable, and to retry in 0.3 s (gRPC's RetryInfo)."""
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+        retry = RetryInfo(retry_delay=Duration(nanos=300_000_000)).SerializeToString()
+        context.set_trailing_metadata((("google.rpc.retryinfo-bin", retry),))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "overloaded")
+
+
+class _Http503(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(503)
+        self.send_header("Retry-After", "0.3")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def _unavailable_collector(protocol: str) -> Iterator[str]:
+    if protocol == "grpc":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Unavailable(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            server.stop(None)
+        return
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Http503)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_collector_that_stays_unavailable_costs_one_timeout(capture: CaptureReader, protocol: str) -> None:
+    """Each batch is retried (every 0.3 s, as the collector asks) until the exporter gives up, ~1.5 s: once
+    failed batches have taken the timeout in all, the rest are counted without being sent, not retried too."""
+    report = _report()
+    report["stalls"] = [report["stalls"][0]] * 100  # 301 spans, 16 batches of 20
+    with _unavailable_collector(protocol) as endpoint:
+        exporter = OtlpExporter(endpoint, protocol, report=report, batch_size=20, timeout_s=2.0)
+        t0 = time.monotonic()
+        with pytest.raises(OtlpUnreachable) as err:
+            exporter.write(capture)
+        elapsed = time.monotonic() - t0
+    assert (err.value.result.items, err.value.result.dropped) == (0, 301)
+    assert elapsed < 8.0, f"{elapsed:.1f} s: the exporter's retries once per batch"
+    assert "were not sent: failed requests had taken" in str(err.value), str(err.value)
 
 
 def test_endpoint_parsing() -> None:
