@@ -7,11 +7,14 @@ capture header's monotonic->realtime offset through gputrace.clock.
 
 Spans are recorded with the OpenTelemetry SDK and handed to the OTLP exporter here, batch by batch, instead
 of through a BatchSpanProcessor (which drops spans when its queue is full and only logs it): every span a
-batch failed to deliver is counted in ``ExportResult.dropped``.
+batch failed to deliver is counted in ``ExportResult.dropped``, and so is every span a collector received but
+rejected (the response's ``partial_success``, which the SDK's exporters do not read: read here from each
+response).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -20,7 +23,9 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -80,14 +85,20 @@ class OtlpExporter:
             raise OtlpUnreachable(
                 f"OTLP endpoint {self.endpoint} ({self.protocol}) unreachable: {reason}; "
                 f"{result.dropped} spans not delivered", result)
-        shipper = _BatchShipper(self._make_exporter(), self.batch_size, result, self.timeout_s)
+        rejections = Rejections()
+        shipper = _BatchShipper(self._make_exporter(rejections), self.batch_size, result, self.timeout_s, rejections)
         with _quiet_exporter_logs() as errors:
             record_spans(report, header, shipper)
             shipper.flush()
             shipper.exporter.shutdown()
         if result.dropped:
+            failed = result.dropped - shipper.rejected  # in requests that failed, not rejected from one that worked
             detail = errors[-1] if errors else "the collector rejected or did not answer the request"
-            result.notes.append(f"{result.dropped} spans not delivered: {detail}")
+            if shipper.rejected:
+                result.notes.append(rejections.describe())
+                detail = detail if failed else rejections.describe()
+            if failed:
+                result.notes.append(f"{failed} spans not delivered: {detail}")
             given_up = ""
             if shipper.not_sent:  # said, so that a user does not wonder why the collector saw fewer requests
                 given_up = (f" (the last {shipper.not_sent} were not sent: failed requests had taken "
@@ -107,14 +118,66 @@ class OtlpExporter:
         except OSError as e:
             return e.strerror or str(e)
 
-    def _make_exporter(self) -> SpanExporter:
+    def _make_exporter(self, rejections: Rejections) -> SpanExporter:
         if self.protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
-            return Grpc(endpoint=self.endpoint, insecure=not self.secure, timeout=self.timeout_s)
+            exporter = Grpc(endpoint=self.endpoint, insecure=not self.secure, timeout=self.timeout_s)
+            rejections.tap_grpc(exporter)
+            return exporter
+        import requests
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-        return Http(endpoint=self.endpoint, timeout=self.timeout_s)
+        session = requests.Session()
+        session.hooks["response"].append(rejections.on_http_response)
+        return Http(endpoint=self.endpoint, timeout=self.timeout_s, session=session)
+
+
+class Rejections:
+    """Spans a collector received but rejected: an OTLP response's ``partial_success`` (the request succeeded,
+    ``rejected_spans`` of it did not), which the SDK's exporters discard. Read here from every response."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.message = ""
+
+    def note(self, response: ExportTraceServiceResponse) -> None:
+        partial = response.partial_success
+        self.spans += max(0, int(partial.rejected_spans))
+        if partial.error_message:
+            self.message = partial.error_message.splitlines()[0][:300]
+
+    def describe(self) -> str:
+        why = f": {self.message}" if self.message else ""
+        return f"the collector rejected {self.spans} of the spans it received (partial success){why}"
+
+    def on_http_response(self, response: Any, *args: Any, **kwargs: Any) -> None:
+        """A requests response hook: a 200 answer's body is an ExportTraceServiceResponse (or empty)."""
+        if response.status_code != 200 or not response.content:
+            return
+        with contextlib.suppress(DecodeError):  # not protobuf (a proxy's page, JSON): no rejection to read
+            self.note(ExportTraceServiceResponse.FromString(response.content))
+
+    def tap_grpc(self, exporter: Any) -> None:
+        """Make the gRPC exporter's stub (and those it makes when it reconnects) show us each response before
+        handing it back. Its attributes are private: where a version lacks them, nothing is tapped."""
+
+        def tap(stub: Any) -> Any:
+            export = stub.Export
+
+            def tapped_export(*args: Any, **kwargs: Any) -> Any:
+                response = export(*args, **kwargs)
+                self.note(response)
+                return response
+
+            stub.Export = tapped_export
+            return stub
+
+        make_stub = getattr(exporter, "_stub", None)
+        if callable(make_stub):
+            exporter._stub = lambda channel: tap(make_stub(channel))
+        if getattr(exporter, "_client", None) is not None:
+            tap(exporter._client)
 
 
 def parse_endpoint(endpoint: str, protocol: str) -> tuple[str, str, int, bool]:
@@ -158,8 +221,10 @@ class _BatchShipper(SpanProcessor):
     """Receives ended spans from the SDK and sends them in batches, counting what each batch fails to deliver."""
 
     def __init__(self, exporter: SpanExporter, batch_size: int, result: ExportResult,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, rejections: Rejections | None = None) -> None:
         self.exporter = exporter
+        self.rejections = rejections or Rejections()
+        self.rejected = 0  # spans of delivered batches that the collector rejected (partial success)
         self.batch_size = batch_size
         self.result = result
         self.timeout_s = timeout_s
@@ -181,13 +246,17 @@ class _BatchShipper(SpanProcessor):
             self.not_sent += len(batch)
             return
         t0 = time.monotonic()
+        rejected_before = self.rejections.spans
         try:
             ok = self.exporter.export(batch) is SpanExportResult.SUCCESS
         except Exception as e:  # noqa: BLE001 - a transport error is a failed batch, counted below
             logging.getLogger(_EXPORTER_LOGGERS[0]).error("%s", e)
             ok = False
-        if ok:
-            self.result.items += len(batch)
+        if ok:  # delivered, less what the collector said it rejected
+            rejected = min(len(batch), self.rejections.spans - rejected_before)
+            self.rejected += rejected
+            self.result.items += len(batch) - rejected
+            self.result.dropped += rejected
         else:
             self.result.dropped += len(batch)
             self.failed_s += time.monotonic() - t0

@@ -205,6 +205,28 @@ def test_collector_that_rejects_counts_drops(capture: CaptureReader) -> None:
     assert err.value.result.dropped == 5 and "failed" in str(err.value)
 
 
+@contextmanager
+def _collector(protocol: str, servicer: Any, handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    if protocol == "grpc":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            server.stop(None)
+        return
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 class _Unavailable(trace_service_pb2_grpc.TraceServiceServicer):
     """Answers every request at once that it is unavailable, and to retry in 0.3 s (gRPC's RetryInfo)."""
 
@@ -226,35 +248,13 @@ class _Http503(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
-def _unavailable_collector(protocol: str) -> Iterator[str]:
-    if protocol == "grpc":
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Unavailable(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        try:
-            yield f"127.0.0.1:{port}"
-        finally:
-            server.stop(None)
-        return
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Http503)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_collector_that_stays_unavailable_costs_one_timeout(capture: CaptureReader, protocol: str) -> None:
     """Each batch is retried (every 0.3 s, as the collector asks) until the exporter gives up, ~1.5 s: once
     failed batches have taken the timeout in all, the rest are counted without being sent, not retried too."""
     report = _report()
     report["stalls"] = [report["stalls"][0]] * 100  # 301 spans, 16 batches of 20
-    with _unavailable_collector(protocol) as endpoint:
+    with _collector(protocol, _Unavailable(), _Http503) as endpoint:
         exporter = OtlpExporter(endpoint, protocol, report=report, batch_size=20, timeout_s=2.0)
         t0 = time.monotonic()
         with pytest.raises(OtlpUnreachable) as err:
@@ -263,6 +263,40 @@ def test_collector_that_stays_unavailable_costs_one_timeout(capture: CaptureRead
     assert (err.value.result.items, err.value.result.dropped) == (0, 301)
     assert elapsed < 8.0, f"{elapsed:.1f} s: the exporter's retries once per batch"
     assert "were not sent: failed requests had taken" in str(err.value), str(err.value)
+
+
+def _partial_success() -> trace_service_pb2.ExportTraceServiceResponse:
+    partial = trace_service_pb2.ExportTracePartialSuccess(rejected_spans=2, error_message="spans too old")
+    return trace_service_pb2.ExportTraceServiceResponse(partial_success=partial)
+
+
+class _PartialGrpc(trace_service_pb2_grpc.TraceServiceServicer):
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return _partial_success()
+
+
+class _PartialHttp(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        out = _partial_success().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_spans_a_collector_rejects_are_counted(capture: CaptureReader, protocol: str) -> None:
+    """A collector may accept a request and reject part of it (OTLP partial success, status OK): those spans
+    were not delivered, and the export must not say they were."""
+    with _collector(protocol, _PartialGrpc(), _PartialHttp) as endpoint:
+        result = OtlpExporter(endpoint, protocol, report=_report()).write(capture)
+    assert (result.items, result.dropped) == (3, 2)
+    assert any("rejected 2 of the spans it received (partial success): spans too old" in n for n in result.notes)
 
 
 def test_endpoint_parsing() -> None:
