@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -104,3 +105,49 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("gputrace: error: ") for line in err)
     assert "gputrace view" in err[2]
+
+
+def _write_syscalls() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscw:"))
+
+
+def test_json_goes_out_in_few_writes_on_an_unbuffered_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under PYTHONUNBUFFERED=1 (set in many container images) stdout writes every piece it is given at once:
+    the JSON of a large capture must not become one write() per token."""
+    b = Builder().proc(TRAINER, "python").device(TRAINER)
+    for i in range(300):
+        b.op(TRAINER, TRAINER, i * 3, i * 3, i * 3 + 1, f"k{i}")  # a 2 ms stall before each kernel
+    cap = b.write(tmp_path / "many.gputrace")
+    out = tmp_path / "report.json"
+    with open(out, "wb", buffering=0) as raw:  # what python -u / PYTHONUNBUFFERED=1 gives sys.stdout
+        unbuffered = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+        monkeypatch.setattr(sys, "stdout", unbuffered)
+        before = _write_syscalls()
+        assert main(["report", str(cap), "--json"]) == 0
+        writes = _write_syscalls() - before
+        unbuffered.detach()
+    assert len(json.loads(out.read_text())["stalls"]) == 299
+    assert writes < 20, f"{writes} write() calls for {out.stat().st_size:,} bytes"
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_json_cut_by_a_full_disk_is_told(tmp_path: Path, unbuffered: str) -> None:
+    """`report --json > r.json` where the disk fills up part way (a real 64 KiB tmpfs): an unbuffered stdout
+    takes a large write in part, silently; the report must still fail, and say so."""
+    b = Builder().proc(TRAINER, "python").device(TRAINER)
+    for i in range(300):
+        b.op(TRAINER, TRAINER, i * 3, i * 3, i * 3 + 1, f"k{i}")
+    cap = b.write(tmp_path / "many.gputrace")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "gputrace-test", str(tiny)], check=True)
+    try:
+        with open(tiny / "r.json", "w") as out:
+            r = subprocess.run([sys.executable, "-m", "gputrace", "report", str(cap), "--json"], stdout=out,
+                               stderr=subprocess.PIPE, text=True, timeout=60,
+                               env={"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": unbuffered})
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == "gputrace: error: writing the output: No space left on device; it is incomplete\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import signal
@@ -59,6 +60,24 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError("must be 0 to 65535 (0: any free port)")
     return value
+
+
+def write_stdout(text: str) -> None:
+    """All of ``text`` to stdout, in as few write() calls as it takes. An unbuffered stdout (python -u,
+    PYTHONUNBUFFERED=1) takes one large write in part where the disk fills up, and its text layer drops the
+    rest without a word: here the rest is written again, until the disk says why it cannot."""
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:  # a text-only stream (a test's StringIO)
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    data = memoryview(text.encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict"))
+    while data:
+        written = out.write(data)
+        if not written:  # non-blocking and full: nothing to wait on here
+            raise BlockingIOError(errno.EAGAIN, "stdout would block")
+        data = data[written:]
+    out.flush()
 
 
 class Terminated(KeyboardInterrupt):

@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
         html.write(report, html_out, title=Path(args.capture).name, force=args.force)
     if args.json:
-        json.dump(report, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        # whole: json.dump hands stdout every token apart, a write() each where stdout is unbuffered
+        common.write_stdout(json.dumps(report, indent=1) + "\n")
         if html_out is not None:  # stdout is the JSON alone
             print(f"Wrote {shown(str(html_out))}", file=sys.stderr)
         return 0
