@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -120,6 +121,9 @@ class OtlpExporter:
 
     def _make_exporter(self, rejections: Rejections) -> SpanExporter:
         if self.protocol == "grpc":
+            # gRPC's core logs each failed connection attempt (a TLS handshake, say) straight to stderr, around
+            # the one error said here; read when grpc is first imported, and a user's own setting is kept
+            os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
             exporter = Grpc(endpoint=self.endpoint, insecure=not self.secure, timeout=self.timeout_s)

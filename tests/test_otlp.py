@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import http.server
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -308,3 +311,18 @@ def test_endpoint_parsing() -> None:
             parse_endpoint(bad, "grpc")
     with pytest.raises(UserError):
         OtlpExporter("x", "thrift")
+
+
+def test_a_failing_grpc_connection_is_one_error_without_grpc_log_lines(
+        tmp_path: Path, grpc_receiver: tuple[Receiver, int]) -> None:
+    """TLS to a plaintext collector: gRPC's core would log every failed handshake to stderr around the error."""
+    _, port = grpc_receiver
+    w = CaptureWriter(tmp_path / "c.gputrace", host_header(["test"]))
+    cap = w.close({"end_ns": START, "complete": True})
+    code = ("import sys\nfrom gputrace.capture import CaptureReader\nfrom gputrace.exporters.otlp import OtlpExporter\n"
+            f"with CaptureReader({str(cap)!r}) as r:\n"
+            f"    OtlpExporter('https://127.0.0.1:{port}', timeout_s=1.5).write(r)\n")
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert "OtlpUnreachable" in r.stderr and "handshake failed" in r.stderr.lower()
+    assert "ssl_transport_security" not in r.stderr, r.stderr
