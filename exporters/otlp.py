@@ -94,7 +94,7 @@ class OtlpExporter:
             shipper.exporter.shutdown()
         if result.dropped:
             failed = result.dropped - shipper.rejected  # in requests that failed, not rejected from one that worked
-            detail = errors[-1] if errors else "the collector rejected or did not answer the request"
+            detail = failure_detail(errors)
             if shipper.rejected:
                 result.notes.append(rejections.describe())
                 detail = detail if failed else rejections.describe()
@@ -214,6 +214,20 @@ def _analyze(reader: CaptureReader, min_gap_ns: int) -> dict[str, Any]:
         raise UserError("stall analysis is not available in this installation; cannot build OTLP spans") from None
     report: dict[str, Any] = analyze(reader, min_gap_ns=min_gap_ns)
     return report
+
+
+_TRANSIENT = "Transient error "  # how the OTLP exporters log a failure they retry
+
+
+def failure_detail(errors: Sequence[str]) -> str:
+    """The exporter's last error message, with the cause of the last failure it retried when the message does
+    not name one (the HTTP exporter ends with "due to timeout, max retries or shutdown")."""
+    if not errors:
+        return "the collector rejected or did not answer the request"
+    causes = [e[len(_TRANSIENT):].split(" encountered while exporting")[0] for e in errors if e.startswith(_TRANSIENT)]
+    if causes and causes[-1] not in errors[-1]:
+        return f"{errors[-1].rstrip('.')} (last error: {causes[-1]})"
+    return errors[-1]
 
 
 def count_spans(report: dict[str, Any]) -> int:

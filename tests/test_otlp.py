@@ -266,6 +266,7 @@ def test_collector_that_stays_unavailable_costs_one_timeout(capture: CaptureRead
     assert (err.value.result.items, err.value.result.dropped) == (0, 301)
     assert elapsed < 8.0, f"{elapsed:.1f} s: the exporter's retries once per batch"
     assert "were not sent: failed requests had taken" in str(err.value), str(err.value)
+    assert ("overloaded" if protocol == "grpc" else "(last error: Service Unavailable)") in str(err.value)
 
 
 def _partial_success() -> trace_service_pb2.ExportTraceServiceResponse:
