@@ -74,11 +74,12 @@ class OtlpExporter:
         self.min_gap_ns = min_gap_ns
         self.batch_size = batch_size
         self.timeout_s = timeout_s
+        self.result: ExportResult | None = None  # of the write under way, or the last one
 
     def write(self, reader: CaptureReader) -> ExportResult:
         report = self.report if self.report is not None else _analyze(reader, self.min_gap_ns)
         header = reader.header
-        result = ExportResult(target=f"{self.protocol} {self.endpoint}")
+        result = self.result = ExportResult(target=f"{self.protocol} {self.endpoint}")
         reason = self._unreachable_reason()
         if reason:
             result.dropped = count_spans(report)
@@ -110,6 +111,10 @@ class OtlpExporter:
                     f"OTLP export to {self.endpoint} ({self.protocol}) failed: {detail}; "
                     f"{result.dropped} spans not delivered{given_up}", result)
         return result
+
+    def handled(self) -> int:
+        """Spans the write under way has sent or counted as not delivered so far (for a progress line)."""
+        return self.result.items + self.result.dropped if self.result else 0
 
     def _unreachable_reason(self) -> str:
         """Why a TCP connection to the endpoint fails, or "" (checked first: a refused port answers fast)."""

@@ -502,3 +502,31 @@ def test_capture_from_a_pipe_is_one_line(tmp_path: Path) -> None:
         assert r.returncode == 2, r.stderr
         assert r.stderr.decode() == ("gputrace: error: /dev/stdin is not a regular file; a capture is read more "
                                      "than once: save it to a file first\n")
+
+
+def test_otlp_export_shows_spans_sent_on_a_terminal(tmp_path: Path) -> None:
+    """Sending takes longer than analysing where the collector is slow: the line counts spans, not the file."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Slow(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+            time.sleep(0.7)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    b = Builder().proc(TRAINER, "python").device(TRAINER)
+    for i in range(600):
+        b.op(TRAINER, TRAINER, i * 3, i * 3, i * 3 + 1, f"k{i}")
+    cap = b.write(tmp_path / "many.gputrace")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        out, lines = _on_a_terminal(["export", str(cap), "--otlp", f"127.0.0.1:{port}"], tmp_path)
+    finally:
+        server.stop(None)
+    assert b"Sent 1,798 spans" in out  # 4 batches: 2.8 s of sending
+    assert [line for line in lines if re.fullmatch(r"gputrace: sending: [\d,]+ of 1,798 spans", line)], lines

@@ -108,14 +108,33 @@ def progress(reader: CaptureReader, what: str) -> Iterator[None]:
         return
     fd = reader.fileno()
     size = max(1, os.fstat(fd).st_size)
+
+    def read() -> str:
+        done = min(os.lseek(fd, 0, os.SEEK_CUR), size)  # the reader's buffer runs a little ahead
+        return f"{100 * done // size}% of {size / 1e6:,.1f} MB"
+
+    with _progress_line(what, read):
+        yield
+
+
+@contextlib.contextmanager
+def progress_count(what: str, done: Callable[[], int], total: int, unit: str) -> Iterator[None]:
+    """Like progress(), for work counted in items: "``what``: 1,024 of 60,047 ``unit``"."""
+    with _progress_line(what, lambda: f"{done():,} of {total:,} {unit}"):
+        yield
+
+
+@contextlib.contextmanager
+def _progress_line(what: str, state: Callable[[], str]) -> Iterator[None]:
+    if not sys.stderr.isatty():
+        yield
+        return
     stop = threading.Event()
 
     def show() -> None:
         shown = False
         while not stop.wait(1.0):
-            done = min(os.lseek(fd, 0, os.SEEK_CUR), size)  # the reader's buffer runs a little ahead
-            print(f"\rgputrace: {what}: {100 * done // size}% of {size / 1e6:,.1f} MB", end="", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"\rgputrace: {what}: {state()}", end="", file=sys.stderr, flush=True)
             shown = True
         if shown:
             print("\r\033[K", end="", file=sys.stderr, flush=True)

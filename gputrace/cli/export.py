@@ -98,11 +98,17 @@ def load_report(reader: CaptureReader, min_gap_ns: int) -> tuple[dict[str, Any] 
 
 
 def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
-    from gputrace.exporters.otlp import OtlpExporter
+    from gputrace.exporters.otlp import OtlpExporter, count_spans
 
     exporter = OtlpExporter(args.otlp, args.protocol, min_gap_ns=min_gap_ns)
-    with open_capture(args.capture) as reader, common.progress(reader, "analysing and sending"):
-        result = exporter.write(reader)
+    with open_capture(args.capture) as reader:
+        with common.progress(reader, "analysing"):
+            report, why = load_report(reader, min_gap_ns)
+        if report is None:
+            raise UserError(f"cannot build OTLP spans: {why}")
+        exporter.report = report
+        with common.progress_count("sending", exporter.handled, count_spans(report), "spans"):
+            result = exporter.write(reader)
     _print_notes(result)
     _warn_losses(reader, "exported what was readable")
     dropped = f" ({result.dropped:,} dropped)" if result.dropped else ""
