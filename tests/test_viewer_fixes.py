@@ -280,3 +280,24 @@ def test_a_cut_off_capture_does_not_claim_no_drops(tmp_path: Path) -> None:
             for p in (cut, whole)}  # fmt: skip
     assert "drops: none counted before the cut (the final counts were never written)" in outs["cut.gputrace"]
     assert "\ndrops: none\n" in outs["whole.gputrace"]
+
+
+def test_a_full_temporary_directory_is_a_clear_error(tmp_path: Path) -> None:
+    """A capture is exported under TMPDIR before it is served: a full one (a real 64 KiB tmpfs here) is named,
+    with where else to write the trace, not taken for a failing stdout."""
+    b = Builder().proc(TRAINER, "python").device(TRAINER)
+    for i in range(2000):
+        b.op(TRAINER, TRAINER, i * 3, i * 3, i * 3 + 1, f"k{i}")
+    cap = b.write(tmp_path / "run.gputrace")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "gputrace-test", str(tiny)], check=True)
+    try:
+        r = _gputrace("view", "--no-browser", "--port", str(_free_port()), str(cap), TMPDIR=str(tiny))
+        left = list(tiny.iterdir())
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot write the temporary Perfetto trace in {tiny}/gputrace-view-" in r.stderr
+    assert "No space left on device (point TMPDIR at a directory with room" in r.stderr
+    assert "gputrace export " in r.stderr and left == []

@@ -9,6 +9,7 @@ everything else with 404, and stops once the UI has fetched the whole file.
 
 from __future__ import annotations
 
+import errno
 import http.server
 import os
 import shutil
@@ -214,7 +215,14 @@ def trace_for(path: Path, tmpdir: Path, log: Callable[[str], None]) -> Path:
     out = tmpdir / beside.name
     log(f"{path} is a capture; exporting it to a temporary Perfetto trace first "
         f"(to keep one: gputrace export {path} --perfetto {beside.name})")
-    export_perfetto(path, out, log)
+    try:
+        export_perfetto(path, out, log)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise UserError(f"cannot write the temporary Perfetto trace in {tmpdir}: {e.strerror} (point TMPDIR at a "
+                        f"directory with room, or write it elsewhere: gputrace export {path} --perfetto "
+                        f"DIR/{beside.name}, then gputrace view DIR/{beside.name})") from None
     return out
 
 
