@@ -168,11 +168,11 @@ def test_a_poll_on_one_socket_is_a_wait_on_the_peer_even_when_it_timed_out(tmp_p
     assert only_stall(run(b, tmp_path))["cause"] == "unknown"
 
 
-def _gil_wait(b: Builder, *running: int) -> Builder:
+def _gil_wait(b: Builder, *running: int, ret: int = -110) -> Builder:
     """The trainer's GIL wait: a futex that timed out (woken by the timer); ``running`` threads of its process
     were switched in before it and out after it."""
     b.syscall(TRAINER, TRAINER, "futex", 10.5, 39.5)
-    b.records[-1] = b.records[-1]._replace(ret=-110)
+    b.records[-1] = b.records[-1]._replace(ret=ret)
     b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.3, (0, 0, "[timer]"))
     for tid in running:
         b.thread(TRAINER, tid, "python")
@@ -187,6 +187,9 @@ def test_a_timed_out_gil_wait_is_the_running_thread_s(tmp_path: Path) -> None:
     s = only_stall(run(_gil_wait(trainer(), TRAINER + 1), tmp_path))
     assert (s["cause"], s["culprit"]["tid"], s["via"]) == ("cpu", TRAINER + 1, [f"gil:tid {TRAINER + 1}"]), s
     assert describe(s) == f"pid {TRAINER} (python), thread {TRAINER + 1} cpu"  # the report names the thread
+    # woken by its timeout's timer, though a wake that raced it made the call return 0: timed out all the same
+    s = only_stall(run(_gil_wait(trainer(), TRAINER + 1, ret=0), tmp_path))
+    assert (s["cause"], s["culprit"]["tid"]) == ("cpu", TRAINER + 1), s
     # preempted for a quarter of the wait, in the run queue: a holder that cannot run still holds the lock
     b = _gil_wait(trainer(), TRAINER + 1).offcpu(TRAINER, TRAINER + 1, 20.0, 27.0, "R")
     s = only_stall(run(b, tmp_path))

@@ -82,6 +82,7 @@ def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
 
 
 ETIMEDOUT = 110
+TIMER_WAKER = "[timer]"  # the eBPF source's waker for wakeups from a timer interrupt (hrtimer expiry)
 
 
 def _timed_out(sc: Syscall) -> bool:
@@ -89,6 +90,13 @@ def _timed_out(sc: Syscall) -> bool:
     if sc.name in ("futex", "futex_waitv"):
         return sc.ret == -ETIMEDOUT
     return sc.name in POLLS and sc.ret == 0
+
+
+def _expired(sc: Syscall, o: OffCpu) -> bool:
+    """A wait that ended by its timeout: it says so (``_timed_out``), or a futex wait whose off-CPU span ``o``
+    was ended by a timer, which for a futex is its timeout firing (a wake that raced it can still make the
+    call return 0)."""
+    return _timed_out(sc) or (sc.name in ("futex", "futex_waitv") and o.waker_comm == TIMER_WAKER)
 
 
 class Explainer:
@@ -203,12 +211,11 @@ class Explainer:
         a wake from an interrupt or the driver stays ``sync``."""
         parts: list[Part] = []
         pid = self.cap.pid_of(sc.tid)
-        timed_out = _timed_out(sc)
         for o in blocked:
             if not o.wake_ns or o.waker_tid == sc.tid:
                 continue
             by_task = o.waker_tid and not is_kernel_task(o.waker_pid, o.waker_comm) and self.traced(o.waker_tid)
-            if not by_task and not timed_out:
+            if not by_task and not _expired(sc, o):
                 continue
             done = self._device_done(pid, o.wake_ns)
             if done is None:
@@ -306,12 +313,11 @@ class Explainer:
         """Blocked on a futex / pipe / poll: the time belongs to whoever the thread waited for."""
         parts: list[Part] = []
         used = 0
-        timed_out = _timed_out(sc)
         for o in blocked:
             ox, oy = max(o.start_ns, x), min(o.end_ns, y)
             woke = min(max(o.wake_ns, ox), oy) if o.wake_ns else oy  # woken before the window: from its start
             wait_ns = max(woke - ox, 0)
-            if wait_ns > 0 and timed_out and o.wake_ns and is_kernel_task(o.waker_pid, o.waker_comm):
+            if wait_ns > 0 and _expired(sc, o) and o.wake_ns and is_kernel_task(o.waker_pid, o.waker_comm):
                 parts.extend(self._timed_wait(sc, o, ox, woke, depth, end))
             elif wait_ns > 0:
                 parts.extend(self._follow(sc, o, ox, woke, depth))
