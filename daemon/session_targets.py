@@ -19,7 +19,7 @@ def comm_of(pid: int) -> str:
     if pid <= 0:
         raise UserError(f"invalid pid {pid}")
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")  # comm: any bytes
+        stat = Path(f"/proc/{pid}/stat").read_text(errors="backslashreplace")  # comm: any bytes
     except FileNotFoundError:
         raise UserError(f"no process with pid {pid}") from None
     except PermissionError:

@@ -62,7 +62,7 @@ def mount_table(mountinfo: str = "/proc/self/mountinfo", mounts: str = "/proc/se
     path from a disk and find the block device under a path (source /dev/loop3, device 7:3). Readers must
     accept the older two-field rows."""
     try:
-        text = Path(mountinfo).read_text(errors="replace")  # a mount point may be any bytes
+        text = Path(mountinfo).read_text(errors="backslashreplace")  # a mount point may be any bytes
     except OSError:
         return _mounts_fallback(mounts)
     out: list[list[str]] = []
@@ -79,7 +79,7 @@ def mount_table(mountinfo: str = "/proc/self/mountinfo", mounts: str = "/proc/se
 def _mounts_fallback(path: str) -> list[list[str]]:
     out: list[list[str]] = []
     try:
-        text = Path(path).read_text(errors="replace")
+        text = Path(path).read_text(errors="backslashreplace")
     except OSError:
         return out
     for line in text.splitlines():
@@ -103,13 +103,14 @@ def _boot_id() -> str:
 
 def valid_text(obj: Any) -> Any:
     """``obj`` with every string made valid UTF-8: bytes Python kept as surrogate escapes (a file name, an
-    argument) become U+FFFD, as everything read from /proc is decoded."""
+    argument) become backslash escapes (\\xff), as everything read from /proc and the kernel is decoded, so two
+    names that differ only there stay apart."""
     if isinstance(obj, str):
         try:
             raw = obj.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # a lone surrogate that escapes no byte
             raw = obj.encode("utf-8", "replace")
-        return raw.decode("utf-8", "replace")
+        return raw.decode("utf-8", "backslashreplace")
     if isinstance(obj, dict):
         return {valid_text(k): valid_text(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -71,7 +71,7 @@ _AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
 
 
 def cstr(b: bytes) -> str:
-    return b.split(b"\0", 1)[0].decode("utf-8", "replace")
+    return b.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
 
 
 def state_bits(letter: str) -> int:

@@ -29,17 +29,19 @@ def _read(path: Path, limit: int = 4096) -> bytes:
 
 
 def _text(b: bytes) -> str:
-    return b.decode("utf-8", "replace")
+    return b.decode("utf-8", "backslashreplace")
 
 
 def readlink(path: Path) -> str:
-    """Where a /proc link points (an executable, an fd's file), decoded with replacement like everything
-    else read here: a path may be any bytes. Raises OSError."""
+    """Where a /proc link points (an executable, an fd's file), decoded like everything else read here:
+    a path may be any bytes, and one that is not UTF-8 keeps them as backslash escapes (\\xe9). Raises
+    OSError."""
     return _text(os.readlink(os.fsencode(path)))
 
 
 def read_text(path: Path, limit: int = 4096) -> str:
-    """At most `limit` bytes of `path`, decoded with replacement; "" when unreadable."""
+    """At most `limit` bytes of `path`, decoded with backslash escapes for bytes that are not UTF-8; "" when
+    unreadable."""
     return _text(_read(path, limit))
 
 

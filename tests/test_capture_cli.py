@@ -256,10 +256,10 @@ for _ in range(20):
 """
 
 
-def test_names_that_are_not_utf8_are_captured_with_replacement(tmp_path: Path) -> None:
+def test_names_that_are_not_utf8_are_captured_with_escapes(tmp_path: Path) -> None:
     """A process's comm, executable path and open files, and the host's mount points, are bytes, not text:
-    undecodable ones (a dataset with latin-1 file names) are recorded with U+FFFD, and neither stop the
-    capture nor its report."""
+    undecodable ones (a dataset with latin-1 file names) are recorded with backslash escapes (\\xe9), so two
+    names differing only there stay apart, and neither stop the capture nor its report."""
     odd = tmp_path / os.fsdecode(b"dir\xe9")
     odd.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(odd)], check=True)
@@ -276,9 +276,9 @@ def test_names_that_are_not_utf8_are_captured_with_replacement(tmp_path: Path) -
         records = list(reader.records())
         assert reader.complete
     info = next(r for r in records if isinstance(r, ProcInfo) and r.pid == target.pid)
-    assert info.exe == f"{tmp_path}/dir\ufffd/py\ufffd" and info.comm == "odd\ufffd\ufffd"
-    assert any(isinstance(r, FdInfo) and r.obj == f"{tmp_path}/dir\ufffd/data\ufffd.bin" for r in records)
-    assert [f"{tmp_path}/dir\ufffd", "tmpfs"] in [m[:2] for m in reader.header["mounts"]]
+    assert info.exe == f"{tmp_path}/dir\\xe9/py\\xff" and info.comm == "odd\\xff\\xe9"
+    assert any(isinstance(r, FdInfo) and r.obj == f"{tmp_path}/dir\\xe9/data\\xe9.bin" for r in records)
+    assert [f"{tmp_path}/dir\\xe9", "tmpfs"] in [m[:2] for m in reader.header["mounts"]]
     report = gputrace("report", "t.gputrace", "--json", cwd=tmp_path)
     assert report.returncode == 0 and json.loads(report.stdout)["capture"]["pids"] == [target.pid], report.stderr
 
@@ -286,11 +286,12 @@ def test_names_that_are_not_utf8_are_captured_with_replacement(tmp_path: Path) -
 def test_a_capture_writer_takes_strings_python_decoded_with_surrogate_escapes(tmp_path: Path) -> None:
     """An argument or a path Python holds as surrogate escapes (os.fsdecode of undecodable bytes)."""
     writer = CaptureWriter(tmp_path / "s.gputrace", host_header(["run", os.fsdecode(b"a\xffb"), "\ud800"]))
-    writer.write([FdInfo(1, 2, 3, "file", os.fsdecode(b"/data/x\xe9.bin"))])
+    writer.write([FdInfo(1, 2, 3, "file", os.fsdecode(b"/data/x\xe9.bin")),
+                  FdInfo(1, 2, 4, "file", os.fsdecode(b"/data/x\xff.bin"))])  # two files, kept apart
     writer.close({})
     with CaptureReader(tmp_path / "s.gputrace") as reader:
-        assert reader.header["argv"] == ["run", "a\ufffdb", "?"]
-        assert [r.obj for r in reader.records()] == ["/data/x\ufffd.bin"]
+        assert reader.header["argv"] == ["run", "a\\xffb", "?"]
+        assert [r.obj for r in reader.records()] == ["/data/x\\xe9.bin", "/data/x\\xff.bin"]
 
 
 FORKS_AND_EXITS = """
@@ -353,8 +354,8 @@ def test_a_capture_killed_outright_is_pointed_out_by_the_next_one(tmp_path: Path
 
 def test_a_command_whose_arguments_are_not_utf8_is_captured(tmp_path: Path) -> None:
     """gputrace capture -- CMD with an argument that is not UTF-8 (a latin-1 file name, a newline in it): the
-    command runs with its bytes and its exit code is gputrace's; the header records the argument with U+FFFD,
-    and nothing but the capture and its trace is left behind."""
+    command runs with its bytes and its exit code is gputrace's; the header records the argument with a
+    backslash escape, and nothing but the capture and its trace is left behind."""
     r = subprocess.run([*map(os.fsencode, GPUTRACE), b"capture", b"-d", b"30", b"-o", b"a.gputrace", b"--",
                         b"sh", b"-c", b'test "$1" = "$(printf "caf\\351\\nline two")" && exit 6', b"x",
                         b"caf\xe9\nline two"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -363,7 +364,7 @@ def test_a_command_whose_arguments_are_not_utf8_is_captured(tmp_path: Path) -> N
     with CaptureReader(tmp_path / "a.gputrace") as reader:
         list(reader.records())
         assert reader.trailer is not None and reader.trailer["stop_reason"] == "command exited"
-        assert reader.header["argv"][-1] == reader.header["command"][-1] == "caf\ufffd\nline two"
+        assert reader.header["argv"][-1] == reader.header["command"][-1] == "caf\\xe9\nline two"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gputrace", "a.pftrace"]
     report = gputrace("report", "a.gputrace", cwd=tmp_path)
     assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr
