@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from agent_harness import clean_env, of, wait_for
+from test_agent_remote_exec import CONTAINER  # its own root, pid and mount namespaces; no gputrace inside
 
 from gputrace.capture import CaptureReader
 from gputrace.probes import procfs
@@ -72,22 +73,6 @@ from gputrace.sim import Device
 s = Device(0).stream()
 while True:
     s.launch("step", duration_ms=5); s.synchronize(); time.sleep(0.005)
-"""
-
-# As in test_agent_remote_exec: its own root (a tmpfs with /usr, /etc and the interpreter), pid and mount
-# namespaces; its workload does not import gputrace from anywhere (the script brings it).
-CONTAINER = r"""
-set -e
-root=$1; py=$2; work=$3
-mount --make-rprivate /
-mount -t tmpfs container "$root"
-for d in usr etc; do mkdir "$root/$d"; mount --rbind "/$d" "$root/$d"; mount -o remount,bind,ro "$root/$d"; done
-for d in bin sbin lib lib64; do [ -L "/$d" ] && ln -s "$(readlink "/$d")" "$root/$d" || true; done
-mkdir -p "$root$py" "$root/proc" "$root/tmp" "$root/app"
-mount --bind "$py" "$root$py"
-mount -t proc proc "$root/proc"
-cp "$work" "$root/app/work.py"
-exec chroot "$root" "$py/usr/bin/python3.14" /app/work.py
 """
 
 

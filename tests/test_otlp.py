@@ -97,6 +97,15 @@ def grpc_receiver() -> Iterator[tuple[Receiver, int]]:
         yield served
 
 
+
+def _reply(handler: http.server.BaseHTTPRequestHandler, body: bytes) -> None:
+    """An OTLP/HTTP response: 200 with a serialized protobuf."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-protobuf")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
 class _HttpHandler(http.server.BaseHTTPRequestHandler):
     requests: list[trace_service_pb2.ExportTraceServiceRequest]
     content_types: list[str]
@@ -110,12 +119,7 @@ class _HttpHandler(http.server.BaseHTTPRequestHandler):
         req = trace_service_pb2.ExportTraceServiceRequest()
         req.ParseFromString(body)
         self.requests.append(req)
-        out = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
+        _reply(self, trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -282,12 +286,7 @@ class _PartialGrpc(trace_service_pb2_grpc.TraceServiceServicer):
 class _PartialHttp(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers["Content-Length"]))
-        out = _partial_success().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
+        _reply(self, _partial_success().SerializeToString())
 
     def log_message(self, *args: Any) -> None:
         pass
