@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agent_harness import wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.piped import PipedChild
@@ -235,7 +236,8 @@ print("done", s.fileno(), flush=True)
 """
 
 
-def test_an_event_loop_wait_names_the_fd_found_ready(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hook", ["raw", "classic"])
+def test_an_event_loop_wait_names_the_fd_found_ready(tmp_path: Path, hook: str) -> None:
     """An event loop (asyncio) waits in epoll_wait on many fds; the one it found ready names the wait: the peer's
     socket makes it a network wait. A poll of several fds names its ready one the same way. A loop whose data
     word is no fd (a pointer whose low half happens to be AT_FDCWD) names nothing."""
@@ -246,7 +248,7 @@ def test_an_event_loop_wait_names_the_fd_found_ready(tmp_path: Path) -> None:
     try:
         conn, _ = server.accept()
         assert child.readline() == "ready"
-        with ebpf_capture(tmp_path / "p.gputrace", [child.pid], threshold_ns=THRESHOLD_NS):
+        with ebpf_capture(tmp_path / "p.gputrace", [child.pid], threshold_ns=THRESHOLD_NS, syscall_hook=hook):
             for _ in range(3):
                 child.send("go")
                 time.sleep(0.08)
