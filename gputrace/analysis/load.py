@@ -107,7 +107,6 @@ class Capture:
     created: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # tid -> [(creation ns, creating tid)]
     pids: set[int] = field(default_factory=set)
     gil_pids: set[int] = field(default_factory=set)  # processes running an interpreter with a global lock
-    exited: dict[int, int] = field(default_factory=dict)  # tid -> when it exited (the last exit of that number)
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
     nvml: dict[int, list[float]] = field(default_factory=dict)  # NVML index -> [sum, count] of gpu_util_pct
@@ -295,12 +294,6 @@ def _agent(ld: _Loader, r: AgentInfo) -> None:
         ld.cap.gil_pids.add(r.pid)
 
 
-def _exit(ld: _Loader, r: Any) -> None:
-    tid, ts = getattr(r, "tid", None), getattr(r, "ts", None)
-    if type(tid) is int and type(ts) is int:
-        ld.cap.exited[tid] = ts
-
-
 def _api(ld: _Loader, r: CudaApi) -> None:
     ld.cap.launches[(r.pid, r.correlation_id)] = r
     ld._thread(r.pid, r.tid)
@@ -354,7 +347,6 @@ _HANDLERS: dict[str, Any] = {
     "ThreadInfo": _threadinfo,
     "ProcFork": _fork,
     "ProcExec": _exec,
-    "ProcExit": _exit,
     "AgentInfo": _agent,
     "NvmlSample": _nvml,
     "Drops": lambda ld, r: ld.cap.drops.append(r),
