@@ -207,6 +207,31 @@ def test_a_timed_out_gil_wait_is_the_running_thread_s(tmp_path: Path) -> None:
     assert only_stall(run(_gil_wait(trainer(), TRAINER + 1, TRAINER + 2), tmp_path))["cause"] == "unknown"
 
 
+def test_a_lock_several_threads_time_out_on_is_its_holder_s_before_a_later_hand_over(tmp_path: Path) -> None:
+    """The trainer and another thread both time out waiting on one futex word (the GIL): the trainer's next
+    wait, ended by a third thread that briefly took the lock in between, is a hand-over, not what the
+    timed-out wait was for. The thread that ran through it holds the lock. A word only the trainer times
+    out on (a queue's timed wait) keeps the rule that follows its next woken wait."""
+    gil = 0x9A5B8F0
+
+    def build(word: int) -> Builder:
+        b = _gil_wait(trainer(), TRAINER + 1)
+        b.records[-5] = b.records[-5]._replace(arg=word)  # the trainer's timed-out futex
+        b.thread(TRAINER, TRAINER + 2, "python")  # another waiter, timed out on the same word earlier
+        b.syscall(TRAINER, TRAINER + 2, "futex", 1.0, 6.0)
+        b.records[-1] = b.records[-1]._replace(ret=-110, arg=gil)
+        b.thread(TRAINER, TRAINER + 3, "python")  # takes the lock for a moment, then hands it to the trainer
+        b.syscall(TRAINER, TRAINER, "futex", 39.6, 39.9)
+        b.records[-1] = b.records[-1]._replace(arg=word)
+        b.offcpu(TRAINER, TRAINER, 39.6, 39.85, "S", 39.8, (TRAINER, TRAINER + 3, "python"))
+        return b
+
+    s = only_stall(run(build(gil), tmp_path))
+    assert (s["culprit"]["tid"], s["via"][:1]) == (TRAINER + 1, [f"gil:tid {TRAINER + 1}"]), s
+    s = only_stall(run(build(0x7F0000001000), tmp_path))
+    assert s["via"][:1] == [f"wait:pid {TRAINER}"], s
+
+
 def test_the_culprit_is_the_thread_with_most_of_its_process_s_time(tmp_path: Path) -> None:
     """CPU time of one process sums to one cause; its culprit is the thread that holds most of it, not the
     one with the longest single part (the trainer's own 12 ms of work against 3 x 6 ms of a lock holder's)."""

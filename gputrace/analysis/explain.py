@@ -106,6 +106,7 @@ class Explainer:
         self.ties = BlockTies(cap, self.mounts)
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
         self._threads: dict[int, list[int]] | None = None
+        self._shared: set[tuple[int, int]] | None = None  # (pid, futex word) timed out on by several threads
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -339,12 +340,14 @@ class Explainer:
         task, the thread was polling for that task: the timed-out time is followed to it as well. When
         nothing ends a later wait, the timeout itself ended the wait: a ``sleep``."""
         later = self._next_woken_wait(sc, end)
-        if later is not None:
+        if later is not None and not self._shared_lock(sc):
             return self._follow(*later, x, y, depth)
         ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
         held = self._held(sc, o, x, y, depth)
         if held:
             return held
+        if later is not None:
+            return self._follow(*later, x, y, depth)
         if depth == 0 and sc.name in POLLS:  # an event loop's timer (asyncio.sleep) on the launching thread
             dur = sc.end_ns - sc.start_ns
             return [Part("sleep", y - x, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev,
@@ -352,6 +355,20 @@ class Explainer:
         # A futex timeout alone says nothing: a timed sleep, or a lock's or the GIL's timed wait whose
         # holder let go while this thread was on its way back
         return [Part("unknown", y - x, empty_culprit(), evidence=ev)]
+
+    def _shared_lock(self, sc: Syscall) -> bool:
+        """Whether ``sc`` is a futex wait on a word that several threads of its process waited on and timed
+        out: a lock all of them take, as the GIL is (a queue's timed wait uses a lock of its own each time).
+        Its holder then comes before the thread's next woken wait, which may be another thread's hand-over
+        of that lock rather than what ended the wait."""
+        if self._shared is None:
+            waiters: dict[tuple[int, int], set[int]] = {}
+            for index in self.cap.syscalls.values():
+                for r in index.records:
+                    if r.name == "futex" and r.ret == -ETIMEDOUT:
+                        waiters.setdefault((r.pid, r.arg), set()).add(r.tid)
+            self._shared = {k for k, tids in waiters.items() if len(tids) > 1}
+        return sc.name == "futex" and (sc.pid, sc.arg) in self._shared
 
     def _held(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int) -> list[Part]:
         """[x, y) of a futex wait that timed out, explained on the thread that held the interpreter's lock
