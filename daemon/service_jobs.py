@@ -302,13 +302,7 @@ def salvage_staging(state_dir: Path, log: Callable[[str], None]) -> int:
             try:
                 uid = _requested_by(f)
                 os.rename(f, stage / final)
-                dfd = user_dir_fd(state_dir / str(uid), uid, _primary_gid(uid))
-                sfd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    _hand_over(sfd, dfd, final, uid, _primary_gid(uid))
-                finally:
-                    os.close(sfd)
-                    os.close(dfd)
+                hand_over(stage, [final], state_dir / str(uid), uid, _primary_gid(uid))
                 handed += 1
                 log(f"{final} of uid {uid} was cut off when the service last stopped; handed over as is")
             except (UserError, OSError, ValueError) as e:
@@ -339,15 +333,20 @@ def _primary_gid(uid: int) -> int:
 def publish(job: Job, user_dir: Path) -> list[Path]:
     """Hand the job's files to the caller; returns their final paths."""
     names = [n for n in (job.name, _pftrace(job.name)) if os.path.lexists(job.stage / n)]
-    dfd = user_dir_fd(user_dir, job.uid, job.gid)
-    sfd = os.open(job.stage, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    hand_over(job.stage, names, user_dir, job.uid, job.gid)
+    return [user_dir / n for n in names]
+
+
+def hand_over(stage: Path, names: list[str], user_dir: Path, uid: int, gid: int) -> None:
+    """Move files ``names`` from ``stage`` into <state>/<uid>, owned by uid:gid (see _hand_over)."""
+    dfd = user_dir_fd(user_dir, uid, gid)
+    sfd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for name in names:
-            _hand_over(sfd, dfd, name, job.uid, job.gid)
+            _hand_over(sfd, dfd, name, uid, gid)
     finally:
         os.close(sfd)
         os.close(dfd)
-    return [user_dir / n for n in names]
 
 
 def _hand_over(sfd: int, dfd: int, name: str, uid: int, gid: int) -> None:

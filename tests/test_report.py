@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from workloads.loopdev import small_tmpfs
 
 from gputrace.analysis.synth import Builder
 from gputrace.cli import main
@@ -139,15 +140,9 @@ def test_json_cut_by_a_full_disk_is_told(tmp_path: Path, unbuffered: str) -> Non
     for i in range(300):
         b.op(TRAINER, TRAINER, i * 3, i * 3, i * 3 + 1, f"k{i}")
     cap = b.write(tmp_path / "many.gputrace")
-    tiny = tmp_path / "tiny"
-    tiny.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "gputrace-test", str(tiny)], check=True)
-    try:
-        with open(tiny / "r.json", "w") as out:
-            r = subprocess.run([sys.executable, "-m", "gputrace", "report", str(cap), "--json"], stdout=out,
-                               stderr=subprocess.PIPE, text=True, timeout=60,
-                               env={"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": unbuffered})
-    finally:
-        subprocess.run(["umount", str(tiny)], check=True)
+    with small_tmpfs(tmp_path / "tiny") as tiny, open(tiny / "r.json", "w") as out:
+        r = subprocess.run([sys.executable, "-m", "gputrace", "report", str(cap), "--json"], stdout=out,
+                           stderr=subprocess.PIPE, text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": unbuffered})
     assert r.returncode == 1, r.stderr
     assert r.stderr == "gputrace: error: writing the output: No space left on device; it is incomplete\n"

@@ -17,6 +17,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import pytest
 from test_view import _free_port, _get
+from workloads.loopdev import small_tmpfs
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.analysis.synth import Builder, ns
@@ -289,14 +290,9 @@ def test_a_full_temporary_directory_is_a_clear_error(tmp_path: Path) -> None:
     for i in range(2000):
         b.op(TRAINER, TRAINER, i * 3, i * 3, i * 3 + 1, f"k{i}")
     cap = b.write(tmp_path / "run.gputrace")
-    tiny = tmp_path / "tiny"
-    tiny.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "gputrace-test", str(tiny)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "tiny") as tiny:
         r = _gputrace("view", "--no-browser", "--port", str(_free_port()), str(cap), TMPDIR=str(tiny))
         left = list(tiny.iterdir())
-    finally:
-        subprocess.run(["umount", str(tiny)], check=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"cannot write the temporary Perfetto trace in {tiny}/gputrace-view-" in r.stderr
     assert "No space left on device (point TMPDIR at a directory with room" in r.stderr

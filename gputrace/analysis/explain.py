@@ -365,7 +365,7 @@ class Explainer:
             waiters: dict[tuple[int, int], set[int]] = {}
             for index in self.cap.syscalls.values():
                 for r in index.records:
-                    if r.name == "futex" and r.ret == -ETIMEDOUT:
+                    if r.name == "futex" and _timed_out(r):
                         waiters.setdefault((r.pid, r.arg), set()).add(r.tid)
             self._shared = {k for k, tids in waiters.items() if len(tids) > 1}
         return sc.name == "futex" and (sc.pid, sc.arg) in self._shared

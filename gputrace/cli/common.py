@@ -103,9 +103,6 @@ def catch_termination() -> Callable[[], None]:
 def progress(reader: CaptureReader, what: str) -> Iterator[None]:
     """On a terminal, a line saying how far ``what`` has read into the capture, once a second after the
     first; erased when done. Nothing when stderr is not a terminal or the work takes under a second."""
-    if not sys.stderr.isatty():
-        yield
-        return
     fd = reader.fileno()
     size = max(1, os.fstat(fd).st_size)
 

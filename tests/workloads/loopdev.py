@@ -78,3 +78,14 @@ def drop_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str = "64k") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made here): a real disk that fills up."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "gputrace-test", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
