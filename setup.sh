@@ -6,7 +6,9 @@
 #   3. a virtual environment in .venv made from the system Python with system site packages
 #      (so `import bcc` works), with gputrace installed into it,
 #   4. with --test, what only the tests need: a Python 3.14 in build/python3.14 to attach to with
-#      sys.remote_exec (the distribution's is older), from Debian's python3.14 packages (see below).
+#      sys.remote_exec (the distribution's is older), from Debian's python3.14 packages (see below),
+#      and PyTorch (its CPU build where the machine has one) in .venv, for a scenario that runs
+#      PyTorch's own DataLoader.
 # Every step says what it did. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -119,6 +121,15 @@ if [ "$with_test" = 1 ]; then
             || die "the unpacked Python 3.14 does not run (needed by --test)"
         rm -rf "$st"
         say "unpacked Debian's python3.14 $("$py314/usr/bin/python3.14" -c 'import platform; print(platform.python_version())') into $py314 for the tests (patchelf: its own libc)"
+    fi
+    # PyTorch's DataLoader, for the scenario that checks its worker processes are named. pip takes the CPU
+    # build where one lies in its find-links (as on our CI machines); elsewhere PyPI's build.
+    torch_version() { .venv/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null; }
+    if v=$(torch_version); then
+        say "PyTorch $v already in .venv"
+    else
+        .venv/bin/python -m pip install -q 'torch==2.13.0' || die "cannot install PyTorch 2.13.0 into .venv (needed by --test)"
+        say "installed PyTorch $(torch_version) into .venv for the tests"
     fi
 fi
 say "ready: .venv/bin/gputrace doctor   # checks this host"

@@ -124,6 +124,22 @@ def test_wakeup_chain_across_two_processes(tmp_path: Path) -> None:
     assert s["via"] == [f"wait:pid {WORKER}", f"wait:pid {WORKER2}"]
 
 
+def test_a_hop_inside_the_process_already_named_names_the_thread(tmp_path: Path) -> None:
+    """A worker's queue feeder thread wakes the trainer, itself woken by the worker's main thread that read
+    the batch: the second hop stays inside the worker, so it names the thread, not the worker again."""
+    feeder = WORKER + 1
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "read", 9.0, 39.9, "pipe:[4242]")
+    b.offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8, (WORKER, feeder, "QueueFeederThr"))
+    b.fork(WORKER, WORKER, WORKER, feeder, 1.0, "QueueFeederThr")
+    b.syscall(WORKER, feeder, "futex", 8.0, 39.5).offcpu(WORKER, feeder, 8.0, 39.5, "S", 39.4,
+                                                         (WORKER, WORKER, "pt_data_worker"))
+    worker_reads(b, WORKER, start=11.0, end=39.0)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["tid"]) == (WORKER, WORKER)
+    assert s["via"] == [f"wait:pid {WORKER}", f"wait:tid {WORKER}"]
+
+
 def test_cpu_in_a_worker(tmp_path: Path) -> None:
     b = trainer()
     b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,

@@ -444,7 +444,10 @@ class Explainer:
         return None
 
     def _follow(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int) -> list[Part]:
-        hop = f"wait:pid {o.waker_pid}" if o.waker_pid else "wait"
+        # Past the first hop the walk is inside a process a hop already named: a wake by another thread of
+        # that same process names the thread (a worker's queue feeder woken by the worker's main thread)
+        inside = depth > 0 and o.waker_pid and o.waker_pid == self.cap.pid_of(sc.tid)
+        hop = f"wait:tid {o.waker_tid}" if inside else f"wait:pid {o.waker_pid}" if o.waker_pid else "wait"
         ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
         waker = o.waker_tid
         if not waker or waker == sc.tid or depth >= MAX_DEPTH or is_kernel_task(o.waker_pid, o.waker_comm):

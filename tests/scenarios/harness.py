@@ -160,6 +160,12 @@ def _mp_queue(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 5, **_loop(w, st, [1 << 20], 5, 160 * KIB)}
 
 
+def _torch_loader(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # worker 1's cgroup reads at 1 MiB/s: 5 shards of 160 KiB; worker 0 spends 30 ms of CPU a sample
+    cfg = _loop(w, st, [64 << 20, 1 << 20], 5, 160 * KIB)
+    return {**cfg, "steps": 10, "work_ms": 30}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -175,6 +181,7 @@ SCENARIOS: dict[str, Setup] = {
     "mp_queue": _mp_queue,
     "asyncio_fetch": _network,
     "gil": lambda w, st: {"steps": 10, "work_ms": 0.2},
+    "torch_loader": _torch_loader,
 }
 
 

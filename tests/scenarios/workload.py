@@ -486,11 +486,51 @@ def timed_waits(cfg: dict[str, Any]) -> None:
     trainer_loop(cfg, wait)
 
 
+def torch_loader(cfg: dict[str, Any]) -> None:
+    """PyTorch's own DataLoader (CPU build) with two worker processes: worker 0 "decodes" each sample on the
+    CPU, worker 1 reads its samples from a throttled device. Batches come back through the DataLoader's
+    multiprocessing queue, their tensors through shared memory; the trainer waits in the loader's next()."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+    ready = 2  # one "ready" item per worker first, so worker start-up is not mistaken for a batch's wait
+
+    class Samples(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return ready + cfg["steps"]
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            info = get_worker_info()
+            assert info is not None and i % info.num_workers == info.id  # the loader's round robin
+            if i < ready:
+                return {"x": torch.zeros(1), "cause": "ready", "object": "", "pid": os.getpid()}
+            if info.id == 0:
+                spin(cfg["work_ms"])
+                return {"x": torch.ones(64), "cause": "cpu", "object": "", "pid": os.getpid()}
+            path = cfg["files"][(i - ready) // 2 % len(cfg["files"])]
+            read_uncached(path)
+            return {"x": torch.ones(64), "cause": "storage", "object": path, "pid": os.getpid()}
+
+    def init(worker_id: int) -> None:
+        join_cgroup(cfg["cgroups"][worker_id % len(cfg["cgroups"])])
+
+    batches = iter(DataLoader(Samples(), batch_size=None, num_workers=2, worker_init_fn=init,
+                              multiprocessing_context="fork"))
+    for _ in range(ready):
+        next(batches)
+
+    def wait(_k: int) -> tuple[str, str, int]:
+        b = next(batches)
+        return b["cause"], b["object"], b["pid"]
+
+    trainer_loop(cfg, wait)
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
-    "gil": gil,
+    "gil": gil, "torch_loader": torch_loader,
 }  # fmt: skip
 
 if __name__ == "__main__":
