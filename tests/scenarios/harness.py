@@ -182,6 +182,7 @@ SCENARIOS: dict[str, Setup] = {
     "asyncio_fetch": _network,
     "gil": lambda w, st: {"steps": 10, "work_ms": 0.2},
     "torch_loader": _torch_loader,
+    "torch_loader_pinned": lambda w, st: {**_torch_loader(w, st), "pin_memory": True},
 }
 
 

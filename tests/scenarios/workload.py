@@ -486,6 +486,22 @@ def timed_waits(cfg: dict[str, Any]) -> None:
     trainer_loop(cfg, wait)
 
 
+def pin_memory_thread_on_cpu() -> None:
+    """Make PyTorch's DataLoader run its pin-memory thread on the CPU build, as it does on a GPU host: it
+    asks the accelerator API whether there is a device (answered yes here) and pins each batch (a copy
+    here). The thread, its queues and its hand-over to the trainer are PyTorch's own code."""
+    import torch
+    from torch.utils.data import _utils
+
+    acc = torch.accelerator
+    acc.is_available = lambda: True  # type: ignore[assignment]
+    acc.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore[assignment]
+    acc.current_device_index = lambda: 0  # type: ignore[assignment]
+    acc.set_device_index = lambda _i: None  # type: ignore[assignment]
+    _utils.pin_memory.pin_memory = lambda data, device=None: {  # type: ignore[assignment]
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+
+
 def torch_loader(cfg: dict[str, Any]) -> None:
     """PyTorch's own DataLoader (CPU build) with two worker processes: worker 0 "decodes" each sample on the
     CPU, worker 1 reads its samples from a throttled device. Batches come back through the DataLoader's
@@ -514,8 +530,10 @@ def torch_loader(cfg: dict[str, Any]) -> None:
     def init(worker_id: int) -> None:
         join_cgroup(cfg["cgroups"][worker_id % len(cfg["cgroups"])])
 
+    if cfg.get("pin_memory"):
+        pin_memory_thread_on_cpu()
     batches = iter(DataLoader(Samples(), batch_size=None, num_workers=2, worker_init_fn=init,
-                              multiprocessing_context="fork"))
+                              multiprocessing_context="fork", pin_memory=bool(cfg.get("pin_memory"))))
     for _ in range(ready):
         next(batches)
 
@@ -530,7 +548,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
-    "gil": gil, "torch_loader": torch_loader,
+    "gil": gil, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
 }  # fmt: skip
 
 if __name__ == "__main__":
