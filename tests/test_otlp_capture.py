@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from otlp_receiver import Receiver, grpc_receiver
 
 from gputrace.analysis.synth import Builder, ns
@@ -67,3 +74,45 @@ def test_export_cli_unreachable_is_one_clear_line(tmp_path: Path) -> None:
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("gputrace: error: OTLP endpoint 127.0.0.1:9 (grpc) unreachable: Connection refused")
     assert "spans not delivered" in line and "Traceback" not in r.stderr
+
+
+class _Stalling(Receiver):
+    """Takes the first request, then holds every later one until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.requests:
+            self.holding.set()
+            self.release.wait(30)
+        return super().Export(request, context)
+
+
+def test_ctrl_c_during_a_send_says_how_many_spans_were_delivered(tmp_path: Path) -> None:
+    b = Builder().proc(TRAINER, "python").device(TRAINER)
+    for i in range(700):  # 699 unexplained stalls of 2 ms: more spans than one request carries (512)
+        b.op(TRAINER, TRAINER, 3.0 * i, 3.0 * i, 3.0 * i + 1, f"k{i}")
+    path = b.write(tmp_path / "many.gputrace")
+    rec = _Stalling()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "gputrace", "export", str(path), "--otlp", f"127.0.0.1:{port}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert rec.holding.wait(60), "the second request never came"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        rec.release.set()
+        server.stop(None)
+    assert p.returncode == 130, out + err
+    delivered = sum(len(ss.spans) for req in rec.requests[:1] for rs in req.resource_spans for ss in rs.scope_spans)
+    assert delivered == 512
+    said = re.search(rf"warning: interrupted after 512 of ([\d,]+) spans were delivered to 127.0.0.1:{port}: "
+                     "the trace there is partial", err)
+    assert said and int(said[1].replace(",", "")) > 699, err  # a span per stall and its evidence
+    assert "Traceback" not in err and "Sent " not in out

@@ -107,8 +107,15 @@ def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
         if report is None:
             raise UserError(f"cannot build OTLP spans: {why}")
         exporter.report = report
-        with common.progress_count("sending", exporter.handled, count_spans(report), "spans"):
-            result = exporter.write(reader)
+        total = count_spans(report)
+        try:
+            with common.progress_count("sending", exporter.handled, total, "spans"):
+                result = exporter.write(reader)
+        except KeyboardInterrupt:  # the collector holds part of the trace: say how much
+            sent = exporter.result.items if exporter.result else 0
+            _warn(f"interrupted after {sent:,} of {total:,} spans were delivered to {args.otlp}: "
+                  "the trace there is partial")
+            raise
     _print_notes(result)
     _warn_losses(reader, "exported what was readable")
     dropped = f" ({result.dropped:,} dropped)" if result.dropped else ""
