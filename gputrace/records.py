@@ -125,7 +125,9 @@ class OffCpu(NamedTuple):
 
     ``state``: the task state when it left the CPU ("S" sleeping, "D" uninterruptible, "R" preempted,
     ...). ``wake_ns`` is when it was woken (0: never seen woken, e.g. preempted), and the waker fields
-    name who did it, traced or not (a FUSE daemon, a peer).
+    name who did it, traced or not (a FUSE daemon, a peer). A preempted thread ("R") names the task its CPU
+    went to at the switch in the ``ran_*`` fields (``ran_pid`` 0 where the kernel hook could not read it;
+    all empty in captures made before they existed).
     """
 
     pid: int
@@ -137,6 +139,9 @@ class OffCpu(NamedTuple):
     waker_pid: int
     waker_tid: int
     waker_comm: str
+    ran_pid: int = 0
+    ran_tid: int = 0
+    ran_comm: str = ""
 
 
 class PageFault(NamedTuple):

@@ -24,6 +24,7 @@ PATH_MAX_DATA = 255  # GT_DATA_LEN - 1: a path event's string of this length may
 
 EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT, EV_FAULT = 1, 2, 3, 4, 5, 6, 7, 8
 EXEC_LEFT_OUT = 0x1  # GT_EXEC_LEFT_OUT: an exec event's flags when the process was left out (ProcLeftOut)
+OFFCPU_RAN = 0x10000  # GT_OFFCPU_RAN: a preempted task's off-CPU event names the task its CPU went to
 
 F_FD = 0x1
 F_XFER = 0x2
@@ -299,6 +300,8 @@ class KernelDecoder:
 
     def _offcpu(self, f: tuple[Any, ...]) -> OffCpu:
         _, state, pid, tid, start, end, wake, wpid, wtid, wcomm = f
+        if state & OFFCPU_RAN:  # not a waker: the task that got the CPU when this one was preempted
+            return OffCpu(pid, tid, start, end, task_state(state), wake, 0, 0, "", wpid, wtid, cstr(wcomm))
         return OffCpu(pid, tid, start, end, task_state(state), wake, wpid, wtid, cstr(wcomm))
 
     def _fault(self, f: tuple[Any, ...]) -> PageFault:

@@ -10,6 +10,7 @@ import pytest
 from gputrace.analysis import analyze, summary_lines
 from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
+from gputrace.exporters.perfetto_args import stall_args
 from gputrace.viewer.terminal import describe
 
 TRAINER, WORKER, WORKER2 = 100, 200, 300
@@ -157,6 +158,25 @@ def test_cpu_on_the_launching_thread(tmp_path: Path) -> None:
 def test_runqueue(tmp_path: Path) -> None:
     s = only_stall(run(trainer().offcpu(TRAINER, TRAINER, 11.0, 38.0, "R"), tmp_path))
     assert s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == TRAINER
+    assert "preempted_by" not in s["culprit"]  # a capture that does not say who took the CPU names nobody
+
+
+def test_runqueue_names_who_had_the_cpu(tmp_path: Path) -> None:
+    """Preempted three times, twice for a hog (tgid not read by the hook: found among traced tasks) and once
+    for a kernel worker: the hog first, by time; the kernel worker's pid stays unknown (0)."""
+    hog = 700
+    b = trainer().proc(hog, "hog", 1)
+    b.syscall(hog, hog, "nanosleep", 0.5, 1.0)  # a record of its own: the capture knows its process
+    b.offcpu(TRAINER, TRAINER, 11.0, 25.0, "R", ran=(0, hog, "hog"))
+    b.offcpu(TRAINER, TRAINER, 25.5, 30.0, "R", ran=(0, 55, "kworker/0:1"))
+    b.offcpu(TRAINER, TRAINER, 30.5, 38.0, "R", ran=(hog, hog, "hog"))
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == TRAINER
+    assert s["culprit"]["preempted_by"] == [
+        {"pid": hog, "tid": hog, "comm": "hog", "ns": ns(25) - ns(11) + ns(38) - ns(30.5)},
+        {"pid": 0, "tid": 55, "comm": "kworker/0:1", "ns": ns(30) - ns(25.5)}]
+    assert describe(s).endswith("preempted; its CPU went to pid 700 (hog) 83%, kworker/0:1 (tid 55) 17%"), describe(s)
+    assert stall_args(s, 1)["cpu_went_to"] == "pid 700 (hog) 83%, kworker/0:1 (tid 55) 17%"
     assert s["evidence"][0]["kind"] == "offcpu" and s["evidence"][0]["start_ns"] == ns(11)
 
 

@@ -95,7 +95,7 @@ def test_header_constants_match() -> None:
     assert defs["GT_LAYOUT"] == events.LAYOUT and events.LAYOUT in events.KNOWN_LAYOUTS
     assert (defs["GT_EV_FAULT"], defs["GT_EV_MAPFILE"], defs["GT_EV_FDRECV"]) == (
         events.EV_FAULT, events.EV_MAPFILE, events.EV_FDRECV)  # fmt: skip
-    assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX
+    assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX and defs["GT_OFFCPU_RAN"] == events.OFFCPU_RAN
     for name in ("FD", "XFER", "PATH", "SOCKADDR", "SOCKADDR_PLEN", "FDTABLE", "PIPE", "TIMESPEC", "PATH0",
                  "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD"):  # fmt: skip
         assert defs[f"GT_F_{name}"] == getattr(events, f"F_{name}"), name

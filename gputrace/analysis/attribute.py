@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from gputrace.analysis.explain import Explainer, Part, empty_culprit
@@ -10,6 +11,7 @@ from gputrace.analysis.timeline import CollectiveWait, Stall
 from gputrace.records import CudaApi
 
 MAX_BREAKDOWN = 5
+MAX_PREEMPTORS = 3  # tasks named in a run-queue wait's preempted_by
 
 
 def gpu_evidence(op: GpuOp, launch: CudaApi | None) -> dict[str, Any]:
@@ -108,6 +110,18 @@ def _dominant(parts: list[Part]) -> Part:
     return max((p for p in mine if int(p.culprit.get("tid", 0)) == tid), key=lambda p: p.ns)
 
 
+def _preempted_by(parts: list[Part], best: Part) -> dict[str, Any]:
+    """``preempted_by``: the tasks the run-queue waits of ``best``'s thread (same cause and culprit) lost their
+    CPU to, most time first: who held the CPU it waited for (the task switched in when it was preempted)."""
+    tid = best.culprit.get("tid")
+    ran: Counter[tuple[int, int, str]] = Counter()
+    for p in parts:
+        if p.key() == best.key() and p.culprit.get("tid") == tid:
+            ran.update(p.ran)
+    top = [{"pid": pid, "tid": t, "comm": comm, "ns": ns} for (pid, t, comm), ns in ran.most_common(MAX_PREEMPTORS)]
+    return {"preempted_by": top} if top else {}
+
+
 def _breakdown(parts: list[Part]) -> list[dict[str, Any]]:
     totals: dict[tuple[str, int, str], int] = {}
     for p in parts:
@@ -121,6 +135,8 @@ def _from_parts(parts: list[Part], gpu_ev: list[dict[str, Any]]) -> dict[str, An
         return _verdict("unknown", empty_culprit(), [], gpu_ev)
     best = _dominant(parts)
     culprit = best.culprit if best.cause != "unknown" else empty_culprit()
+    if best.cause == "cpu.runqueue":
+        culprit = {**culprit, **_preempted_by(parts, best)}
     out = _verdict(best.cause, culprit, best.via, (best.evidence + gpu_ev)[:24])
     out["breakdown"] = _breakdown(parts)
     out.update({k: v for k, v in best.extra.items() if k not in out})

@@ -31,6 +31,7 @@ class Part:
     via: list[str] = field(default_factory=list)
     evidence: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    ran: Counter[tuple[int, int, str]] = field(default_factory=Counter)  # a run-queue wait's: who had the CPU
 
     def key(self) -> tuple[str, int, str]:
         return (self.cause, int(self.culprit.get("pid", 0)), str(self.culprit.get("object", "")))
@@ -177,10 +178,21 @@ class Explainer:
                 continue
             total += ns
             if o.state == "R":
-                parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)]))
+                parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)],
+                                  ran=self._ran([o], x, y)))
             else:  # blocked outside any recorded syscall (a page fault, a short call under the threshold)
                 parts.append(Part("unknown", ns, empty_culprit(), evidence=[evidence_offcpu(o)]))
         return total
+
+    def _ran(self, preempted: list[OffCpu], x: int, y: int) -> Counter[tuple[int, int, str]]:
+        """Who got the CPU when each of these preemptions began, (pid, tid, comm), with the time of the wait
+        in [x, y) each is the one named for (pid 0 where neither the record nor the capture knows it)."""
+        out: Counter[tuple[int, int, str]] = Counter()
+        for o in preempted:
+            if o.ran_tid:
+                pid = o.ran_pid or self.cap.tgid.get(o.ran_tid, 0)
+                out[(pid, o.ran_tid, o.ran_comm)] += min(o.end_ns, y) - max(o.start_ns, x)
+        return out
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
         kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
@@ -188,7 +200,8 @@ class Explainer:
         preempted = [o for o in offs if o.state == "R"]
         runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
         parts = [Part("cpu.runqueue", runq, self.culprit(sc.tid, "preempted"),
-                      evidence=[evidence_offcpu(o) for o in preempted[:MAX_EVIDENCE]])] if runq > 0 else []
+                      evidence=[evidence_offcpu(o) for o in preempted[:MAX_EVIDENCE]],
+                      ran=self._ran(preempted, x, y))] if runq > 0 else []
         blocked = [o for o in offs if o.state != "R"]
         ns = (y - x) - runq
         if kind == "wait":

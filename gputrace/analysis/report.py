@@ -53,6 +53,21 @@ def pid_text(c: dict[str, Any]) -> str:
     return f"pid {c['pid']} ({c.get('comm', '')}{inside})"
 
 
+def preemptors_text(ran: list[dict[str, Any]]) -> str:
+    """'pid 700 (hog) 83%, kworker/0:1 (tid 55) 17%': who had the CPU a run-queue wait waited for (a culprit's
+    ``preempted_by``), by share of that wait. Values come from a capture file: shown, never trusted."""
+    rows = [r for r in ran if isinstance(r, dict)]
+    total = sum(int(r.get("ns", 0)) for r in rows) or 1
+    out = []
+    for r in rows:
+        pid, tid, comm = int(r.get("pid", 0)), int(r.get("tid", 0)), str(r.get("comm", ""))
+        who = f"pid {pid} ({comm})" if pid else f"{comm} (tid {tid})"
+        if pid and tid != pid:
+            who += f" thread {tid}"
+        out.append(f"{who} {100 * int(r.get('ns', 0)) / total:.0f}%")
+    return ", ".join(out)
+
+
 def capture_start(cap: Capture, timelines: list[DeviceTimeline]) -> int:
     """When tracing began, not when the capture file was opened: compiling and loading the probes comes between
     (seconds). Captures written before the session recorded it start at the header's start_ns. GPU work seen

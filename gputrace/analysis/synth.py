@@ -110,9 +110,11 @@ class Builder:
         return self.offcpu(pid, tid, wait_from_ms, end_ms, "D", waker=(0, 0, "[irq]"))
 
     def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
-               wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, "")) -> Builder:
+               wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, ""),
+               ran: tuple[int, int, str] = (0, 0, "")) -> Builder:
+        """``ran``: (pid, tid, comm) of the task a preempted thread's CPU went to."""
         wake = ns(wake_ms) if wake_ms is not None else (ns(end_ms) if waker[1] else 0)
-        self.records.append(OffCpu(pid, tid, ns(start_ms), ns(end_ms), state, wake, *waker))
+        self.records.append(OffCpu(pid, tid, ns(start_ms), ns(end_ms), state, wake, *waker, *ran))
         return self
 
     def sync(self, pid: int, tid: int, start_ms: float, end_ms: float, dev: int = 0) -> Builder:

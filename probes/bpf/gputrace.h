@@ -32,6 +32,10 @@
  * the process was left out of the trace from there on (see gt_task_foreign). */
 #define GT_EXEC_LEFT_OUT 0x1
 
+/* gt_offcpu_event.state of a preempted task (no state bit in the low byte) that no wakeup reached: the
+ * waker fields name the task its CPU went to at the switch (tgid 0 where the hook cannot read it). */
+#define GT_OFFCPU_RAN 0x10000
+
 /* Where records were lost: indexes of the per-CPU `drops` array. */
 #define GT_DROP_RINGBUF 0  /* events ring buffer full */
 #define GT_DROP_PROCBUF 1  /* process-event ring buffer full */
