@@ -202,3 +202,43 @@ def input_bound_text(ib: dict[str, Any]) -> str:
     if isinstance(share, int | float):
         measured = f"{share:.1f}% of the GPU window was spent waiting on input (storage, network, data workers) → "
     return f"Input-bound: {measured}{ib['verdict']} (TensorFlow profiler's 5% / 20% thresholds, for comparison)."
+
+
+def _points(x: float) -> str:
+    return f"{x:+.1f} pts" if abs(x) >= 0.05 else "same"
+
+
+def render_compare(doc: dict[str, Any], console: Console, before: str, after: str) -> None:
+    """`gputrace compare`: the two runs' GPU busy share, stall budget by cause and culprits side by side."""
+    b, a = doc["before"], doc["after"]
+    console.print(Text(f"gputrace compare {shown(before)} → {shown(after)}", style="bold"))
+    for note in doc["notes"]:
+        console.print(Text(f"note: {note}"))
+    t = Table(title="GPU time (shares of each run's GPU window)", title_justify="left")
+    for col in ("", "before", "after", "change"):
+        t.add_column(col, justify="left" if not col else "right")
+    t.add_row(*_cells("GPU window", ms(b["window_ns"]), ms(a["window_ns"]), ""))
+    t.add_row(*_cells("GPU busy", f"{b['busy_pct']:.1f}%", f"{a['busy_pct']:.1f}%", _points(doc["busy_change_points"])))
+    t.add_row(*_cells("stalled", f"{b['stall_pct']:.1f}%", f"{a['stall_pct']:.1f}%",
+                      _points(doc["stall_change_points"])))
+    t.add_row(*_cells("stalls", f"{b['stalls']:,}", f"{a['stalls']:,}", f"{a['stalls'] - b['stalls']:+,}"))
+    if b["input_bound_pct"] is not None and a["input_bound_pct"] is not None:
+        t.add_row(*_cells("waiting on input", f"{b['input_bound_pct']:.1f}%", f"{a['input_bound_pct']:.1f}%",
+                          _points(a["input_bound_pct"] - b["input_bound_pct"])))
+    console.print(t)
+    if doc["by_cause"]:
+        t = Table(title="Stall time by cause (% of GPU window)", title_justify="left")
+        for col in ("cause", "before", "after", "change"):
+            t.add_column(col, justify="left" if col == "cause" else "right")
+        for r in doc["by_cause"]:
+            t.add_row(*_cells(r["cause"], f"{r['before_pct']:.1f}%", f"{r['after_pct']:.1f}%",
+                              _points(r["change_points"])))
+        console.print(t)
+    if doc["culprits"]:
+        t = Table(title="Culprits (% of GPU window; processes are per run: new pids each run)", title_justify="left")
+        for col in ("kind", "culprit", "before", "after"):
+            t.add_column(col, justify="right" if col in ("before", "after") else "left")
+        for r in doc["culprits"]:
+            t.add_row(*_cells(r["kind"], shown(r["culprit"]), f"{r['before_pct']:.1f}%" if r["before_ns"] else "-",
+                              f"{r['after_pct']:.1f}%" if r["after_ns"] else "-"))
+        console.print(t)

@@ -1,0 +1,94 @@
+"""Two reports side by side: did a change (more loader workers, a local copy of the data) shrink the stalls?
+
+Runs differ in length, so times are compared as shares of each run's GPU window (percentage points). Files,
+peers and collectives keep their names from run to run and are matched by name; processes get new pids in
+every run, so each run's processes are listed on their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.analysis.notes import lost_records
+from gputrace.analysis.report import CAUSES, culprit_label
+
+SCHEMA = "gputrace.compare/1"
+TOP_CULPRITS = 8
+
+
+def _side(report: dict[str, Any]) -> dict[str, Any]:
+    summ, cap = report["summary"], report["capture"]
+    window = int(summ.get("window_ns", 0))
+    return {
+        "window_ns": window,
+        "busy_ns": int(summ.get("busy_ns", 0)),
+        "busy_pct": _pct(int(summ.get("busy_ns", 0)), window),
+        "stall_ns": int(summ.get("stall_ns", 0)),
+        "stall_pct": _pct(int(summ.get("stall_ns", 0)), window),
+        "stalls": int(summ.get("stalls", len(report.get("stalls", [])))),
+        "input_bound_pct": (summ.get("input_bound") or {}).get("pct"),
+        "devices": [{"id": d["id"], "name": d["name"], "simulated": d["simulated"]} for d in report["devices"]],
+        "complete": bool(cap.get("complete", True)),
+        "lost": lost_records(cap.get("drops") or {}),
+        "min_gap_ns": report.get("min_gap_ns"),
+    }
+
+
+def _pct(part: int, whole: int) -> float:
+    return round(100.0 * part / whole, 2) if whole else 0.0
+
+
+def _change(before: int, wb: int, after: int, wa: int) -> float:
+    """Percentage points from before's share of its window to after's, from the unrounded shares."""
+    return round(100.0 * ((after / wa if wa else 0.0) - (before / wb if wb else 0.0)), 2)
+
+
+def _by_cause(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    wb, wa = before["summary"]["window_ns"], after["summary"]["window_ns"]
+    cb, ca = before["summary"].get("by_cause", {}), after["summary"].get("by_cause", {})
+    order = {c: i for i, c in enumerate(CAUSES)}
+    rows = []
+    for cause in sorted(set(cb) | set(ca), key=lambda c: (-max(_pct(cb.get(c, 0), wb), _pct(ca.get(c, 0), wa)),
+                                                           order.get(c, len(order)))):
+        b, a = int(cb.get(cause, 0)), int(ca.get(cause, 0))
+        rows.append({"cause": cause, "before_ns": b, "after_ns": a, "before_pct": _pct(b, wb),
+                     "after_pct": _pct(a, wa), "change_points": _change(b, wb, a, wa)})
+    return rows
+
+
+def _culprits(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    acc: dict[tuple[str, str], list[int]] = {}
+    for i, report in enumerate((before, after)):
+        for s in report["stalls"]:
+            acc.setdefault(culprit_label(s), [0, 0])[i] += int(s["duration_ns"])
+    wb, wa = before["summary"]["window_ns"], after["summary"]["window_ns"]
+    top = sorted(acc.items(), key=lambda kv: -max(_pct(kv[1][0], wb), _pct(kv[1][1], wa)))[:TOP_CULPRITS]
+    return [{"kind": kind, "culprit": label, "before_ns": b, "after_ns": a, "before_pct": _pct(b, wb),
+             "after_pct": _pct(a, wa)} for (kind, label), (b, a) in top]
+
+
+def _notes(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    notes = []
+    for name, side in (("before", b), ("after", a)):
+        if not side["complete"]:
+            notes.append(f"the {name} capture is incomplete: its stalls may be missing some")
+        if side["lost"]:
+            notes.append(f"the {name} capture lost {side['lost']}")
+        if not side["devices"]:
+            notes.append(f"the {name} capture has no GPU activity")
+    sim = {name: {d["simulated"] for d in side["devices"]} for name, side in (("before", b), ("after", a))}
+    if sim["before"] and sim["after"] and sim["before"] != sim["after"]:
+        notes.append("one run is on a simulated device and the other on a real one")
+    if b["min_gap_ns"] != a["min_gap_ns"]:
+        notes.append("the reports count stalls from different minimum gaps")
+    return notes
+
+
+def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The ``gputrace.compare/1`` document of two ``gputrace.report/1`` reports."""
+    b, a = _side(before), _side(after)
+    wb, wa = b["window_ns"], a["window_ns"]
+    return {"schema": SCHEMA, "before": b, "after": a,
+            "busy_change_points": _change(b["busy_ns"], wb, a["busy_ns"], wa),
+            "stall_change_points": _change(b["stall_ns"], wb, a["stall_ns"], wa),
+            "by_cause": _by_cause(before, after), "culprits": _culprits(before, after), "notes": _notes(b, a)}
