@@ -23,6 +23,7 @@ GPU work with CUPTI (or the simulated device), finds every GPU stall and names w
   gputrace capture -- python train.py          trace a command, write a capture and a Perfetto trace
   gputrace capture -p 4242 -d 30               trace a running job for 30 s
   gputrace report gputrace-python.4242.gputrace   stall budget by cause and culprit
+  gputrace compare before.gputrace after.gputrace  what a change did to the stalls
   gputrace view gputrace-python.4242.pftrace      open the trace in the Perfetto UI
   gputrace doctor                              what works on this host
 """
