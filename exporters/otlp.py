@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from gputrace import __version__, clock
 from gputrace.analysis.devices import SHARED, ReportDevices
-from gputrace.analysis.report import preemptors_text
+from gputrace.analysis.report import holders_text
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
 
@@ -370,8 +370,8 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
     for key, value in stall.get("culprit", {}).items():
         if isinstance(value, (str, bool, int, float)):
             attrs[f"gputrace.culprit.{key}"] = value
-        elif key == "preempted_by" and isinstance(value, list) and value:
-            attrs["gputrace.culprit.cpu_went_to"] = preemptors_text(value)
+        elif key == "cpu_held_by" and isinstance(value, list) and value:
+            attrs["gputrace.culprit.cpu_held_by"] = holders_text(value)
     span = tracer.start_span(f"gpu.stall {cause}", context=ctx, attributes=attrs,
                              start_time=clock.to_realtime_ns(int(stall["start_ns"]), offset))
     child_ctx = trace.set_span_in_context(span)

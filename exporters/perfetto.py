@@ -247,6 +247,8 @@ class _Run(Canvas):
         if r.wake_ns and s <= r.wake_ns <= e:
             args.update(waker_pid=r.waker_pid, waker_tid=r.waker_tid, waker_comm=r.waker_comm,
                         wake_ns=r.wake_ns)
+        if r.held_tid:  # who had the CPU until this thread got it back
+            args.update(cpu_from_pid=r.held_pid, cpu_from_tid=r.held_tid, cpu_from_comm=r.held_comm)
         flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
         packets = [pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, name, category=_CAT["sched"],
                                   annots=pp.debug_args(args), flows=flows)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrace.analysis.report import preemptors_text
+from gputrace.analysis.report import holders_text
 from gputrace.records import Collective, GpuKernel, GpuMemcpy
 
 _DIRECTION = {"h2d": "HtoD", "d2h": "DtoH", "d2d": "DtoD", "h2h": "HtoH", "p2p": "PtoP"}
@@ -43,8 +43,8 @@ def stall_args(st: dict[str, Any], dur: int) -> dict[str, Any]:
         v = culprit.get(k)
         if v not in (None, "", 0):
             args[name] = v if isinstance(v, int | str | float) else str(v)
-    if isinstance(culprit.get("preempted_by"), list) and culprit["preempted_by"]:
-        args["cpu_went_to"] = preemptors_text(culprit["preempted_by"])
+    if isinstance(culprit.get("cpu_held_by"), list) and culprit["cpu_held_by"]:
+        args["cpu_held_by"] = holders_text(culprit["cpu_held_by"])
     via = st.get("via") or []
     if via:
         args["via"] = " → ".join(str(v) for v in via)

@@ -125,9 +125,9 @@ class OffCpu(NamedTuple):
 
     ``state``: the task state when it left the CPU ("S" sleeping, "D" uninterruptible, "R" preempted,
     ...). ``wake_ns`` is when it was woken (0: never seen woken, e.g. preempted), and the waker fields
-    name who did it, traced or not (a FUSE daemon, a peer). A preempted thread ("R") names the task its CPU
-    went to at the switch in the ``ran_*`` fields (``ran_pid`` 0 where the kernel hook could not read it;
-    all empty in captures made before they existed).
+    name who did it, traced or not (a FUSE daemon, a peer). The ``held_*`` fields name the task that had
+    the CPU until this thread got it back: for a thread preempted, or woken and then kept waiting for a CPU,
+    one that held the CPU it waited for (empty: the CPU was idle, or a capture made before they existed).
     """
 
     pid: int
@@ -139,9 +139,9 @@ class OffCpu(NamedTuple):
     waker_pid: int
     waker_tid: int
     waker_comm: str
-    ran_pid: int = 0
-    ran_tid: int = 0
-    ran_comm: str = ""
+    held_pid: int = 0
+    held_tid: int = 0
+    held_comm: str = ""
 
 
 class PageFault(NamedTuple):

@@ -64,13 +64,12 @@ def _raw_unsupported(group: str) -> str:
 
 
 @functools.cache
-def _task_offsets() -> tuple[int | None, int | None, int | None]:
-    """task_struct.pid's, .tgid's and .comm's offsets in the running kernel: its BTF is parsed once and let
-    go."""
+def _task_offsets() -> tuple[int | None, int | None]:
+    """task_struct.pid's and .tgid's offsets in the running kernel: its BTF is parsed once and let go."""
     btf = kernel_btf()
     if btf is None:
-        return None, None, None
-    return tuple(struct_offset("task_struct", m, btf) for m in ("pid", "tgid", "comm"))  # type: ignore[return-value]
+        return None, None
+    return struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf)
 
 
 def task_pid_offset() -> int | None:
@@ -81,17 +80,10 @@ def task_tgid_offset() -> int | None:
     return _task_offsets()[1]
 
 
-def task_comm_offset() -> int | None:
-    return _task_offsets()[2]
-
-
 def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     flags = [f"-DGT_RAW_SYSCALLS={int(syscall_hook == 'raw')}", f"-DGT_RAW_SCHED={int(sched_hook == 'raw')}"]
     if sched_hook == "raw":
         flags += [f"-DGT_TASK_PID_OFF={task_pid_offset()}", f"-DGT_TASK_TGID_OFF={task_tgid_offset()}"]
-        comm = task_comm_offset()  # optional: without it a preempting task is named by its ids alone
-        if comm is not None:
-            flags.append(f"-DGT_TASK_COMM_OFF={comm}")
     return flags
 
 

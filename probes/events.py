@@ -17,14 +17,13 @@ from typing import Any, NamedTuple
 
 from gputrace.records import BlockIO, FdInfo, FileMap, InProgress, OffCpu, PageFault, ProcFork, Syscall
 
-LAYOUT = 3
-KNOWN_LAYOUTS = (1, 2, 3)  # 2 added EV_FAULT, 3 EV_FDRECV; older captures have none
+LAYOUT = 4
+KNOWN_LAYOUTS = (1, 2, 3, 4)  # 2 added EV_FAULT, 3 EV_FDRECV, 4 EV_OFFCPU2 (in place of EV_OFFCPU)
 AT_FDCWD = -100
 PATH_MAX_DATA = 255  # GT_DATA_LEN - 1: a path event's string of this length may have been cut short
 
 EV_SYS, EV_PATH, EV_BLOCK, EV_OFFCPU, EV_FORK, EV_EXEC, EV_EXIT, EV_FAULT = 1, 2, 3, 4, 5, 6, 7, 8
 EXEC_LEFT_OUT = 0x1  # GT_EXEC_LEFT_OUT: an exec event's flags when the process was left out (ProcLeftOut)
-OFFCPU_RAN = 0x10000  # GT_OFFCPU_RAN: a preempted task's off-CPU event names the task its CPU went to
 
 F_FD = 0x1
 F_XFER = 0x2
@@ -47,7 +46,9 @@ DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block"
 SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event
 PATH = struct.Struct("<IIIIQQqQQQII256s")  # gt_path_event
 BLOCK = struct.Struct("<IIIIQQQIi8s16s")  # gt_block_event
-OFFCPU = struct.Struct("<IIIIQQQII16s")  # gt_offcpu_event
+OFFCPU = struct.Struct("<IIIIQQQII16s")  # gt_offcpu_event (layouts 1-3)
+OFFCPU2 = struct.Struct("<IIIIQQQII16sII16sQ")  # gt_offcpu2_event
+EV_OFFCPU2 = 12
 PROC = struct.Struct("<IIIIQII16s128s")  # gt_proc_event
 FAULT = struct.Struct("<IIIIQQQQQ")  # gt_fault_event
 MAPFILE = struct.Struct("<IIIIQQ")  # gt_mapfile_event (process-event ring only)
@@ -63,7 +64,7 @@ NO_CALL = 0xFFFFFFFF
 
 SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
          EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size,
-         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size}  # fmt: skip
+         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size, EV_OFFCPU2: OFFCPU2.size}  # fmt: skip
 
 
 # sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
@@ -218,6 +219,8 @@ class KernelDecoder:
             return self._syscall(f[:10], f[12][: min(f[10], 256)])
         if etype == EV_BLOCK:
             return self._block(BLOCK.unpack_from(blob, off))
+        if etype == EV_OFFCPU2:
+            return self._offcpu(OFFCPU2.unpack_from(blob, off))
         if etype == EV_OFFCPU:
             return self._offcpu(OFFCPU.unpack_from(blob, off))
         if etype == EV_FAULT:
@@ -299,10 +302,11 @@ class KernelDecoder:
                        issue, complete)  # fmt: skip
 
     def _offcpu(self, f: tuple[Any, ...]) -> OffCpu:
-        _, state, pid, tid, start, end, wake, wpid, wtid, wcomm = f
-        if state & OFFCPU_RAN:  # not a waker: the task that got the CPU when this one was preempted
-            return OffCpu(pid, tid, start, end, task_state(state), wake, 0, 0, "", wpid, wtid, cstr(wcomm))
-        return OffCpu(pid, tid, start, end, task_state(state), wake, wpid, wtid, cstr(wcomm))
+        _, state, pid, tid, start, end, wake, wpid, wtid, wcomm, *held = f  # held: (pid, tid, comm, pad) in layout 4
+        rec = OffCpu(pid, tid, start, end, task_state(state), wake, wpid, wtid, cstr(wcomm))
+        if held and held[1]:  # not the idle task: a task held the CPU until this one got it back
+            rec = rec._replace(held_pid=held[0], held_tid=held[1], held_comm=cstr(held[2]))
+        return rec
 
     def _fault(self, f: tuple[Any, ...]) -> PageFault:
         _, dev, pid, tid, fault_ns, start, end, ino, index = f

@@ -93,6 +93,18 @@ def test_a_layout_1_capture_still_decodes() -> None:
     assert [r.obj for r in KernelDecoder({**META, "layout": 1}).decode(_sys(0, 1, 0, 0))] == [""]
 
 
+def test_off_cpu_events_of_both_layouts() -> None:
+    """Layout 3's event has no CPU holder; layout 4's names it, and names nobody for the idle task (tid 0)."""
+    old = events.OFFCPU.pack(events.EV_OFFCPU, 0, 5, 6, 10, 20, 0, 0, 0, b"")
+    new = events.OFFCPU2.pack(events.EV_OFFCPU2, 0, 5, 6, 10, 20, 0, 0, 0, b"", 7, 8, b"hog\0junk", 0)
+    idle = events.OFFCPU2.pack(events.EV_OFFCPU2, 1, 5, 6, 10, 20, 15, 9, 9, b"waker", 0, 0, b"swapper/0", 0)
+    (a,) = KernelDecoder({**META, "layout": 3}).decode(old)
+    b, c = KernelDecoder(META).decode(new + idle)
+    assert (a.state, a.held_pid, a.held_tid, a.held_comm) == ("R", 0, 0, "")
+    assert (b.state, b.held_pid, b.held_tid, b.held_comm) == ("R", 7, 8, "hog")
+    assert (c.state, c.waker_comm, c.held_tid, c.held_comm) == ("S", "waker", 0, "")
+
+
 def test_mapped_files_parses_proc_maps(tmp_path: Path) -> None:
     import mmap
     import os

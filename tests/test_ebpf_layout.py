@@ -29,6 +29,9 @@ def bpf() -> Any:
                                         "nbytes", "error", "rwbs", "comm"]),
         ("layout_offcpu", events.OFFCPU, ["type", "state", "pid", "tid", "start_ns", "end_ns", "wake_ns",
                                           "waker_pid", "waker_tid", "waker_comm"]),
+        ("layout_offcpu2", events.OFFCPU2, ["type", "state", "pid", "tid", "start_ns", "end_ns", "wake_ns",
+                                            "waker_pid", "waker_tid", "waker_comm", "held_pid", "held_tid",
+                                            "held_comm", "pad"]),
         ("layout_proc", events.PROC, ["type", "flags", "pid", "tid", "ts", "child_pid", "child_tid", "comm",
                                       "filename"]),
         ("layout_fault", events.FAULT, ["type", "dev", "pid", "tid", "fault_ns", "start_ns", "end_ns", "ino",
@@ -52,7 +55,7 @@ def test_path_event_layout(bpf: Any) -> None:
 
 
 def test_every_event_type_has_a_size() -> None:
-    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7, 8, events.EV_UNFINISHED, events.EV_FDRECV}
+    assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7, 8, events.EV_UNFINISHED, events.EV_FDRECV, events.EV_OFFCPU2}
     assert events.SIZES[events.EV_SYS] == 64 and events.SIZES[events.EV_PATH] == 328
     # the live reader picks fault and fd-receive events out by size alone, in both rings
     assert [t for t, n in events.SIZES.items() if n == events.FAULT.size] == [events.EV_FAULT]
@@ -93,9 +96,9 @@ def test_header_constants_match() -> None:
     text = (ebpf.BPF_DIR / "gputrace.h").read_text()
     defs = {k: int(v, 0) for k, v in re.findall(r"^#define (GT_\w+) (0x[0-9a-fA-F]+|\d+)", text, re.M)}
     assert defs["GT_LAYOUT"] == events.LAYOUT and events.LAYOUT in events.KNOWN_LAYOUTS
-    assert (defs["GT_EV_FAULT"], defs["GT_EV_MAPFILE"], defs["GT_EV_FDRECV"]) == (
-        events.EV_FAULT, events.EV_MAPFILE, events.EV_FDRECV)  # fmt: skip
-    assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX and defs["GT_OFFCPU_RAN"] == events.OFFCPU_RAN
+    assert (defs["GT_EV_FAULT"], defs["GT_EV_MAPFILE"], defs["GT_EV_FDRECV"], defs["GT_EV_OFFCPU2"]) == (
+        events.EV_FAULT, events.EV_MAPFILE, events.EV_FDRECV, events.EV_OFFCPU2)  # fmt: skip
+    assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX
     for name in ("FD", "XFER", "PATH", "SOCKADDR", "SOCKADDR_PLEN", "FDTABLE", "PIPE", "TIMESPEC", "PATH0",
                  "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD"):  # fmt: skip
         assert defs[f"GT_F_{name}"] == getattr(events, f"F_{name}"), name

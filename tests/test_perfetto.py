@@ -73,7 +73,7 @@ def test_threads_syscalls_offcpu_and_wakeups(tmp_path: Path) -> None:
     recs = _proc(100, "trainer", (101, "loader")) + [
         Syscall(100, 101, "pread64", T0 + 1 * MS, T0 + 9 * MS, 65536, 5, "/data/shard-1.bin", 65536, 65536),
         OffCpu(100, 101, T0 + 2 * MS, T0 + 8 * MS, "S", T0 + 7 * MS, 300, 301, "fuse-srv"),
-        OffCpu(100, 100, T0 + 3 * MS, T0 + 4 * MS, "R", 0, 0, 0, ""),
+        OffCpu(100, 100, T0 + 3 * MS, T0 + 4 * MS, "R", 0, 0, 0, "", 700, 701, "hog"),
         Syscall(100, 100, "futex", T0 + 2 * MS, T0 + 5 * MS, 0, -1, "", 0, 0xDEAD),
     ]
     check, _ = _export(tmp_path, recs)
@@ -95,6 +95,8 @@ def test_threads_syscalls_offcpu_and_wakeups(tmp_path: Path) -> None:
     assert dst is woken
     [runq] = check.slices_on(check.track("off-CPU", parent="trainer"))
     assert runq.name == "runqueue" and "waker_pid" not in runq.args
+    assert (runq.args["cpu_from_pid"], runq.args["cpu_from_tid"], runq.args["cpu_from_comm"]) == (700, 701, "hog")
+    assert "cpu_from_pid" not in off.args
     assert check.slices_on(check.thread(100))[0].args["arg"] == 0xDEAD
 
 

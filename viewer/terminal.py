@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gputrace.analysis.notes import caveats, waiting_lines
-from gputrace.analysis.report import culprit_label, pid_text, preemptors_text
+from gputrace.analysis.report import culprit_label, holders_text, pid_text
 
 TOP_STALLS = 10
 TOP_WAITING = 10
@@ -168,8 +168,8 @@ def describe(s: dict[str, Any]) -> str:
             text += ", shared with pids " + ", ".join(str(p) for p in c.get("block_shared_with", []))
     if c.get("filesystem"):
         text += f" [{c['filesystem']}]"
-    if c.get("preempted_by"):
-        text += "; its CPU went to " + preemptors_text(c["preempted_by"])
+    if c.get("cpu_held_by"):
+        text += "; the CPU was held by " + holders_text(c["cpu_held_by"])
     if s.get("late_rank_cause"):
         late = s["late_rank_cause"]
         text += f"; late rank was in {late['cause']} {late['culprit'].get('object', '')}".rstrip()

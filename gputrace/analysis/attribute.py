@@ -11,7 +11,7 @@ from gputrace.analysis.timeline import CollectiveWait, Stall
 from gputrace.records import CudaApi
 
 MAX_BREAKDOWN = 5
-MAX_PREEMPTORS = 3  # tasks named in a run-queue wait's preempted_by
+MAX_HOLDERS = 3  # tasks named in a run-queue wait's cpu_held_by
 
 
 def gpu_evidence(op: GpuOp, launch: CudaApi | None) -> dict[str, Any]:
@@ -110,16 +110,16 @@ def _dominant(parts: list[Part]) -> Part:
     return max((p for p in mine if int(p.culprit.get("tid", 0)) == tid), key=lambda p: p.ns)
 
 
-def _preempted_by(parts: list[Part], best: Part) -> dict[str, Any]:
-    """``preempted_by``: the tasks the run-queue waits of ``best``'s thread (same cause and culprit) lost their
-    CPU to, most time first: who held the CPU it waited for (the task switched in when it was preempted)."""
+def _cpu_held_by(parts: list[Part], best: Part) -> dict[str, Any]:
+    """``cpu_held_by``: who had the CPU the run-queue waits of ``best``'s thread (same cause and culprit)
+    waited for, most time first (for each wait, the task it got the CPU back from)."""
     tid = best.culprit.get("tid")
-    ran: Counter[tuple[int, int, str]] = Counter()
+    held: Counter[tuple[int, int, str]] = Counter()
     for p in parts:
         if p.key() == best.key() and p.culprit.get("tid") == tid:
-            ran.update(p.ran)
-    top = [{"pid": pid, "tid": t, "comm": comm, "ns": ns} for (pid, t, comm), ns in ran.most_common(MAX_PREEMPTORS)]
-    return {"preempted_by": top} if top else {}
+            held.update(p.held)
+    top = [{"pid": pid, "tid": t, "comm": comm, "ns": ns} for (pid, t, comm), ns in held.most_common(MAX_HOLDERS)]
+    return {"cpu_held_by": top} if top else {}
 
 
 def _breakdown(parts: list[Part]) -> list[dict[str, Any]]:
@@ -136,7 +136,7 @@ def _from_parts(parts: list[Part], gpu_ev: list[dict[str, Any]]) -> dict[str, An
     best = _dominant(parts)
     culprit = best.culprit if best.cause != "unknown" else empty_culprit()
     if best.cause == "cpu.runqueue":
-        culprit = {**culprit, **_preempted_by(parts, best)}
+        culprit = {**culprit, **_cpu_held_by(parts, best)}
     out = _verdict(best.cause, culprit, best.via, (best.evidence + gpu_ev)[:24])
     out["breakdown"] = _breakdown(parts)
     out.update({k: v for k, v in best.extra.items() if k not in out})

@@ -31,7 +31,7 @@ class Part:
     via: list[str] = field(default_factory=list)
     evidence: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    ran: Counter[tuple[int, int, str]] = field(default_factory=Counter)  # a run-queue wait's: who had the CPU
+    held: Counter[tuple[int, int, str]] = field(default_factory=Counter)  # a run-queue wait's: who had the CPU
 
     def key(self) -> tuple[str, int, str]:
         return (self.cause, int(self.culprit.get("pid", 0)), str(self.culprit.get("object", "")))
@@ -179,19 +179,19 @@ class Explainer:
             total += ns
             if o.state == "R":
                 parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)],
-                                  ran=self._ran([o], x, y)))
+                                  held=self._cpu_holders([o], x, y)))
             else:  # blocked outside any recorded syscall (a page fault, a short call under the threshold)
                 parts.append(Part("unknown", ns, empty_culprit(), evidence=[evidence_offcpu(o)]))
         return total
 
-    def _ran(self, preempted: list[OffCpu], x: int, y: int) -> Counter[tuple[int, int, str]]:
-        """Who got the CPU when each of these preemptions began, (pid, tid, comm), with the time of the wait
-        in [x, y) each is the one named for (pid 0 where neither the record nor the capture knows it)."""
+    @staticmethod
+    def _cpu_holders(waits: list[OffCpu], x: int, y: int) -> Counter[tuple[int, int, str]]:
+        """Who had the CPU these off-CPU spans waited for in [x, y) (a preemption, or the time from a wakeup
+        on), (pid, tid, comm), with the time of each span in [x, y)."""
         out: Counter[tuple[int, int, str]] = Counter()
-        for o in preempted:
-            if o.ran_tid:
-                pid = o.ran_pid or self.cap.tgid.get(o.ran_tid, 0)
-                out[(pid, o.ran_tid, o.ran_comm)] += min(o.end_ns, y) - max(o.start_ns, x)
+        for o in waits:
+            if o.held_tid:
+                out[(o.held_pid, o.held_tid, o.held_comm)] += max(min(o.end_ns, y) - max(o.start_ns, x), 0)
         return out
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
@@ -201,7 +201,7 @@ class Explainer:
         runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
         parts = [Part("cpu.runqueue", runq, self.culprit(sc.tid, "preempted"),
                       evidence=[evidence_offcpu(o) for o in preempted[:MAX_EVIDENCE]],
-                      ran=self._ran(preempted, x, y))] if runq > 0 else []
+                      held=self._cpu_holders(preempted, x, y))] if runq > 0 else []
         blocked = [o for o in offs if o.state != "R"]
         ns = (y - x) - runq
         if kind == "wait":
@@ -214,8 +214,12 @@ class Explainer:
         late = [(o, max(o.wake_ns, x), min(o.end_ns, y)) for o in blocked if o.wake_ns]
         woken = sum(max(b - a, 0) for _, a, b in late)
         if woken > 0:
+            held: Counter[tuple[int, int, str]] = Counter()
+            for o, a, b in late:
+                if b > a:
+                    held.update(self._cpu_holders([o], a, b))
             parts.append(Part("cpu.runqueue", woken, self.culprit(sc.tid, "woken, waiting for a CPU"),
-                              evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE]))
+                              evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE], held=held))
         return parts + [self._direct(kind, sc, ns - woken, blocked)]
 
     def _late_completion(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], depth: int) -> list[Part]:
@@ -337,7 +341,7 @@ class Explainer:
                 parts.extend(self._follow(sc, o, ox, woke, depth))
             if oy > woke:  # woken but not yet running
                 parts.append(Part("cpu.runqueue", oy - woke, self.culprit(sc.tid, "woken, waiting for a CPU"),
-                                  evidence=[evidence_offcpu(o)]))
+                                  evidence=[evidence_offcpu(o)], held=self._cpu_holders([o], woke, oy)))
             used += oy - ox
         rest = ns - used
         if rest > 0:

@@ -53,10 +53,10 @@ def pid_text(c: dict[str, Any]) -> str:
     return f"pid {c['pid']} ({c.get('comm', '')}{inside})"
 
 
-def preemptors_text(ran: list[dict[str, Any]]) -> str:
+def holders_text(held: list[dict[str, Any]]) -> str:
     """'pid 700 (hog) 83%, kworker/0:1 (tid 55) 17%': who had the CPU a run-queue wait waited for (a culprit's
-    ``preempted_by``), by share of that wait. Values come from a capture file: shown, never trusted."""
-    rows = [r for r in ran if isinstance(r, dict)]
+    ``cpu_held_by``), by share of that wait. Values come from a capture file: shown, never trusted."""
+    rows = [r for r in held if isinstance(r, dict)]
     total = sum(int(r.get("ns", 0)) for r in rows) or 1
     out = []
     for r in rows:

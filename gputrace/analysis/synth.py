@@ -111,10 +111,10 @@ class Builder:
 
     def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
                wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, ""),
-               ran: tuple[int, int, str] = (0, 0, "")) -> Builder:
-        """``ran``: (pid, tid, comm) of the task a preempted thread's CPU went to."""
+               held: tuple[int, int, str] = (0, 0, "")) -> Builder:
+        """``held``: (pid, tid, comm) of the task that had the CPU until the thread got it back."""
         wake = ns(wake_ms) if wake_ms is not None else (ns(end_ms) if waker[1] else 0)
-        self.records.append(OffCpu(pid, tid, ns(start_ms), ns(end_ms), state, wake, *waker, *ran))
+        self.records.append(OffCpu(pid, tid, ns(start_ms), ns(end_ms), state, wake, *waker, *held))
         return self
 
     def sync(self, pid: int, tid: int, start_ms: float, end_ms: float, dev: int = 0) -> Builder:

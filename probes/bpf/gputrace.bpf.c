@@ -82,6 +82,7 @@ BPF_ARRAY(layout_sys, struct gt_sys_event, 1);
 BPF_ARRAY(layout_path, struct gt_path_event, 1);
 BPF_ARRAY(layout_block, struct gt_block_event, 1);
 BPF_ARRAY(layout_offcpu, struct gt_offcpu_event, 1);
+BPF_ARRAY(layout_offcpu2, struct gt_offcpu2_event, 1);
 BPF_ARRAY(layout_proc, struct gt_proc_event, 1);
 BPF_ARRAY(layout_fault, struct gt_fault_event, 1);
 BPF_ARRAY(layout_mapfile, struct gt_mapfile_event, 1);
@@ -753,21 +754,6 @@ static __always_inline u32 gt_task_tid(u64 task)
     bpf_probe_read_kernel(&pid, sizeof(pid), (void *)task + GT_TASK_PID_OFF);
     return pid;
 }
-static __always_inline u32 gt_task_tgid(u64 task)
-{
-    u32 tgid = 0;
-    bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)task + GT_TASK_TGID_OFF);
-    return tgid;
-}
-/* The task a preempted traced task's CPU went to: its ids and name. */
-static __always_inline void gt_switch_next(u64 next, struct gt_offcpu_val *v)
-{
-    v->waker_tid = gt_task_tid(next);
-    v->waker_pid = gt_task_tgid(next);
-#ifdef GT_TASK_COMM_OFF
-    bpf_probe_read_kernel(v->waker_comm, GT_COMM_LEN, (void *)next + GT_TASK_COMM_OFF);
-#endif
-}
 /* The raw prev_state is the task's __state; the classic tracepoint reports it as one TASK_REPORT bit
  * (__trace_sched_switch_state), and so must we: a task preempted after it set TASK_INTERRUPTIBLE (before
  * it called schedule()) is runnable, not asleep ("R", TASK_REPORT_MAX); TASK_IDLE is "I", not "D";
@@ -822,15 +808,6 @@ GT_SCHED_PROBE(sched_switch)
         v.ts = now;
         v.pid = id >> 32;
         v.state = GT_SWITCH_STATE;
-        if (!(v.state & 0xff)) { /* preempted: the waker fields name the task its CPU went to, until a wake */
-            v.state |= GT_OFFCPU_RAN;
-#if GT_RAW_SCHED
-            gt_switch_next(ctx->args[2], &v);
-#else /* the classic tracepoint names the next task by tid and comm only: its tgid is left 0 */
-            v.waker_tid = (u32)args->next_pid;
-            __builtin_memcpy(v.waker_comm, args->next_comm, GT_COMM_LEN);
-#endif
-        }
 #ifdef HAVE_FILEMAP_FAULT
         v.fault_ns = in_file_fault(prev, now);
 #endif
@@ -847,9 +824,9 @@ GT_SCHED_PROBE(sched_switch)
     if (!o)
         return 0;
     if (now - o->ts >= OFFCPU_THRESHOLD_NS) {
-        struct gt_offcpu_event *e = events.ringbuf_reserve(sizeof(*e));
+        struct gt_offcpu2_event *e = events.ringbuf_reserve(sizeof(*e));
         if (e) {
-            e->type = GT_EV_OFFCPU;
+            e->type = GT_EV_OFFCPU2;
             e->state = o->state;
             e->pid = o->pid;
             e->tid = next;
@@ -859,6 +836,11 @@ GT_SCHED_PROBE(sched_switch)
             e->waker_pid = o->waker_pid;
             e->waker_tid = o->waker_tid;
             __builtin_memcpy(e->waker_comm, o->waker_comm, sizeof(e->waker_comm));
+            /* `current` is prev: the task this one takes the CPU from (the idle task: tid 0) */
+            e->held_pid = id >> 32;
+            e->held_tid = prev;
+            bpf_get_current_comm(e->held_comm, sizeof(e->held_comm));
+            e->pad = 0;
             events.ringbuf_submit(e, 0);
         } else {
             count_drop(GT_DROP_RINGBUF);
@@ -953,7 +935,6 @@ static __always_inline void current_waker(struct gt_waker *w)
 
 static __always_inline void set_waker(struct gt_offcpu_val *o, struct gt_waker *w)
 {
-    o->state &= ~GT_OFFCPU_RAN; /* the fields name a waker from here on */
     o->wake_ns = w->wake_ns;
     o->waker_pid = w->waker_pid;
     o->waker_tid = w->waker_tid;
@@ -968,6 +949,12 @@ static __always_inline void set_waker(struct gt_offcpu_val *o, struct gt_waker *
 BPF_TABLE("lru_hash", u32, struct gt_waker, early_wake, 4096);
 #define EARLY_WAKE_NS 1000000ULL
 
+static __always_inline u32 gt_task_tgid(u64 task)
+{
+    u32 tgid = 0;
+    bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)task + GT_TASK_TGID_OFF);
+    return tgid;
+}
 #endif
 
 /* sched_waking runs in the waker's context (sched_wakeup may run on the target's CPU), so `current` is

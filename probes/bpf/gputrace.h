@@ -3,7 +3,8 @@
 #ifndef GPUTRACE_H
 #define GPUTRACE_H
 
-#define GT_LAYOUT 3 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; the other events are as in 1 */
+#define GT_LAYOUT 4 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
+                      * the other events are as in 1 */
 #define GT_COMM_LEN 16
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
@@ -19,7 +20,7 @@
 #define GT_EV_SYS 1    /* struct gt_sys_event */
 #define GT_EV_PATH 2   /* struct gt_path_event: a syscall plus its path or sockaddr */
 #define GT_EV_BLOCK 3  /* struct gt_block_event */
-#define GT_EV_OFFCPU 4 /* struct gt_offcpu_event */
+#define GT_EV_OFFCPU 4 /* struct gt_offcpu_event (layouts 1-3) */
 #define GT_EV_FORK 5   /* struct gt_proc_event */
 #define GT_EV_EXEC 6
 #define GT_EV_EXIT 7
@@ -27,14 +28,11 @@
 #define GT_EV_MAPFILE 9 /* struct gt_mapfile_event, in the process-event ring */
 /* 10 is EV_UNFINISHED, written by user space (probes/events.py) */
 #define GT_EV_FDRECV 11 /* struct gt_fdrecv_event, in both rings */
+#define GT_EV_OFFCPU2 12 /* struct gt_offcpu2_event */
 
 /* gt_proc_event.flags of a GT_EV_EXEC event: the exec gave the task privileges the capture's owner lacks, and
  * the process was left out of the trace from there on (see gt_task_foreign). */
 #define GT_EXEC_LEFT_OUT 0x1
-
-/* gt_offcpu_event.state of a preempted task (no state bit in the low byte) that no wakeup reached: the
- * waker fields name the task its CPU went to at the switch (tgid 0 where the hook cannot read it). */
-#define GT_OFFCPU_RAN 0x10000
 
 /* Where records were lost: indexes of the per-CPU `drops` array. */
 #define GT_DROP_RINGBUF 0  /* events ring buffer full */
@@ -143,6 +141,25 @@ struct gt_offcpu_event { /* 64 bytes */
     u32 waker_pid;
     u32 waker_tid;
     char waker_comm[GT_COMM_LEN];
+};
+
+/* An off-CPU span (gt_offcpu_event's fields) and the task that had the CPU until this one got it back: when
+ * the thread was preempted, or woken and then waited for a CPU, one that held the CPU it waited for. */
+struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which the reader tells events apart */
+    u32 type;
+    u32 state;
+    u32 pid;
+    u32 tid;
+    u64 start_ns;
+    u64 end_ns;
+    u64 wake_ns;
+    u32 waker_pid;
+    u32 waker_tid;
+    char waker_comm[GT_COMM_LEN];
+    u32 held_pid;
+    u32 held_tid;
+    char held_comm[GT_COMM_LEN];
+    u64 pad;
 };
 
 struct gt_proc_event { /* 176 bytes */
