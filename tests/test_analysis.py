@@ -169,12 +169,15 @@ def test_runqueue_names_who_had_the_cpu(tmp_path: Path) -> None:
     b.offcpu(TRAINER, TRAINER, 11.0, 25.0, "R", held=(hog, hog, "hog"))
     b.offcpu(TRAINER, TRAINER, 25.5, 30.0, "R", held=(55, 55, "kworker/0:1"))
     b.offcpu(TRAINER, TRAINER, 30.5, 38.0, "R", held=(hog, hog + 1, "hog"))
-    s = only_stall(run(b, tmp_path))
+    r = run(b, tmp_path)
+    s = only_stall(r)
     assert s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == TRAINER
     assert s["culprit"]["cpu_held_by"] == [
         {"pid": hog, "tid": hog, "comm": "hog", "ns": ns(25) - ns(11)},
         {"pid": hog, "tid": hog + 1, "comm": "hog", "ns": ns(38) - ns(30.5)},
         {"pid": 55, "tid": 55, "comm": "kworker/0:1", "ns": ns(30) - ns(25.5)}]
+    assert summary_lines(r)[-2] == "waiting for a CPU (30.0 ms): the CPU was held by pid 700 (hog) 83%, " \
+                                   "pid 55 (kworker/0:1) 17%"  # by process
     text = "preempted; the CPU was held by pid 700 (hog) 54%, pid 700 (hog) thread 701 29%, pid 55 (kworker/0:1) 17%"
     assert describe(s).endswith(text), describe(s)
     assert stall_args(s, 1)["cpu_held_by"] == text.split("held by ")[1]

@@ -12,7 +12,7 @@ from typing import Any
 
 from gputrace.analysis.load import load
 from gputrace.analysis.notes import capture_notes, lost_records
-from gputrace.analysis.report import CAUSES, SCHEMA, assemble
+from gputrace.analysis.report import CAUSES, SCHEMA, assemble, holders_text
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.capture import CaptureReader
 
@@ -24,6 +24,22 @@ def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, 
     if min_gap_ns <= 0:
         raise ValueError("min_gap_ns must be > 0")
     return assemble(load(reader), min_gap_ns)
+
+
+RUNQUEUE_NOTE_SHARE = 0.2  # of stall time in cpu.runqueue, from which the capture's summary says who had the CPU
+
+
+def cpu_holders(stalls: list[dict[str, Any]], limit: int = 3) -> list[dict[str, Any]]:
+    """The tasks named in the stalls' ``cpu_held_by``, summed by process (by thread where the process is not
+    known), most time first."""
+    acc: dict[tuple[int, int], list[Any]] = {}
+    for s in stalls:
+        for h in s["culprit"].get("cpu_held_by", []):
+            key = (h["pid"], 0) if h["pid"] else (0, h["tid"])
+            slot = acc.setdefault(key, [h["pid"], h["tid"], h["comm"], 0])
+            slot[3] += h["ns"]
+    top = sorted(acc.values(), key=lambda v: -v[3])[:limit]
+    return [{"pid": pid, "tid": pid or tid, "comm": comm, "ns": ns} for pid, tid, comm, ns in top]
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -52,6 +68,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"stall budget: {budget}")
         for c in report.get("top_culprits", [])[:3]:
             lines.append(f"  {c['share_pct']:5.1f}%  {c['kind']}: {c['culprit']}")
+        held = cpu_holders(report["stalls"])
+        if held and summ["by_cause"].get("cpu.runqueue", 0) >= RUNQUEUE_NOTE_SHARE * total:
+            lines.append(f"waiting for a CPU ({fmt_ms(summ['by_cause']['cpu.runqueue'])}): the CPU was held by "
+                         + holders_text(held))
         ib = summ["input_bound"]
         if cap.get("ebpf_missing"):
             lines.append("input-bound: unknown (no host-side data: the capture ran without eBPF)")
