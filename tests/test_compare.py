@@ -63,6 +63,17 @@ def test_compare_on_a_terminal_and_its_warnings(tmp_path: Path) -> None:
     assert PATH in out and "storage" in out
 
 
+def test_a_run_without_gpu_activity_has_nothing_to_compare(tmp_path: Path) -> None:
+    empty = Builder().proc(TRAINER, "python").syscall(TRAINER, TRAINER, "read", 1.0, 2.0).write(tmp_path / "e.gputrace")
+    r = _compare(str(empty), str(_run(tmp_path, "a.gputrace", 5, 20)), "--json")
+    doc = json.loads(r.stdout)
+    assert doc["notes"] == ["the before capture has no GPU activity"]
+    assert doc["busy_change_points"] is None and all(c["change_points"] is None for c in doc["by_cause"])
+    r = _compare(str(empty), str(_run(tmp_path, "a.gputrace", 5, 20)))
+    busy = next(line for line in r.stdout.splitlines() if "GPU busy" in line)
+    assert "pts" not in busy and busy.rstrip("│ ").endswith("-"), busy
+
+
 def test_compare_errors(tmp_path: Path) -> None:
     good = _run(tmp_path, "b.gputrace", 30, 20)
     bad = tmp_path / "bad.gputrace"

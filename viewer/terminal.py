@@ -204,7 +204,9 @@ def input_bound_text(ib: dict[str, Any]) -> str:
     return f"Input-bound: {measured}{ib['verdict']} (TensorFlow profiler's 5% / 20% thresholds, for comparison)."
 
 
-def _points(x: float) -> str:
+def _points(x: float | None) -> str:
+    if x is None:  # a run without GPU activity
+        return "-"
     return f"{x:+.1f} pts" if abs(x) >= 0.05 else "same"
 
 
@@ -223,8 +225,9 @@ def render_compare(doc: dict[str, Any], console: Console, before: str, after: st
                       _points(doc["stall_change_points"])))
     t.add_row(*_cells("stalls", f"{b['stalls']:,}", f"{a['stalls']:,}", f"{a['stalls'] - b['stalls']:+,}"))
     if b["input_bound_pct"] is not None and a["input_bound_pct"] is not None:
+        change = a["input_bound_pct"] - b["input_bound_pct"] if b["window_ns"] and a["window_ns"] else None
         t.add_row(*_cells("waiting on input", f"{b['input_bound_pct']:.1f}%", f"{a['input_bound_pct']:.1f}%",
-                          _points(a["input_bound_pct"] - b["input_bound_pct"])))
+                          _points(change)))
     console.print(t)
     if doc["by_cause"]:
         t = Table(title="Stall time by cause (% of GPU window)", title_justify="left")

@@ -38,9 +38,12 @@ def _pct(part: int, whole: int) -> float:
     return round(100.0 * part / whole, 2) if whole else 0.0
 
 
-def _change(before: int, wb: int, after: int, wa: int) -> float:
-    """Percentage points from before's share of its window to after's, from the unrounded shares."""
-    return round(100.0 * ((after / wa if wa else 0.0) - (before / wb if wb else 0.0)), 2)
+def _change(before: int, wb: int, after: int, wa: int) -> float | None:
+    """Percentage points from before's share of its window to after's, from the unrounded shares; None when
+    a run has no GPU window (no GPU activity): there is nothing to compare with."""
+    if not (wb and wa):
+        return None
+    return round(100.0 * (after / wa - before / wb), 2)
 
 
 def _by_cause(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
