@@ -65,9 +65,10 @@ from .perfetto_samples import CpuSamples
 from .perfetto_tracks import LaneSet, PacketSink
 
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
-# Known kinds not placed on the timeline: fd and mapped-file paths are already on the syscalls and faults,
-# aggregates are in the report. Counted in ``not_drawn`` but not noted: they are expected in every capture.
-_NOT_DRAWN = {"FdInfo", "SyscallAgg", "FileMap"}
+# Known kinds not placed on the timeline: fd and mapped-file paths (and what epoll data words stand for) are
+# already on the syscalls and faults, aggregates are in the report. Counted in ``not_drawn`` but not noted:
+# they are expected in every capture.
+_NOT_DRAWN = {"FdInfo", "EpollEntry", "SyscallAgg", "FileMap"}
 _COLLECTIVE_CAP = 10_000
 
 

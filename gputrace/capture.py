@@ -438,13 +438,14 @@ class CaptureReader:
             yield rec
 
     def _observer(self, kind: str, decoder: Any) -> Callable[[Any], None] | None:
-        """What reading a row of ``kind`` must also do: keep drop counts, feed the kernel decoder's fd tables
-        and mapped files."""
+        """What reading a row of ``kind`` must also do: keep drop counts, feed the kernel decoder's fd tables,
+        epoll registrations and mapped files."""
         if kind == "Drops":
             return self._note_drops
         if decoder is None:
             return None
-        return {"FdInfo": decoder.note_fd, "ProcFork": decoder.note_fork, "FileMap": decoder.note_map}.get(kind)
+        return {"FdInfo": decoder.note_fd, "EpollEntry": decoder.note_epoll, "ProcFork": decoder.note_fork,
+                "FileMap": decoder.note_map}.get(kind)  # fmt: skip
 
     def _note_drops(self, rec: Any) -> None:
         self.drops[f"{rec.source}.{rec.what}"] = rec.count

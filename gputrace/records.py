@@ -73,6 +73,19 @@ class FdInfo(NamedTuple):
     obj: str
 
 
+class EpollEntry(NamedTuple):
+    """A registration of epoll fd ``epfd`` of ``pid`` when tracing of it began (from /proc/PID/fdinfo/EPFD): fd
+    ``fd`` (a number in ``pid``'s table) watched for ``events`` with the 64-bit ``data`` word that its ready
+    events carry. Later registrations are the ``epoll_ctl`` calls in the kernel events."""
+
+    ts: int
+    pid: int
+    epfd: int
+    fd: int
+    events: int
+    data: int
+
+
 # ---------------------------------------------------------------------------------------- kernel -----
 
 
@@ -340,7 +353,7 @@ class Drops(NamedTuple):
 RECORD_TYPES: dict[str, type[Any]] = {
     cls.__name__: cls
     for cls in (
-        ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo,
+        ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo, EpollEntry,
         Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress,
         GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
         AgentInfo, SourceStatus, Drops,

@@ -19,10 +19,10 @@ from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import procfs
 from gputrace.probes.btf import VMLINUX, Btf, kernel_btf, struct_member
-from gputrace.records import FdInfo, FileMap, ProcFork, ProcInfo, ProcLeftOut, SyscallAgg, ThreadInfo
+from gputrace.records import EpollEntry, FdInfo, FileMap, ProcFork, ProcInfo, ProcLeftOut, SyscallAgg, ThreadInfo
 
 # Records user space reads from /proc on the kernel's word: checked against the owner (see owned_records).
-_FROM_PROC = (ProcInfo, ThreadInfo, FileMap, FdInfo)
+_FROM_PROC = (ProcInfo, ThreadInfo, FileMap, FdInfo, EpollEntry)
 LEFT_OUT_WHY = "they gained privileges you lack (setuid/setgid/setcap)"
 
 

@@ -15,7 +15,8 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from gputrace.records import BlockIO, FdInfo, FileMap, InProgress, OffCpu, PageFault, ProcFork, Syscall
+from gputrace.probes.epolls import EPOLL_CTL_ADD, EVENTPOLL, EpollTables
+from gputrace.records import BlockIO, EpollEntry, FdInfo, FileMap, InProgress, OffCpu, PageFault, ProcFork, Syscall
 
 LAYOUT = 4
 KNOWN_LAYOUTS = (1, 2, 3, 4)  # 2 added EV_FAULT, 3 EV_FDRECV, 4 EV_OFFCPU2 (in place of EV_OFFCPU)
@@ -37,7 +38,10 @@ F_PATH0 = 0x200  # with F_PATH: the path is the first argument, relative to the 
 F_DUPFD = 0x400  # an fd-table change when the second argument is F_DUPFD / F_DUPFD_CLOEXEC (fcntl)
 F_MSGHDR = 0x800  # fds received in an SCM_RIGHTS message are reported (recvmsg)
 F_POLLFD = 0x1000  # poll/ppoll: the first argument reports the one fd polled, else the first ready one, else -1
-F_EPOLLFD = 0x2000  # epoll: the first argument reports the first ready event's data as an fd, else -1
+F_EPOLLFD = 0x2000  # earlier versions' epoll waits: the first argument is the first ready event's data taken as an fd
+F_EPOLLDATA = 0x4000  # epoll waits: a0 the epoll fd (| EPOLL_DATA_OK), a1 the first ready event's data word
+F_EPOLLCTL = 0x8000  # epoll_ctl: a0 the epoll fd (| EPOLL_DATA_OK), a1 the data word, arg the target fd | op << 32
+EPOLL_DATA_OK = 1 << 32  # in a0 of an F_EPOLLDATA / F_EPOLLCTL event: a1 holds a data word
 F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
 DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault",
@@ -163,11 +167,22 @@ class KernelDecoder:
         self._maps: dict[tuple[int, str, int], str] = {}  # (pid, "MAJ:MIN", inode) -> path
         self._forked: set[int] = set()
         self._fork_markers = bool(meta.get("fork_markers", False))
+        self._epolls = EpollTables()
+        # Whether the capture can say what an epoll data word stands for: it traced epoll_ctl (its /proc
+        # snapshot then has each epoll fd's earlier registrations). Earlier versions' captures took the word
+        # for the fd in the kernel (F_EPOLLFD waits, read like any fd).
+        self._epoll_ctl_traced = "epoll_ctl" in self._names.values()
 
     # ------------------------------------------------------------------------------ fd tables ---
 
     def note_fd(self, info: FdInfo) -> None:
         self._fds.setdefault(info.pid, {})[info.fd] = info.obj
+        self._epolls.fd_gone(info.pid, info.fd)
+        if info.obj == EVENTPOLL:  # its registrations follow, as EpollEntry records
+            self._epolls.created(info.pid, info.fd)
+
+    def note_epoll(self, e: EpollEntry) -> None:
+        self._epolls.ctl(e.pid, e.epfd, EPOLL_CTL_ADD, e.fd, e.data, self.fd_obj(e.pid, e.fd))
 
     def note_map(self, m: FileMap) -> None:
         self._maps[(m.pid, m.dev, m.ino)] = m.path
@@ -185,6 +200,7 @@ class KernelDecoder:
             return
         self._forked.add(fork.child_pid)
         self._fds[fork.child_pid] = dict(self._fds.get(fork.parent_pid, {}))
+        self._epolls.fork(fork.parent_pid, fork.child_pid)
 
     def fd_obj(self, pid: int, fd: int) -> str:
         return self._fds.get(pid, {}).get(fd, "")
@@ -236,14 +252,42 @@ class KernelDecoder:
     def _syscall(self, f: tuple[Any, ...], data: bytes) -> Syscall | None:
         _, nr, pid, tid, start, end, ret, a0, a1, arg = f
         flags = self._flags.get(nr, 0)
-        fd = _int(a0) if flags & F_FD else -1
-        obj = self._object(pid, nr, flags, ret, _int(a0), _int(a1), data)
+        if flags & F_EPOLLCTL:
+            fd, obj, arg = self._epoll_ctl(pid, ret, a0, a1, arg)
+        elif flags & F_EPOLLDATA:
+            fd, obj = self._epoll_ready(pid, a0, a1)
+        else:
+            fd = _int(a0) if flags & F_FD else -1
+            obj = self._object(pid, nr, flags, ret, _int(a0), _int(a1), data)
         if end - start < self.threshold_ns:
             return None  # emitted only to keep the fd table right; its time is in SyscallAgg
         if flags & F_PATH:  # an open returns its fd; chdir (F_PATH0) returns 0, no fd
             fd = ret if ret >= 0 and flags & F_FDTABLE and not flags & F_PATH0 else -1
         nbytes = ret if flags & F_XFER and ret > 0 else 0
         return Syscall(pid, tid, self._names.get(nr, f"syscall_{nr}"), start, end, ret, fd, obj, nbytes, arg)
+
+    def _epoll_ctl(self, pid: int, ret: int, a0: int, a1: int, arg: int) -> tuple[int, str, int]:
+        """(fd, object, arg) of an epoll_ctl: the epoll fd, its object and the op. A successful one changes the
+        instance's registrations."""
+        epfd, op, fd = _int(a0), arg >> 32, _int(arg)
+        if ret == 0:
+            self._epolls.ctl(pid, epfd, op, fd, a1 if a0 & EPOLL_DATA_OK else None, self.fd_obj(pid, fd))
+        return epfd, self.fd_obj(pid, epfd), op
+
+    def _epoll_ready(self, pid: int, a0: int, a1: int) -> tuple[int, str]:
+        """(fd, object) an epoll wait names: the fd registered with its first ready event's data word; none
+        when no registration had that word, or several did. A capture that did not trace epoll_ctl cannot
+        know its registrations: it takes the word's low half for the fd (where asyncio, libuv and libev put
+        it), as earlier versions did."""
+        if not a0 & EPOLL_DATA_OK:  # nothing was ready (or the event could not be read)
+            return -1, ""
+        if not self._epoll_ctl_traced:
+            fd = _int(a1)
+            return (fd, self.fd_obj(pid, fd)) if fd >= 0 else (-1, "")
+        hit = self._epolls.ready(pid, _int(a0), a1)
+        if hit is None:
+            return -1, ""
+        return hit.fd, (self.fd_obj(hit.pid, hit.fd) if hit.pid else "") or hit.obj
 
     def _object(self, pid: int, nr: int, flags: int, ret: int, a0: int, a1: int, data: bytes) -> str:
         """The call's object, updating the process's fd table for calls that change it."""
@@ -275,12 +319,20 @@ class KernelDecoder:
             if ret >= 0:
                 table[ret] = "socket"
             return "socket"
+        if name.startswith("epoll_create"):
+            if ret >= 0:
+                table[ret] = EVENTPOLL
+                self._epolls.created(pid, ret)
+            return EVENTPOLL
         if name == "close":
+            self._epolls.fd_gone(pid, a0)
             return table.pop(a0, "")
         if name.startswith("dup") or (flags & F_DUPFD and a1 in F_DUPFD_CMDS):
             obj = table.get(a0, "")
             if ret >= 0:  # an unknown source leaves the new fd unknown, not what it held before
-                _put(table, a1 if name in ("dup2", "dup3") else ret, obj)
+                new = a1 if name in ("dup2", "dup3") else ret
+                _put(table, new, obj)
+                self._epolls.dup(pid, a0, new)
             return obj
         if name == "fchdir":
             obj = table.get(a0, "")
@@ -295,6 +347,7 @@ class KernelDecoder:
         table = self._fds.setdefault(ev.pid, {})
         for fd in ev.fds:
             table.pop(fd, None)
+            self._epolls.fd_gone(ev.pid, fd)
 
     def _block(self, f: tuple[Any, ...]) -> BlockIO:
         _, dev, pid, tid, sector, issue, complete, nbytes, _err, rwbs, comm = f
@@ -329,6 +382,7 @@ class KernelDecoder:
             self._inherit(ProcFork(ts, pid, tid, child_pid, child_tid, bool(flags), cstr(comm)))
         elif etype == EV_EXIT and flags:
             self._fds.pop(pid, None)  # the process is gone; its pid may be reused
+            self._epolls.exit(pid)
             for key in [k for k in self._maps if k[0] == pid]:
                 del self._maps[key]
             self._forked.discard(pid)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import NamedTuple
 
 from gputrace import clock
+from gputrace.probes.epolls import EVENTPOLL
 from gputrace.probes.events import AT_FDCWD
-from gputrace.records import FdInfo, ProcExec, ProcFork, ProcInfo, ThreadInfo
+from gputrace.records import EpollEntry, FdInfo, ProcExec, ProcFork, ProcInfo, ThreadInfo
 
 PROC = Path("/proc")
 _MAX_CMDLINE = 64 << 10
@@ -226,12 +228,31 @@ def fd_infos(ts: int, pid: int, fds: list[int]) -> list[FdInfo]:
     return out
 
 
-def snapshot(pid: int) -> list[ProcInfo | ThreadInfo | FdInfo]:
-    """What a process is when tracing of it begins: metadata, threads, open fds."""
+_MAX_FDINFO = 4 << 20  # an epoll fd's fdinfo: about 90 bytes per registration
+_EPOLL_LINE = re.compile(rb"^tfd:\s*(\d+)\s+events:\s*([0-9a-f]+)\s+data:\s*([0-9a-f]+)", re.M)
+
+
+def epoll_entries(pid: int, fds: list[FdInfo]) -> list[EpollEntry]:
+    """The registrations of each epoll fd among ``fds``, from /proc/PID/fdinfo/EPFD (``tfd: 5 events: 19
+    data: 7eff00000005 ...``, the numbers after events and data in hex); an fd closed meanwhile gives none."""
+    out: list[EpollEntry] = []
+    for info in fds:
+        if info.obj != EVENTPOLL:
+            continue
+        text = _read(PROC / str(pid) / "fdinfo" / str(info.fd), _MAX_FDINFO)
+        out += [EpollEntry(info.ts, pid, info.fd, int(fd), int(events, 16), int(data, 16))
+                for fd, events, data in _EPOLL_LINE.findall(text)]  # fmt: skip
+    return out
+
+
+def snapshot(pid: int) -> list[ProcInfo | ThreadInfo | FdInfo | EpollEntry]:
+    """What a process is when tracing of it begins: metadata, threads, open fds and what its epoll fds watch
+    (after the fds: the decoder names each registered fd by them)."""
     info = proc_info(pid)
     if info is None:
         return []
-    return [info, *threads(pid), *fd_snapshot(pid)]
+    fds = fd_snapshot(pid)
+    return [info, *threads(pid), *fds, *epoll_entries(pid, fds)]
 
 
 def new_task_metadata(rec: object) -> list[ProcInfo | ThreadInfo]:

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 from gputrace.probes.events import (
     F_DUPFD,
-    F_EPOLLFD,
+    F_EPOLLCTL,
+    F_EPOLLDATA,
     F_FD,
     F_FDTABLE,
     F_MSGHDR,
@@ -70,9 +71,14 @@ SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("ppoll", F_FD | F_POLLFD, 1, _POLL),
     SyscallSpec("select", 0, 0, _POLL),
     SyscallSpec("pselect6", 0, 0, _POLL),
-    SyscallSpec("epoll_wait", F_FD | F_EPOLLFD, 3, _POLL),  # names the first ready fd (asyncio's registration)
-    SyscallSpec("epoll_pwait", F_FD | F_EPOLLFD, 3, _POLL),
-    SyscallSpec("epoll_pwait2", F_FD | F_EPOLLFD, 3, _POLL),
+    # An epoll wait reports the first ready event's data word, which the reader maps to the fd registered
+    # with it (epoll_ctl, always emitted, and the /proc fdinfo snapshot)
+    SyscallSpec("epoll_wait", F_FD | F_EPOLLDATA, 3, _POLL),
+    SyscallSpec("epoll_pwait", F_FD | F_EPOLLDATA, 3, _POLL),
+    SyscallSpec("epoll_pwait2", F_FD | F_EPOLLDATA, 3, _POLL),
+    SyscallSpec("epoll_ctl", F_FD | F_EPOLLCTL, 1, _POLL),
+    SyscallSpec("epoll_create", F_FDTABLE, 0, _POLL),
+    SyscallSpec("epoll_create1", F_FDTABLE, 0, _POLL),
     SyscallSpec("recvfrom", F_FD | F_XFER, 2, _NET),
     SyscallSpec("recvmsg", F_FD | F_XFER | F_MSGHDR, 2, _NET),
     SyscallSpec("recvmmsg", F_FD, 2, _NET),

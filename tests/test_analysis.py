@@ -314,6 +314,59 @@ def test_an_event_loop_wait_is_named_by_the_fd_it_found_ready(tmp_path: Path) ->
     assert (s["cause"], s["culprit"]["object"], s["via"]) == ("storage", "/data/shard-3.bin", [f"wait:pid {WORKER}"])
 
 
+EPFD, FILE_FD, SOCK_FD = 3, 5, 7
+PEER = "10.0.0.7:29500"
+DATA_OK = 1 << 32  # a0 of an epoll event: a1 holds a data word (probes/events.py EPOLL_DATA_OK)
+
+
+def epoll_loop(b: Builder, ready: int, registered: int | None = None, created: bool = True) -> Builder:
+    """A trainer waiting in epoll_wait on EPFD, ended by the peer (a softirq wakes it), whose first ready event
+    carries the data word ``ready``. FILE_FD is a regular file, SOCK_FD the peer's socket; when ``created``
+    the capture saw EPFD's epoll_create1, and the socket's registration with the word ``registered``."""
+    b.fd(TRAINER, FILE_FD, PATH, "file").fd(TRAINER, SOCK_FD, PEER)
+    if created:
+        b.kernel_call(TRAINER, TRAINER, "epoll_create1", 1.0, 1.01, ret=EPFD)
+    if registered is not None:  # EPOLL_CTL_ADD: arg is the fd | op << 32
+        b.kernel_call(TRAINER, TRAINER, "epoll_ctl", 2.0, 2.01, 0, EPFD | DATA_OK, registered, SOCK_FD | 1 << 32)
+    b.kernel_call(TRAINER, TRAINER, "epoll_wait", 10.5, 39.5, 1, EPFD | DATA_OK, ready, 1000)
+    return b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (0, 0, "[softirq]"))
+
+
+def test_an_epoll_token_names_the_fd_registered_with_it_not_the_fd_of_its_number(tmp_path: Path) -> None:
+    """mio/tokio register a token, not the fd: the socket's token here is the number of an open file's fd. The
+    wait is the socket's (network, the peer), through the registration, never the file's."""
+    s = only_stall(run(epoll_loop(trainer(), FILE_FD, FILE_FD), tmp_path))
+    assert (s["cause"], s["culprit"]["object"], s["culprit"]["op"]) == ("network", PEER, "epoll_wait")
+    big = 0x7F00_DEAD_0000_0000 | FILE_FD  # a pointer: its low half is no help either
+    s = only_stall(run(epoll_loop(trainer(), big, big), tmp_path))
+    assert (s["cause"], s["culprit"]["object"]) == ("network", PEER)
+
+
+def test_an_epoll_data_word_no_registration_had_names_no_fd(tmp_path: Path) -> None:
+    """A capture that traced epoll_ctl knows every registration made since it began, and the /proc snapshot
+    those made before: a data word none of them has names no fd, rather than the fd of its number (here the
+    peer's socket), and the wait stays unexplained (woken by an interrupt). So does a wait on an epoll fd the
+    capture knows nothing of."""
+    for b in (epoll_loop(trainer(), SOCK_FD, 0x66), epoll_loop(trainer(), SOCK_FD, created=False)):
+        s = only_stall(run(b, tmp_path))
+        assert (s["cause"], s["culprit"]["pid"], s["culprit"]["object"]) == ("unknown", 0, ""), s
+    b = trainer().fd(TRAINER, EPFD, "anon_inode:[eventpoll]", "anon").epoll_entry(TRAINER, EPFD, SOCK_FD, 0x55)
+    s = only_stall(run(epoll_loop(b, 0x55, created=False), tmp_path))  # registered before the capture: fdinfo
+    assert (s["cause"], s["culprit"]["object"]) == ("network", PEER)
+
+
+def test_an_epoll_data_word_is_taken_for_the_fd_where_the_capture_cannot_know_better(tmp_path: Path) -> None:
+    """Captures of earlier versions (the kernel reported the data word's low half as the fd), and captures that
+    did not trace epoll_ctl, name the fd of the data word's number, where asyncio, libuv and libev put it."""
+    b = epoll_loop(trainer().ebpf(leave_out=("epoll_ctl",)), SOCK_FD, created=False)
+    assert only_stall(run(b, tmp_path))["culprit"]["object"] == PEER
+    b = trainer().ebpf(leave_out=("epoll_ctl",), flags={"epoll_wait": 0x1 | 0x2000})  # F_FD | F_EPOLLFD
+    b.fd(TRAINER, SOCK_FD, PEER).kernel_call(TRAINER, TRAINER, "epoll_wait", 10.5, 39.5, 1, SOCK_FD, 0, 1000)
+    b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (0, 0, "[softirq]"))
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["object"]) == ("network", PEER)
+
+
 def test_a_wait_woken_before_the_stall_counts_only_its_run_queue_time_inside_it(tmp_path: Path) -> None:
     """Woken at 6 ms, on a CPU again at 12: of the stall [10, 40), 2 ms waiting for a CPU, not 6; the
     breakdown never adds up to more than the stall."""

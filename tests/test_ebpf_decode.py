@@ -5,12 +5,15 @@ from __future__ import annotations
 import socket
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gputrace.probes import events, procfs
+from gputrace.probes.epolls import EVENTPOLL
 from gputrace.probes.events import KernelDecoder, sockaddr_str, task_state
-from gputrace.records import FdInfo, FileMap, PageFault, ProcFork
+from gputrace.probes.syscalls import SPECS
+from gputrace.records import EpollEntry, FdInfo, FileMap, PageFault, ProcFork
 
 META = {"layout": events.LAYOUT, "threshold_ns": 0, "syscalls": {0: "read", 42: "connect"},
         "sysflags": {0: events.F_FD | events.F_XFER, 42: events.F_FD | events.F_SOCKADDR | events.F_FDTABLE},
@@ -195,4 +198,78 @@ def test_recursion_misses_are_read_from_a_real_programs_fdinfo() -> None:
         assert set(skips) == {"sched_waking"} and skips["sched_waking"] >= 0
     finally:
         b.cleanup()
+
+
+
+# The eBPF source's syscall table, numbered by place (as gputrace.analysis.synth.Builder.ebpf numbers it).
+_EP_META = {"layout": events.LAYOUT, "threshold_ns": 0, "syscalls": {nr: s.name for nr, s in enumerate(SPECS)},
+            "sysflags": {nr: s.flags for nr, s in enumerate(SPECS)}}  # fmt: skip
+_NR = {s.name: nr for nr, s in enumerate(SPECS)}
+_OK = events.EPOLL_DATA_OK
+
+
+def _call(name: str, pid: int, ret: int, a0: int = 0, a1: int = 0, arg: int = 0) -> bytes:
+    return events.SYS.pack(events.EV_SYS, _NR[name], pid, pid, 10, 20, ret, a0 & (1 << 64) - 1, a1, arg)
+
+
+def _ctl(pid: int, epfd: int, op: int, fd: int, data: int | None) -> bytes:
+    return _call("epoll_ctl", pid, 0, epfd | (_OK if data is not None else 0), data or 0, fd | op << 32)
+
+
+def _ready(pid: int, epfd: int, data: int) -> bytes:
+    return _call("epoll_wait", pid, 1, epfd | _OK, data)
+
+
+def _named(d: KernelDecoder, blob: bytes) -> list[tuple[int, str]]:
+    return [(r.fd, r.obj) for r in d.decode(blob) if r.name == "epoll_wait"]
+
+
+def _loop(meta: dict[str, Any] = _EP_META) -> KernelDecoder:
+    """A decoder whose process 5 has two peers' sockets (fds 4 and 7) and a file (fd 6) open."""
+    d = KernelDecoder(meta)
+    for fd, obj in ((4, "10.0.0.7:80"), (6, "/data/x.bin"), (7, "10.0.0.8:80")):
+        d.note_fd(FdInfo(1, 5, fd, "socket", obj))
+    return d
+
+
+def test_an_epoll_data_word_names_the_fd_registered_with_it_as_registrations_change() -> None:
+    """ADD, MOD and DEL in order; a word registered for two fds, or for none, names no fd; a closed fd's
+    registration goes with it; a new epoll_create starts an empty instance."""
+    d = _loop()
+    blob = (_call("epoll_create1", 5, 3) + _ctl(5, 3, 1, 4, 6) + _ready(5, 3, 6)  # token 6: fd 4, not fd 6
+            + _ctl(5, 3, 3, 4, 0xAB) + _ready(5, 3, 6) + _ready(5, 3, 0xAB)  # MOD: the old token is gone
+            + _ctl(5, 3, 1, 7, 0xAB) + _ready(5, 3, 0xAB)  # two fds with one word: which fired is unknown
+            + _ctl(5, 3, 2, 4, None) + _ready(5, 3, 0xAB)  # DEL (no event read): fd 7 alone has it again
+            + _call("close", 5, 0, 7) + _ready(5, 3, 0xAB)  # closed: its registration went with its file
+            + _ctl(5, 3, 1, 4, 9) + _call("epoll_create1", 5, 3) + _ready(5, 3, 9))  # a new instance at 3  # fmt: skip
+    assert _named(d, blob) == [(4, "10.0.0.7:80"), (-1, ""), (4, "10.0.0.7:80"), (-1, ""), (7, "10.0.0.8:80"),
+                               (-1, ""), (-1, "")]  # fmt: skip
+    assert _named(d, _call("epoll_wait", 5, 0, 3)) == [(-1, "")]  # nothing ready
+
+
+def test_epoll_registrations_follow_dup_fork_and_the_snapshot() -> None:
+    """A dup of the epoll fd is the same instance; a forked child shares its parent's, and keeps naming the
+    parent's registrations after the parent exited; registrations made before the capture come from fdinfo."""
+    d = _loop()
+    d.note_fd(FdInfo(1, 5, 3, "anon", EVENTPOLL))
+    d.note_epoll(EpollEntry(1, 5, 3, 4, 0x19, 0x7F0000000004))
+    blob = _ready(5, 3, 0x7F0000000004) + _call("dup", 5, 8, 3) + _ctl(5, 8, 1, 6, 1) + _ready(5, 3, 1)
+    assert _named(d, blob) == [(4, "10.0.0.7:80"), (6, "/data/x.bin")]
+    d.note_fork(ProcFork(2, 5, 5, 9, 9, False, "python"))  # a capture without fork markers
+    gone = events.PROC.pack(events.EV_EXIT, 1, 5, 5, 30, 0, 0, b"python", b"")
+    assert _named(d, gone + _ready(9, 8, 1) + _ready(9, 3, 0x7F0000000004)) == [(6, "/data/x.bin"),
+                                                                                (4, "10.0.0.7:80")]  # fmt: skip
+    d = _loop()  # the instance lives while an fd names it
+    blob = (_call("epoll_create1", 5, 3) + _ctl(5, 3, 1, 4, 1) + _call("dup", 5, 8, 3) + _call("close", 5, 0, 3)
+            + _ready(5, 8, 1) + _call("close", 5, 0, 8) + _ready(5, 8, 1))  # fmt: skip
+    assert _named(d, blob) == [(4, "10.0.0.7:80"), (-1, "")]
+
+
+def test_an_epoll_word_is_taken_for_an_fd_only_where_epoll_ctl_was_not_traced() -> None:
+    """Without epoll_ctl in the capture nothing says what a word stands for: its low half is taken for the fd
+    (asyncio's registration), as earlier versions did in the kernel (F_EPOLLFD: a0 is that fd)."""
+    d = _loop({**_EP_META, "syscalls": {k: v for k, v in _EP_META["syscalls"].items() if v != "epoll_ctl"}})
+    assert _named(d, _ready(5, 3, 0x7F0000000004) + _ready(5, 3, -3 & 0xFFFFFFFF)) == [(4, "10.0.0.7:80"), (-1, "")]
+    d = _loop({**_EP_META, "sysflags": {**_EP_META["sysflags"], _NR["epoll_wait"]: events.F_FD | events.F_EPOLLFD}})
+    assert _named(d, _call("epoll_wait", 5, 1, 4)) == [(4, "10.0.0.7:80")]
 

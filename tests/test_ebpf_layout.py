@@ -99,6 +99,8 @@ def test_header_constants_match() -> None:
     assert (defs["GT_EV_FAULT"], defs["GT_EV_MAPFILE"], defs["GT_EV_FDRECV"], defs["GT_EV_OFFCPU2"]) == (
         events.EV_FAULT, events.EV_MAPFILE, events.EV_FDRECV, events.EV_OFFCPU2)  # fmt: skip
     assert defs["GT_FDRECV_MAX"] == events.FDRECV_MAX
+    ok = re.search(r"^#define GT_EPOLL_DATA_OK \(1ULL << (\d+)\)", text, re.M)
+    assert ok and 1 << int(ok.group(1)) == events.EPOLL_DATA_OK
     for name in ("FD", "XFER", "PATH", "SOCKADDR", "SOCKADDR_PLEN", "FDTABLE", "PIPE", "TIMESPEC", "PATH0",
-                 "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD"):  # fmt: skip
+                 "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD", "EPOLLDATA", "EPOLLCTL"):  # fmt: skip
         assert defs[f"GT_F_{name}"] == getattr(events, f"F_{name}"), name

@@ -53,3 +53,29 @@ def test_running_tells_a_zombie_from_a_live_process_and_a_leaderless_one() -> No
     finally:
         leaderless.kill()
         leaderless.wait()
+
+
+def test_the_snapshot_has_what_each_epoll_fd_watches_with_its_whole_data_word() -> None:
+    """/proc/PID/fdinfo/EPFD of this process's own epoll fd: each registration's fd, events and 64-bit data word
+    (Python's register() sets only the low half, the fd; the upper half is whatever was there)."""
+    import select
+
+    from gputrace.records import EpollEntry, FdInfo
+
+    ep = select.epoll()
+    epfd = ep.fileno()
+    r, w = os.pipe()
+    try:
+        ep.register(r, select.EPOLLIN)
+        ep.register(w, select.EPOLLOUT)
+        snap = procfs.snapshot(os.getpid())
+    finally:
+        ep.close()
+        os.close(r)
+        os.close(w)
+    assert [s.obj for s in snap if isinstance(s, FdInfo) and s.fd == epfd] == ["anon_inode:[eventpoll]"]
+    io = select.EPOLLIN | select.EPOLLOUT  # the kernel adds EPOLLERR | EPOLLHUP
+    entries = sorted((e.epfd, e.fd, e.events & io, e.data & 0xFFFFFFFF) for e in snap if isinstance(e, EpollEntry))
+    assert entries == [(epfd, r, select.EPOLLIN, r), (epfd, w, select.EPOLLOUT, w)]
+    assert snap.index(next(e for e in snap if isinstance(e, EpollEntry))) > max(
+        i for i, s in enumerate(snap) if isinstance(s, FdInfo))  # the fds first: they name what is registered

@@ -15,6 +15,8 @@ from gputrace.records import (
     Collective,
     CudaApi,
     Drops,
+    EpollEntry,
+    FdInfo,
     GpuDevice,
     GpuKernel,
     GpuMemcpy,
@@ -41,6 +43,7 @@ class Builder:
     def __init__(self) -> None:
         self.records: list[Any] = []
         self.meta: dict[str, dict[str, Any]] = {}
+        self.kernel: list[bytes] = []  # raw eBPF events, decoded (fds resolved) when the capture is read
         self._corr = 0
 
     def proc(self, pid: int, comm: str, ppid: int = 1) -> Builder:
@@ -97,6 +100,41 @@ class Builder:
         self.records.append(Syscall(pid, tid, name, ns(start_ms), ns(end_ms), nbytes, fd, obj, nbytes, arg))
         return self
 
+    def fd(self, pid: int, fd: int, obj: str, kind: str = "socket") -> Builder:
+        """An fd of ``pid`` when tracing began (the /proc snapshot)."""
+        self.records.append(FdInfo(ns(0), pid, fd, kind, obj))
+        return self
+
+    def epoll_entry(self, pid: int, epfd: int, fd: int, data: int) -> Builder:
+        """A registration of epoll fd ``epfd`` when tracing began (the snapshot's fdinfo); ``epfd`` itself
+        must be in the snapshot (``fd(pid, epfd, "anon_inode:[eventpoll]", "anon")``) before it."""
+        self.records.append(EpollEntry(ns(0), pid, epfd, fd, 0x19, data))
+        return self
+
+    def ebpf(self, leave_out: tuple[str, ...] = (), flags: dict[str, int] | None = None) -> Builder:
+        """The eBPF source's metadata, which raw ``kernel_call`` events are read by: every syscall it traces
+        but ``leave_out``, each numbered by its place in probes/syscalls.py, with ``flags`` replacing some
+        syscalls' flags (as an earlier version recorded them)."""
+        from gputrace.probes.events import LAYOUT
+        from gputrace.probes.syscalls import SPECS
+
+        specs = [(nr, spec) for nr, spec in enumerate(SPECS) if spec.name not in leave_out]
+        self.meta["ebpf"] = {"layout": LAYOUT, "threshold_ns": 100_000, "syscalls": {nr: s.name for nr, s in specs},
+                             "sysflags": {nr: (flags or {}).get(s.name, s.flags) for nr, s in specs}}  # fmt: skip
+        return self
+
+    def kernel_call(self, pid: int, tid: int, name: str, start_ms: float, end_ms: float, ret: int = 0, a0: int = 0,
+                    a1: int = 0, arg: int = 0) -> Builder:
+        """A syscall as the kernel program reports it (a gt_sys_event: a0, a1 and arg as its flags say); a call
+        shorter than the threshold (0.1 ms) only updates the fd tables, as in a real capture."""
+        from gputrace.probes.events import EV_SYS, SYS
+
+        if "ebpf" not in self.meta:
+            self.ebpf()
+        nr = next(int(k) for k, v in self.meta["ebpf"]["syscalls"].items() if v == name)
+        self.kernel.append(SYS.pack(EV_SYS, nr, pid, tid, ns(start_ms), ns(end_ms), ret, a0 & (1 << 64) - 1, a1, arg))
+        return self
+
     def block(self, pid: int, tid: int, issue_ms: float, done_ms: float, nbytes: int, dev: str = "loop0",
               comm: str = "worker", rwbs: str = "R") -> Builder:
         self.records.append(BlockIO(pid, tid, comm, dev, 2048, nbytes, rwbs, ns(issue_ms), ns(done_ms)))
@@ -147,6 +185,8 @@ class Builder:
         for source, meta in self.meta.items():
             w.write_meta(source, meta)
         w.write(self.records)
+        if self.kernel:
+            w.write_kernel(b"".join(self.kernel), len(self.kernel))
         cut = w.partial_path.stat().st_size
         end = max((_end(r) for r in self.records), default=BASE_NS)
         w.close({"end_ns": end, "drops": drops or {}, "complete": True, **(trailer or {})})

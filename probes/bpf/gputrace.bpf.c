@@ -264,6 +264,8 @@ static __always_inline void add_agg(struct gt_inflight *v, u32 pid, u32 tid, u32
     v->agg_ns += dur;
 }
 
+#define GT_EPOLL_CTL_DEL 2 /* the one epoll_ctl op whose event may be NULL */
+
 /* struct pollfd: int fd; short events; short revents. */
 struct gt_pollfd {
     s32 fd;
@@ -311,13 +313,22 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
     }
     if (si->flags & GT_F_POLLFD)
         e->a0 = (u64)(s64)poll_fd(c, ret);
-    if (si->flags & GT_F_EPOLLFD) {
-        /* The data word is the caller's: asyncio, libuv and libev put the fd there; other loops a pointer
-         * or a token, which the reader finds in no fd table or (a small token) may take for an fd. */
-        s32 fd = -1;
-        if (ret <= 0 || bpf_probe_read_user(&fd, sizeof(fd), (void *)c->args[1] + GT_EPOLL_DATA_OFF) || fd < 0)
-            fd = -1;
-        e->a0 = (u64)(s64)fd;
+    if (si->flags & GT_F_EPOLLDATA) {
+        /* The data word is the caller's (asyncio, libuv and libev put the fd there, mio/tokio a token, others a
+         * pointer): the reader maps it to the fd registered with it (epoll_ctl events, /proc fdinfo). */
+        e->a0 = (u32)c->args[0];
+        e->a1 = 0;
+        if (ret > 0 && bpf_probe_read_user(&e->a1, sizeof(e->a1), (void *)c->args[1] + GT_EPOLL_DATA_OFF) == 0)
+            e->a0 |= GT_EPOLL_DATA_OK;
+    }
+    if (si->flags & GT_F_EPOLLCTL) {
+        u32 op = (u32)c->args[1];
+        e->a0 = (u32)c->args[0];
+        e->a1 = 0;
+        e->arg = (u32)c->args[2] | ((u64)op << 32);
+        if (op != GT_EPOLL_CTL_DEL && c->args[3] &&
+            bpf_probe_read_user(&e->a1, sizeof(e->a1), (void *)c->args[3] + GT_EPOLL_DATA_OFF) == 0)
+            e->a0 |= GT_EPOLL_DATA_OK;
     }
     if ((si->flags & GT_F_PIPE) && ret == 0) {
         int fds[2] = {-1, -1};
@@ -460,6 +471,8 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
     u32 cmd = (u32)c.args[1];
     if ((si->flags & GT_F_DUPFD) && (cmd == GT_FCNTL_DUPFD || cmd == GT_FCNTL_DUPFD_CLOEXEC))
         always = 1; /* other fcntl commands are frequent: aggregated unless long */
+    if ((si->flags & GT_F_EPOLLCTL) && ret == 0)
+        always = 1; /* what each ready event's data word stands for */
     if ((si->flags & GT_F_MSGHDR) && ret >= 0)
         fds_received(&c, id, now);
     if (dur < THRESHOLD_NS)

@@ -1,5 +1,7 @@
 /* Events shared between gputrace.bpf.c and probes/events.py (which mirrors them with struct formats;
- * tests/test_ebpf_layout.py checks that sizes and offsets agree). Bump GT_LAYOUT on any change. */
+ * tests/test_ebpf_layout.py checks that sizes and offsets agree). Bump GT_LAYOUT on any change. How a syscall
+ * event's a0, a1 and arg are read is said by its syscall's flags (GT_F_*), which the capture's metadata
+ * records: a new flag is no layout change. */
 #ifndef GPUTRACE_H
 #define GPUTRACE_H
 
@@ -13,6 +15,7 @@
 #ifndef GT_EPOLL_DATA_OFF
 #define GT_EPOLL_DATA_OFF 4 /* struct epoll_event's data: packed on x86_64 (the build says 8 elsewhere) */
 #endif
+#define GT_EPOLL_DATA_OK (1ULL << 32) /* in a0 of an epoll event (GT_F_EPOLLDATA, GT_F_EPOLLCTL): a1 is a data word */
 #define GT_FDRECV_MAX 16 /* fds of one SCM_RIGHTS message reported (the first control message only) */
 #define GT_NR_MAX 512
 
@@ -61,8 +64,12 @@
 #define GT_F_MSGHDR 0x800       /* args[1] is a struct user_msghdr: fds it receives (SCM_RIGHTS) are reported */
 #define GT_F_POLLFD 0x1000      /* args[0] points to args[1] struct pollfd: a0 reports the fd of a single one, else the
                                  * first ready one among the first GT_POLL_SCAN when the call returned > 0, else -1 */
-#define GT_F_EPOLLFD 0x2000     /* args[1] points to struct epoll_event: a0 reports the low 32 bits of the first ready
-                                 * event's data (the fd, as event loops register it) when the call returned > 0, else -1 */
+#define GT_F_EPOLLFD 0x2000     /* no longer set: captures of earlier versions, whose epoll waits reported in a0 the low
+                                 * 32 bits of the first ready event's data word, taken as an fd (else -1) */
+#define GT_F_EPOLLDATA 0x4000   /* epoll_wait family: a0 keeps the epoll fd; when the call returned > 0, a1 is the first
+                                 * ready event's whole data word and a0 has GT_EPOLL_DATA_OK */
+#define GT_F_EPOLLCTL 0x8000    /* epoll_ctl: emitted whenever it succeeds; a0 the epoll fd (| GT_EPOLL_DATA_OK when a1
+                                 * holds the data word of the event registered), arg the target fd | op << 32 */
 
 struct gt_sysinfo {
     u32 flags;
