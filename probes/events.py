@@ -41,6 +41,7 @@ F_POLLFD = 0x1000  # poll/ppoll: the first argument reports the one fd polled, e
 F_EPOLLFD = 0x2000  # earlier versions' epoll waits: the first argument is the first ready event's data taken as an fd
 F_EPOLLDATA = 0x4000  # epoll waits: a0 the epoll fd (| EPOLL_DATA_OK), a1 the first ready event's data word
 F_EPOLLCTL = 0x8000  # epoll_ctl: a0 the epoll fd (| EPOLL_DATA_OK), a1 the data word, arg the target fd | op << 32
+F_SELECTFD = 0x10000  # select/pselect6: the first argument reports the one fd watched, else the first ready, else -1
 EPOLL_DATA_OK = 1 << 32  # in a0 of an F_EPOLLDATA / F_EPOLLCTL event: a1 holds a data word
 F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
@@ -372,8 +373,11 @@ class KernelDecoder:
         name, obj = "", ""
         if nr != NO_CALL:
             name = self._names.get(nr, f"syscall_{nr}")
-            if self._flags.get(nr, 0) & F_FD:  # looked up, never changed: the call did not complete
-                obj = self.fd_obj(pid, _int(a0))
+            flags = self._flags.get(nr, 0)
+            if flags & F_SELECTFD:  # the one fd it watches, noted at its entry, if any (a0: nfds | fd + 1 << 32)
+                obj = self.fd_obj(pid, (a0 >> 32) - 1) if a0 >> 32 else ""
+            elif flags & F_FD and not flags & F_POLLFD:  # looked up, never changed: the call did not complete
+                obj = self.fd_obj(pid, _int(a0))  # (a poll's first argument is a pointer, no fd)
         return InProgress(pid, tid, name, start, at, task_state(state) if state >= 0 else "", obj, bool(before))
 
     def _proc(self, f: tuple[Any, ...]) -> None:

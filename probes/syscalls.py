@@ -23,6 +23,7 @@ from gputrace.probes.events import (
     F_PATH0,
     F_PIPE,
     F_POLLFD,
+    F_SELECTFD,
     F_SOCKADDR,
     F_SOCKADDR_PLEN,
     F_TIMESPEC,
@@ -69,8 +70,8 @@ SPECS: tuple[SyscallSpec, ...] = (
     # The fd a poll names: the one polled (a socket read with a timeout), else the first that was ready
     SyscallSpec("poll", F_FD | F_POLLFD, 2, _POLL),
     SyscallSpec("ppoll", F_FD | F_POLLFD, 1, _POLL),
-    SyscallSpec("select", 0, 0, _POLL),
-    SyscallSpec("pselect6", 0, 0, _POLL),
+    SyscallSpec("select", F_FD | F_SELECTFD, 0, _POLL),  # the same rule over its fd sets
+    SyscallSpec("pselect6", F_FD | F_SELECTFD, 0, _POLL),
     # An epoll wait reports the first ready event's data word, which the reader maps to the fd registered
     # with it (epoll_ctl, always emitted, and the /proc fdinfo snapshot)
     SyscallSpec("epoll_wait", F_FD | F_EPOLLDATA, 3, _POLL),

@@ -201,18 +201,20 @@ def test_network_peer(tmp_path: Path) -> None:
     assert (s["cause"], s["culprit"]["object"], s["culprit"]["pid"]) == ("network", "10.0.0.7:29500", TRAINER)
 
 
-def test_a_poll_on_one_socket_is_a_wait_on_the_peer_even_when_it_timed_out(tmp_path: Path) -> None:
-    """socket.settimeout(): the wait is a poll() of that socket, woken by the network (softirq) or by its own
-    timeout in a retry loop; a poll of several fds names none and stays a wait for whoever wakes it."""
-    b = trainer().syscall(TRAINER, TRAINER, "poll", 10.5, 25.0, "10.0.0.7:29500")
+@pytest.mark.parametrize("call", ["poll", "pselect6"])
+def test_a_poll_on_one_socket_is_a_wait_on_the_peer_even_when_it_timed_out(tmp_path: Path, call: str) -> None:
+    """socket.settimeout(): the wait is a poll() of that socket (or a select() of it, on some paths), woken by
+    the network (softirq) or by its own timeout in a retry loop; a poll of several fds names none and stays a
+    wait for whoever wakes it."""
+    b = trainer().syscall(TRAINER, TRAINER, call, 10.5, 25.0, "10.0.0.7:29500")
     b.offcpu(TRAINER, TRAINER, 10.6, 24.9, "S", 24.9, (0, 0, "swapper/0"))
     b.records[-2] = b.records[-2]._replace(ret=0)  # timed out: the peer sent nothing yet
-    b.syscall(TRAINER, TRAINER, "poll", 25.0, 39.5, "10.0.0.7:29500")
+    b.syscall(TRAINER, TRAINER, call, 25.0, 39.5, "10.0.0.7:29500")
     b.offcpu(TRAINER, TRAINER, 25.1, 39.4, "S", 39.4, (0, 0, "ksoftirqd/0"))
     s = only_stall(run(b, tmp_path))
-    assert (s["cause"], s["culprit"]["object"], s["culprit"]["op"]) == ("network", "10.0.0.7:29500", "poll")
+    assert (s["cause"], s["culprit"]["object"], s["culprit"]["op"]) == ("network", "10.0.0.7:29500", call)
     assert s["breakdown"][0]["ns"] >= 28_000_000, s["breakdown"]  # both polls, the timed-out one too
-    b = trainer().syscall(TRAINER, TRAINER, "poll", 10.5, 39.5)  # several fds, the ready one not known
+    b = trainer().syscall(TRAINER, TRAINER, call, 10.5, 39.5)  # several fds, the ready one not known
     b.records[-1] = b.records[-1]._replace(ret=1)
     b.offcpu(TRAINER, TRAINER, 10.6, 39.4, "S", 39.4, (0, 0, "ksoftirqd/0"))
     assert only_stall(run(b, tmp_path))["cause"] == "unknown"

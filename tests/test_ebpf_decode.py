@@ -273,3 +273,12 @@ def test_an_epoll_word_is_taken_for_an_fd_only_where_epoll_ctl_was_not_traced() 
     d = _loop({**_EP_META, "sysflags": {**_EP_META["sysflags"], _NR["epoll_wait"]: events.F_FD | events.F_EPOLLFD}})
     assert _named(d, _call("epoll_wait", 5, 1, 4)) == [(4, "10.0.0.7:80")]
 
+
+def test_a_wait_in_flight_at_stop_names_only_an_fd_it_watches() -> None:
+    """A select caught waiting names the one fd it watches (noted at its entry in a0's upper half); a poll's
+    first argument is a pointer, no fd."""
+    d = _loop()
+    sel = events.SYS.pack(events.EV_UNFINISHED, _NR["pselect6"], 5, 5, 10, 20, 1, 5 | 5 << 32, 0, 0)
+    many = events.SYS.pack(events.EV_UNFINISHED, _NR["select"], 5, 5, 10, 20, 1, 8, 0, 0)
+    poll = events.SYS.pack(events.EV_UNFINISHED, _NR["poll"], 5, 5, 10, 20, 1, 0x7FFF00000004, 0, 0)
+    assert [r.obj for r in d.decode(sel + many + poll)] == ["10.0.0.7:80", "", ""]

@@ -102,5 +102,5 @@ def test_header_constants_match() -> None:
     ok = re.search(r"^#define GT_EPOLL_DATA_OK \(1ULL << (\d+)\)", text, re.M)
     assert ok and 1 << int(ok.group(1)) == events.EPOLL_DATA_OK
     for name in ("FD", "XFER", "PATH", "SOCKADDR", "SOCKADDR_PLEN", "FDTABLE", "PIPE", "TIMESPEC", "PATH0",
-                 "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD", "EPOLLDATA", "EPOLLCTL"):  # fmt: skip
+                 "DUPFD", "MSGHDR", "POLLFD", "EPOLLFD", "EPOLLDATA", "EPOLLCTL", "SELECTFD"):  # fmt: skip
         assert defs[f"GT_F_{name}"] == getattr(events, f"F_{name}"), name

@@ -1,5 +1,5 @@
 """The fd a readiness wait names, with real processes and probes: epoll loops whose data words are tokens, not
-fds (registered before the capture, during it, and waited on by a forked child)."""
+fds (registered before the capture, during it, and waited on by a forked child), and select()."""
 
 from __future__ import annotations
 
@@ -114,3 +114,18 @@ def test_an_epoll_token_names_the_fd_registered_with_it_never_the_fd_of_its_numb
     else:
         assert snapshot == []
 
+
+@pytest.mark.parametrize("hook", ["raw", "classic"])
+def test_a_select_names_its_one_fd_or_the_first_ready_one(tmp_path: Path, hook: str) -> None:
+    """select() as poll(): a select of one socket names it, answered or timed out (a socket read with a
+    timeout); a select of several names the lowest ready fd when some were ready, and nothing when it timed out.
+    Through pselect6 (glibc's select()) and the select syscall, on an fd past the first word of the fd_set."""
+    run = _run(tmp_path, "select", ["peer", "", "peer", "", "peer", ""], hook)
+    assert [line.split() for line in run.lines] == [["one", "1"], ["one-timeout", "0"], ["two", "1"],
+                                                    ["two-timeout", "0"], ["high", "1"],
+                                                    ["high-timeout", "0"]], run.lines  # fmt: skip
+    waits = [s for s in _waits(run, "") if s.name in ("select", "pselect6")]
+    got = [(s.ret, s.fd, s.obj, classify(s)) for s in waits]
+    sock, high = (run.sock, run.peer, "network"), (200, run.peer, "network")
+    assert got == [(1, *sock), (0, *sock), (1, *sock), (0, -1, "", "wait"), (1, *high), (0, *high)], waits
+    assert [s.name for s in waits[4:]] == ["select", "select"]  # the first four: whichever glibc's select() calls

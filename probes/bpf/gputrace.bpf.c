@@ -145,6 +145,98 @@ static __always_inline struct gt_inflight *sys_enter_slot(u64 id, u32 nr)
     return v;
 }
 
+/* ------------------------------------------------------------------------- select fd sets ---- */
+
+/* The index of the lowest bit set in w (w != 0): BPF has no count-trailing-zeros instruction. */
+static __always_inline u32 lowest_bit(u64 w)
+{
+    u32 n = 0;
+    w &= -w;
+#pragma unroll
+    for (u32 shift = 32; shift; shift >>= 1) {
+        if (w >> shift) {
+            n += shift;
+            w >>= shift;
+        }
+    }
+    return n;
+}
+
+/* Word i of an fd_set, limited to its first nfds bits: the kernel reads no more (the caller's set may be
+ * shorter than FD_SETSIZE). 0 when the set is NULL or unreadable. */
+static __always_inline u64 fdset_word(u64 set, u32 nfds, u32 i)
+{
+    u64 w = 0;
+    if (!set || bpf_probe_read_user(&w, sizeof(w), (void *)set + i * 8))
+        return 0;
+    u32 left = nfds - i * 64;
+    return left >= 64 ? w : w & ((1ULL << left) - 1);
+}
+
+/* At a select's entry (args: nfds, readfds, writefds, exceptfds): the one fd it watches, in any of its
+ * sets, or -1 when it watches none or several (or fds past GT_SELECT_WORDS words). Read now because the
+ * call overwrites the sets with the ready ones, all zero when it times out. */
+static __always_inline s32 select_single(u64 *args)
+{
+    u32 nfds = (u32)args[0];
+    s32 fd = -1;
+    if (nfds > GT_SELECT_WORDS * 64)
+        return -1;
+#pragma unroll
+    for (u32 i = 0; i < GT_SELECT_WORDS; i++) {
+        if (i * 64 >= nfds)
+            break;
+        u64 w = fdset_word(args[1], nfds, i) | fdset_word(args[2], nfds, i) | fdset_word(args[3], nfds, i);
+        if (!w)
+            continue;
+        if (fd >= 0 || (w & (w - 1)))
+            return -1;
+        fd = i * 64 + lowest_bit(w);
+    }
+    return fd;
+}
+
+/* The entry's answer travels in the upper half of args[0] (nfds is an int): the fd + 1, 0 for none. */
+static __always_inline void select_enter(u64 *args)
+{
+    u32 nfds = (u32)args[0];
+    args[0] = nfds | ((u64)(u32)(select_single(args) + 1) << 32);
+}
+
+/* The lowest fd set in a ready set, or -1. */
+static __always_inline s32 fdset_first(u64 set, u32 nfds)
+{
+    if (!set || nfds > GT_SELECT_WORDS * 64)
+        return -1;
+#pragma unroll
+    for (u32 i = 0; i < GT_SELECT_WORDS; i++) {
+        if (i * 64 >= nfds)
+            return -1;
+        u64 w = fdset_word(set, nfds, i);
+        if (w)
+            return i * 64 + lowest_bit(w);
+    }
+    return -1;
+}
+
+/* The fd a select names, as poll_fd does for a poll: the one it watched, whatever it returned; else the
+ * lowest ready one (read set, then write, then except) when it returned some; else -1. */
+static __always_inline s32 select_fd(struct gt_inflight *c, s64 ret)
+{
+    u32 single = c->args[0] >> 32;
+    if (single)
+        return (s32)single - 1;
+    if (ret <= 0)
+        return -1;
+    u32 nfds = (u32)c->args[0];
+    s32 fd = fdset_first(c->args[1], nfds);
+    if (fd < 0)
+        fd = fdset_first(c->args[2], nfds);
+    if (fd < 0)
+        fd = fdset_first(c->args[3], nfds);
+    return fd;
+}
+
 #if GT_RAW_SYSCALLS
 /* x86_64 pt_regs (stable ABI): r10 r9 r8 ax cx dx si di orig_ax ip cs, one word each, in that order.
  * The syscall arguments are di, si, dx, r10 (r8, r9 after them are not used); Python selects this path
@@ -185,6 +277,8 @@ int gt_sys_enter(struct bpf_raw_tracepoint_args *ctx)
     v->args[1] = r[GT_REG_SI];
     v->args[2] = r[GT_REG_DX];
     v->args[3] = r[GT_REG_R10];
+    if (si->flags & GT_F_SELECTFD)
+        select_enter(v->args);
     return 0;
 }
 
@@ -225,6 +319,10 @@ int gt_sys_enter(struct gt_sys_enter_args *ctx)
     /* Copied, not loaded from ctx: a direct load past a call's last argument would make the kernel
      * refuse to attach the shared program to tracepoints with fewer arguments. Extra slots hold junk. */
     bpf_probe_read_kernel(v->args, sizeof(v->args), ctx->args);
+    u32 nr = (u32)ctx->nr;
+    struct gt_sysinfo *si = sysinfo.lookup(&nr);
+    if (si && (si->flags & GT_F_SELECTFD))
+        select_enter(v->args);
     return 0;
 }
 
@@ -313,6 +411,10 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
     }
     if (si->flags & GT_F_POLLFD)
         e->a0 = (u64)(s64)poll_fd(c, ret);
+    if (si->flags & GT_F_SELECTFD) {
+        e->a0 = (u64)(s64)select_fd(c, ret);
+        e->arg = (u32)c->args[0];
+    }
     if (si->flags & GT_F_EPOLLDATA) {
         /* The data word is the caller's (asyncio, libuv and libev put the fd there, mio/tokio a token, others a
          * pointer): the reader maps it to the fd registered with it (epoll_ctl events, /proc fdinfo). */

@@ -16,6 +16,7 @@
 #define GT_EPOLL_DATA_OFF 4 /* struct epoll_event's data: packed on x86_64 (the build says 8 elsewhere) */
 #endif
 #define GT_EPOLL_DATA_OK (1ULL << 32) /* in a0 of an epoll event (GT_F_EPOLLDATA, GT_F_EPOLLCTL): a1 is a data word */
+#define GT_SELECT_WORDS 16 /* 64-bit words of an fd_set searched: fds below 1024 (glibc's FD_SETSIZE) */
 #define GT_FDRECV_MAX 16 /* fds of one SCM_RIGHTS message reported (the first control message only) */
 #define GT_NR_MAX 512
 
@@ -70,6 +71,8 @@
                                  * ready event's whole data word and a0 has GT_EPOLL_DATA_OK */
 #define GT_F_EPOLLCTL 0x8000    /* epoll_ctl: emitted whenever it succeeds; a0 the epoll fd (| GT_EPOLL_DATA_OK when a1
                                  * holds the data word of the event registered), arg the target fd | op << 32 */
+#define GT_F_SELECTFD 0x10000   /* select/pselect6: a0 reports the fd of a select watching a single one, else the lowest
+                                 * ready fd (read set, then write, then except) when the call returned > 0, else -1 */
 
 struct gt_sysinfo {
     u32 flags;

@@ -15,6 +15,10 @@ fd taken from a token names the wrong file. Two waits: one woken by the peer, on
 - epoll-during: registered after ``go``: the socket first with another token, then changed (EPOLL_CTL_MOD).
 - epoll-fork: registered after ``go``, then a forked child waits on the inherited epoll fd.
 
+Or select(): ``select``: one socket that the peer answers; the same socket timing out (nothing sent); the
+pipe and the socket, the socket ready; the pipe and the socket, neither ready (timing out). Python's select()
+calls pselect6; then the select syscall itself, on a copy of the socket at fd 200 (its fourth fd_set word):
+with the pipe, the socket ready; alone, timing out.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import socket
 import sys
 
 EPOLL_CTL_ADD, EPOLL_CTL_MOD = 1, 3
+SYS_SELECT = 23  # x86_64
+HIGH_FD = 200
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -79,11 +85,45 @@ def epoll(mode: str, sock: socket.socket, file_fd: int, pipe_fd: int) -> str:
     return str(child)
 
 
+def selects(sock: socket.socket, file_fd: int, pipe_fd: int) -> str:
+    say("ready", sock.fileno(), file_fd)
+    sys.stdin.readline()
+    for what, fds, timeout in (("one", [sock], 10.0), ("one-timeout", [sock], 0.06), ("two", [pipe_fd, sock], 10.0),
+                               ("two-timeout", [pipe_fd, sock], 0.06)):  # fmt: skip
+        say("waiting")
+        ready, _, _ = select.select(fds, [], [], timeout)
+        say(what, len(ready))
+        if ready:
+            sock.recv(16)
+    high = os.dup2(sock.fileno(), HIGH_FD)
+    for what, fds, timeout in (("high", [pipe_fd, high], 10.0), ("high-timeout", [high], 0.06)):
+        say("waiting")
+        n = raw_select(fds, timeout)
+        say(what, n)
+        if n:
+            sock.recv(16)
+    return ""
+
+
+def raw_select(fds: list[int], timeout: float) -> int:
+    """The select syscall (glibc's select() calls pselect6) for reading ``fds``."""
+    words = (ctypes.c_uint64 * 16)()
+    for fd in fds:
+        words[fd // 64] |= 1 << (fd % 64)
+    tv = (ctypes.c_long * 2)(int(timeout), int(timeout % 1 * 1e6))
+    libc.syscall.restype = ctypes.c_long
+    n = libc.syscall(ctypes.c_long(SYS_SELECT), ctypes.c_long(max(fds) + 1), words, None, None, tv)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "select")
+    return int(n)
+
+
 def main() -> None:
     mode, port, path, pipe_fd = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     sock = socket.create_connection(("127.0.0.1", port))
     file_fd = os.open(path, os.O_RDONLY)
-    say("done", epoll(mode, sock, file_fd, pipe_fd))
+    child = selects(sock, file_fd, pipe_fd) if mode == "select" else epoll(mode, sock, file_fd, pipe_fd)
+    say("done", child)
 
 
 if __name__ == "__main__":
