@@ -295,6 +295,7 @@ class CaptureReader:
         self.problem = ""  # why the capture is incomplete, when it is (the first thing found)
         self.skipped_bytes = 0  # damaged bytes passed over to read the frames after them
         self.drops: dict[str, int] = {}
+        self.unknown_kinds: dict[str, int] = {}  # rows of record kinds a later version added, skipped
 
     def _new_unpacker(self) -> msgpack.Unpacker:
         return msgpack.Unpacker(
@@ -356,6 +357,7 @@ class CaptureReader:
         self._unpacker.skip()
         self.trailer, self.problem, self.drops = None, "", {}
         self.skipped_bytes = 0
+        self.unknown_kinds = {}
         decoder = None
         base = 0  # the file offset the unpacker started at
         while True:
@@ -380,7 +382,12 @@ class CaptureReader:
                 continue
             try:
                 tag = frame[0]
-                if tag == "R":
+                if tag == "R" and isinstance(frame[1], str) and frame[1] not in RECORD_TYPES:
+                    # a kind a later version writes (its records are extra detail): skipped and counted, the
+                    # capture is not damaged for that; a future reader is the one to read them
+                    name = frame[1][:64]
+                    self.unknown_kinds[name] = self.unknown_kinds.get(name, 0) + len(frame[2])
+                elif tag == "R":
                     yield from self._rows(frame[1], frame[2], decoder)
                 elif tag == "K":
                     if decoder is None:

@@ -160,3 +160,25 @@ def test_rows_written_before_a_field_was_added_still_read(tmp_path: Path) -> Non
     with CaptureReader(bad) as r:
         assert not [x for x in r.records() if isinstance(x, StackSample)]
         assert "StackSample row has 3 fields, expected 5" in r.problem
+
+
+def test_record_kinds_of_a_later_version_are_skipped_and_counted(tmp_path: Path) -> None:
+    """A capture written by a later gputrace, with a record kind this one does not know: the rest reads, the
+    capture is not called damaged, and the report and the capture summary say what was skipped."""
+    from gputrace.analysis import analyze, summary_lines
+
+    path = tmp_path / "later.gputrace"
+    w = CaptureWriter(path, host_header(["test"]))
+    w.write([ProcInfo(1, 42, 1, "python", ["python"], "/usr/bin/python3")])
+    w._frame(["R", "FutureThing", [[1, 2, 3], [4, 5, 6]]])
+    w.write([GpuKernel(42, 0, 1, 7, 10, 15, 1, "k1", (1, 1, 1), (32, 1, 1))])
+    w.close({"end_ns": 100, "complete": True})
+    with CaptureReader(path) as r:
+        recs = list(r.records())
+        assert r.complete and r.problem == "" and r.unknown_kinds == {"FutureThing": 2}
+    assert [type(x).__name__ for x in recs] == ["ProcInfo", "GpuKernel"]
+    with open_capture(path) as r:
+        report = analyze(r)
+    assert report["capture"]["unknown_record_kinds"] == {"FutureThing": 2}
+    assert ("note: 2 records of kinds this gputrace does not know were skipped: FutureThing (2); the capture was "
+            "written by a later version, which reads them") in summary_lines(report)

@@ -113,6 +113,7 @@ class Capture:
     drops: list[Drops] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     malformed: int = 0  # records skipped because a field had the wrong type
+    unknown_kinds: dict[str, int] = field(default_factory=dict)  # rows of kinds a later version wrote, skipped
     first_ns: int = 0
     last_ns: int = 0
     tracing_ns: int = 0  # when tracing began (0: a capture from before the session recorded it)
@@ -398,6 +399,7 @@ def load(reader: CaptureReader) -> Capture:
     cap.complete = reader.complete
     cap.problem = reader.problem
     cap.reader_drops = dict(reader.drops)
+    cap.unknown_kinds = dict(reader.unknown_kinds)
     cap.trailer = dict(reader.trailer or {})
     cap.tracing_ns = _tracing_ns(cap.trailer, reader.meta.get("session"))
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault")

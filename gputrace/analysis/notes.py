@@ -29,6 +29,15 @@ def malformed_note(cap: dict[str, Any]) -> str:
     return f"SKIPPED {n} malformed records" if n else ""
 
 
+def unknown_kinds_note(cap: dict[str, Any]) -> str:
+    kinds = cap.get("unknown_record_kinds") or {}
+    if not kinds:
+        return ""
+    listed = ", ".join(f"{k} ({n})" for k, n in kinds.items())
+    return (f"note: {sum(kinds.values())} records of kinds this gputrace does not know were skipped: {listed}; "
+            "the capture was written by a later version, which reads them")
+
+
 def waiting_lines(cap: dict[str, Any], limit: int = 3) -> list[str]:
     """Threads still waiting when the capture stopped: a heading, then the ``limit`` longest, one a line."""
     waiting = cap.get("in_progress") or []
@@ -57,7 +66,7 @@ def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
     """(severity, text) of each caveat the capture has, in summary_lines' order: "warn" (no host side at all),
     "note", or "alert" (records skipped). The threads still waiting are apart: waiting_lines."""
     notes = [("warn", no_ebpf_note(cap)), ("note", left_out_note(cap)), ("note", skipped_probes_note(cap)),
-             ("alert", malformed_note(cap))]  # fmt: skip
+             ("note", unknown_kinds_note(cap)), ("alert", malformed_note(cap))]  # fmt: skip
     return [(severity, text) for severity, text in notes if text]
 
 

@@ -87,6 +87,8 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
         out["problem"] = cap.problem
     if cap.malformed:
         out["malformed_records"] = cap.malformed
+    if cap.unknown_kinds:
+        out["unknown_record_kinds"] = dict(sorted(cap.unknown_kinds.items()))
     sources = cap.trailer.get("sources")
     ebpf = sources.get("ebpf") if isinstance(sources, dict) else None
     if isinstance(ebpf, list) and len(ebpf) == 2 and ebpf[0] == "missing":
