@@ -189,15 +189,34 @@ def check_tracepoints(tracepoints: list[tuple[str, str, str]] | None = None) -> 
     if d is None:
         return [Check("tracepoints", WARN, f"cannot check {len(wanted)} tracepoints: tracefs not readable",
                       "fix tracefs first")]
-    return [_tracepoint(d, cat, tp, purpose) for cat, tp, purpose in wanted]
+    fields = tracepoint_fields()
+    return [_tracepoint(d, cat, tp, purpose, fields.get((cat, tp), ())) for cat, tp, purpose in wanted]
 
 
-def _tracepoint(d: Path, category: str, name: str, purpose: str) -> Check:
+def tracepoint_fields() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The fields the eBPF source reads from tracepoints whose layout changed between kernels."""
+    try:
+        from gputrace.probes.syscalls import URING_FIELDS
+    except Exception:  # noqa: BLE001 - the probe list is reported unavailable elsewhere
+        return {}
+    return {("io_uring", tp): f for tp, f in URING_FIELDS.items()}
+
+
+def _tracepoint(d: Path, category: str, name: str, purpose: str, fields: tuple[str, ...] = ()) -> Check:
     label = f"tracepoint {category}:{name}"
-    if os.path.exists(d / "events" / category / name / "id"):
-        return Check(label, OK, purpose)
-    return Check(label, WARN, f"missing on this kernel: {purpose} degraded",
-                 "a kernel with this tracepoint (the rest of the capture still works)")
+    where = d / "events" / category / name
+    if not os.path.exists(where / "id"):
+        return Check(label, WARN, f"missing on this kernel: {purpose} degraded",
+                     "a kernel with this tracepoint (the rest of the capture still works)")
+    try:
+        text = (where / "format").read_text() if fields else ""
+    except OSError:
+        text = ""
+    lacking = [f for f in fields if f" {f};" not in text]
+    if lacking:
+        return Check(label, WARN, f"an older layout, without {', '.join(lacking)}: {purpose} degraded",
+                     "a newer kernel (the rest of the capture still works)")
+    return Check(label, OK, purpose)
 
 
 def check_kprobes() -> Check:

@@ -199,6 +199,35 @@ class InProgress(NamedTuple):
     before: bool
 
 
+class IoUringRequest(NamedTuple):
+    """One io_uring request of a traced process, from its submission to its completion (the CQE posted), at
+    least the capture's threshold long. The work may have been done inline, by an interrupt's completion or
+    by an io-wq worker thread of the process ("iou-wrk-TID"); ``tid`` is the thread that submitted it.
+
+    ``op``: the opcode's name as the kernel prints it (READ, RECV, ...; ``OP_N`` for one this version does
+    not know), ``opcode`` its number. ``res``: the completion's result (bytes, an fd, or -errno). ``fd``: the
+    file's fd (-1 when unknown: a registered file, an op without one) and ``obj`` what it held when the
+    request was submitted (path, peer), "" when unknown. ``nbytes``: ``res`` for ops that move bytes, else 0.
+    ``ring_fd``: the io_uring_enter fd it was submitted through (-1: by the ring's SQPOLL thread).
+    ``flags``: 1 a registered file, 2 IOSQE_ASYNC, 4 submitted by SQPOLL, 8 one completion of a multishot
+    request with more to come (the next one starts where it ends). ``user_data``: the program's tag.
+    """
+
+    pid: int
+    tid: int
+    op: str
+    start_ns: int
+    end_ns: int
+    res: int
+    fd: int
+    obj: str
+    nbytes: int
+    ring_fd: int
+    flags: int
+    opcode: int
+    user_data: int
+
+
 class FileMap(NamedTuple):
     """The path of a file mapped by ``pid``, read from /proc/PID/maps when one of its pages was waited for."""
 
@@ -354,7 +383,7 @@ RECORD_TYPES: dict[str, type[Any]] = {
     cls.__name__: cls
     for cls in (
         ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo, EpollEntry,
-        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress,
+        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress, IoUringRequest,
         GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
         AgentInfo, SourceStatus, Drops,
     )

@@ -20,7 +20,7 @@ from gputrace.errors import UserError
 from gputrace.probes import ebpf_build as build
 from gputrace.probes import ebpf_final as final
 from gputrace.probes import ebpf_hooks as hooks
-from gputrace.probes import events, procfs
+from gputrace.probes import events, procfs, uring
 from gputrace.probes.ebpf_hooks import wanted_tracepoints
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
@@ -32,6 +32,7 @@ from gputrace.probes.ebpf_host import (
     tracepoint_exists,
     unload,
     unload_in_background,
+    uring_supported,
 )
 from gputrace.probes.ebpf_owner import LEFT_OUT_WHY, OwnerFilter
 from gputrace.probes.filemaps import Key, MappedFiles, ReceivedFds
@@ -187,7 +188,7 @@ class EbpfSource:
         waiting = final.unfinished(slots, offcpu, self.live_targets(), self._since, now, self.threshold_ns)
         if waiting:
             self._sink.emit_kernel(b"".join(waiting), len(waiting))
-        aggs = final.aggregates(self._bpf[b"agg"].items(), slots, self._nr_names)
+        aggs = final.aggregates(self._bpf[b"agg"].items(), slots, {**uring.agg_names(), **self._nr_names})
         records: list[Any] = self.owner.owned_aggregates(aggs)
         self._final_left_out = self.left_out()
         self._final_drops = self.drops()
@@ -330,6 +331,9 @@ class EbpfSource:
         if not file_faults_supported():
             self.missing.append("filemap:mm_filemap_fault (needs Linux 6.11+, x86_64 and BTF: waits in page "
                                 "faults on file mappings are not named)")
+        if not uring_supported():
+            self.missing.append("io_uring:io_uring_submit_req/file_get/complete (needs Linux 5.19+: waits in "
+                                "io_uring_enter are not named by their requests)")
 
     def _meta(self, sysinfo: dict[int, tuple[str, int]]) -> dict[str, Any]:
         return {

@@ -9,7 +9,14 @@ from typing import Any
 
 from gputrace.errors import UserError
 from gputrace.probes import ebpf_hooks as hooks
-from gputrace.probes.ebpf_host import BPF_DIR, compile_bpf, file_faults_supported, format_has, tracepoint_exists
+from gputrace.probes.ebpf_host import (
+    BPF_DIR,
+    compile_bpf,
+    file_faults_supported,
+    format_has,
+    tracepoint_exists,
+    uring_supported,
+)
 from gputrace.probes.ebpf_owner import owner_cflags
 
 
@@ -29,6 +36,8 @@ def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid:
         flags.append("-DHAVE_GROUP_DEAD")
     if file_faults_supported():
         flags.append("-DHAVE_FILEMAP_FAULT")
+    if uring_supported():
+        flags.append("-DHAVE_IO_URING")
     if platform.machine() != "x86_64":  # only x86_64 packs struct epoll_event
         flags.append("-DGT_EPOLL_DATA_OFF=8")
     return flags

@@ -146,6 +146,13 @@ def file_faults_supported() -> bool:
             and tracepoint_exists("filemap", "mm_filemap_fault"))
 
 
+def uring_supported() -> bool:
+    """The io_uring request tracepoints exist with the fields the program reads (their layout changed in 5.19)."""
+    from gputrace.probes.syscalls import URING_FIELDS
+
+    return all(format_has("io_uring", tp, f) for tp, fields in URING_FIELDS.items() for f in fields)
+
+
 def final_status(source: str, now: int, detail: str, poll_error: str) -> SourceStatus:
     """A kernel source's last status: stopped, or ended early when its ring-buffer polling failed."""
     if poll_error:

@@ -16,10 +16,23 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from gputrace.probes.epolls import EPOLL_CTL_ADD, EVENTPOLL, EpollTables
-from gputrace.records import BlockIO, EpollEntry, FdInfo, FileMap, InProgress, OffCpu, PageFault, ProcFork, Syscall
+from gputrace.probes.fdtable import FdTable
+from gputrace.probes.uring import XFER, uring_op
+from gputrace.records import (
+    BlockIO,
+    EpollEntry,
+    FdInfo,
+    FileMap,
+    InProgress,
+    IoUringRequest,
+    OffCpu,
+    PageFault,
+    ProcFork,
+    Syscall,
+)
 
-LAYOUT = 4
-KNOWN_LAYOUTS = (1, 2, 3, 4)  # 2 added EV_FAULT, 3 EV_FDRECV, 4 EV_OFFCPU2 (in place of EV_OFFCPU)
+LAYOUT = 5
+KNOWN_LAYOUTS = (1, 2, 3, 4, 5)  # 2 added EV_FAULT, 3 EV_FDRECV, 4 EV_OFFCPU2 (in place of EV_OFFCPU), 5 EV_URING
 AT_FDCWD = -100
 PATH_MAX_DATA = 255  # GT_DATA_LEN - 1: a path event's string of this length may have been cut short
 
@@ -42,11 +55,12 @@ F_EPOLLFD = 0x2000  # earlier versions' epoll waits: the first argument is the f
 F_EPOLLDATA = 0x4000  # epoll waits: a0 the epoll fd (| EPOLL_DATA_OK), a1 the first ready event's data word
 F_EPOLLCTL = 0x8000  # epoll_ctl: a0 the epoll fd (| EPOLL_DATA_OK), a1 the data word, arg the target fd | op << 32
 F_SELECTFD = 0x10000  # select/pselect6: the first argument reports the one fd watched, else the first ready, else -1
+F_URING = 0x20000  # io_uring_enter: the first argument is a ring; the kernel names it in its requests' events
 EPOLL_DATA_OK = 1 << 32  # in a0 of an F_EPOLLDATA / F_EPOLLCTL event: a1 holds a data word
 F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
 DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault",
-                "layout")
+                "layout", "uring")
 
 SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event
 PATH = struct.Struct("<IIIIQQqQQQII256s")  # gt_path_event
@@ -61,6 +75,8 @@ EV_MAPFILE = 9
 FDRECV_MAX = 16
 FDRECV = struct.Struct(f"<IIIIQ{FDRECV_MAX}i")  # gt_fdrecv_event (both rings)
 EV_FDRECV = 11
+URING = struct.Struct("<IIIIQQiiiIQII")  # gt_uring_event
+EV_URING = 13
 # Written by the reader at stop, not the kernel: a call in flight and/or an off-CPU span not yet ended, in
 # the gt_sys_event layout (nr NO_CALL when in no syscall; ret: the off-CPU state bits, -1 when on CPU; a1: 1
 # when the call was under way before it was first seen).
@@ -69,7 +85,7 @@ NO_CALL = 0xFFFFFFFF
 
 SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
          EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size,
-         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size, EV_OFFCPU2: OFFCPU2.size}  # fmt: skip
+         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size, EV_OFFCPU2: OFFCPU2.size, EV_URING: URING.size}  # fmt: skip
 
 
 # sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
@@ -164,7 +180,7 @@ class KernelDecoder:
         self._names: dict[int, str] = {int(k): str(v) for k, v in meta.get("syscalls", {}).items()}
         self._flags: dict[int, int] = {int(k): int(v) for k, v in meta.get("sysflags", {}).items()}
         self._devices: dict[str, str] = {str(k): str(v) for k, v in meta.get("devices", {}).items()}
-        self._fds: dict[int, dict[int, str]] = {}
+        self._fds: dict[int, FdTable] = {}
         self._maps: dict[tuple[int, str, int], str] = {}  # (pid, "MAJ:MIN", inode) -> path
         self._forked: set[int] = set()
         self._fork_markers = bool(meta.get("fork_markers", False))
@@ -177,10 +193,18 @@ class KernelDecoder:
     # ------------------------------------------------------------------------------ fd tables ---
 
     def note_fd(self, info: FdInfo) -> None:
-        self._fds.setdefault(info.pid, {})[info.fd] = info.obj
+        self._table(info.pid, info.ts)[info.fd] = info.obj
         self._epolls.fd_gone(info.pid, info.fd)
         if info.obj == EVENTPOLL:  # its registrations follow, as EpollEntry records
             self._epolls.created(info.pid, info.fd)
+
+    def _table(self, pid: int, now: int) -> FdTable:
+        """``pid``'s fd table, about to be changed by an event of time ``now``."""
+        table = self._fds.get(pid)
+        if table is None:
+            table = self._fds[pid] = FdTable()
+        table.now = now
+        return table
 
     def note_epoll(self, e: EpollEntry) -> None:
         self._epolls.ctl(e.pid, e.epfd, EPOLL_CTL_ADD, e.fd, e.data, self.fd_obj(e.pid, e.fd))
@@ -200,17 +224,11 @@ class KernelDecoder:
         if fork.is_thread or fork.child_pid in self._forked:
             return
         self._forked.add(fork.child_pid)
-        self._fds[fork.child_pid] = dict(self._fds.get(fork.parent_pid, {}))
+        self._fds[fork.child_pid] = FdTable(self._fds.get(fork.parent_pid, {}))
         self._epolls.fork(fork.parent_pid, fork.child_pid)
 
     def fd_obj(self, pid: int, fd: int) -> str:
         return self._fds.get(pid, {}).get(fd, "")
-
-    def _resolve_path(self, pid: int, dirfd: int, path: str) -> str:
-        if not path or path.startswith("/"):
-            return path
-        base = self.fd_obj(pid, dirfd)
-        return os.path.normpath(os.path.join(base, path)) if base.startswith("/") else path
 
     # ---------------------------------------------------------------------------------- decode ---
 
@@ -247,6 +265,8 @@ class KernelDecoder:
         if etype == EV_FDRECV:
             self._received(fds_received(blob, off))
             return None
+        if etype == EV_URING:
+            return self._uring(URING.unpack_from(blob, off))
         self._proc(PROC.unpack_from(blob, off))
         return None
 
@@ -259,7 +279,7 @@ class KernelDecoder:
             fd, obj = self._epoll_ready(pid, a0, a1)
         else:
             fd = _int(a0) if flags & F_FD else -1
-            obj = self._object(pid, nr, flags, ret, _int(a0), _int(a1), data)
+            obj = self._object(pid, self._table(pid, start), nr, flags, ret, _int(a0), _int(a1), data)
         if end - start < self.threshold_ns:
             return None  # emitted only to keep the fd table right; its time is in SyscallAgg
         if flags & F_PATH:  # an open returns its fd; chdir (F_PATH0) returns 0, no fd
@@ -290,12 +310,12 @@ class KernelDecoder:
             return -1, ""
         return hit.fd, (self.fd_obj(hit.pid, hit.fd) if hit.pid else "") or hit.obj
 
-    def _object(self, pid: int, nr: int, flags: int, ret: int, a0: int, a1: int, data: bytes) -> str:
+    def _object(self, pid: int, table: FdTable, nr: int, flags: int, ret: int, a0: int, a1: int,
+                data: bytes) -> str:
         """The call's object, updating the process's fd table for calls that change it."""
-        table = self._fds.setdefault(pid, {})
         name = self._names.get(nr, "")
         if flags & F_PATH:
-            path = self._resolve_path(pid, AT_FDCWD if flags & F_PATH0 else a0, cstr(data))
+            path = _resolve_path(table, AT_FDCWD if flags & F_PATH0 else a0, cstr(data))
             if name == "chdir":
                 if ret == 0:  # a path the event cut short is not the new cwd
                     _put(table, AT_FDCWD, path if path.startswith("/") and len(data) < PATH_MAX_DATA else "")
@@ -316,10 +336,10 @@ class KernelDecoder:
             if ret == 0:
                 table[a0] = table[a1] = "pipe"
             return "pipe"
-        if name == "socket":
+        if name in _NEW_FD:
             if ret >= 0:
-                table[ret] = "socket"
-            return "socket"
+                table[ret] = _NEW_FD[name]
+            return _NEW_FD[name]
         if name.startswith("epoll_create"):
             if ret >= 0:
                 table[ret] = EVENTPOLL
@@ -327,7 +347,7 @@ class KernelDecoder:
             return EVENTPOLL
         if name == "close":
             self._epolls.fd_gone(pid, a0)
-            return table.pop(a0, "")
+            return table.drop(a0)
         if name.startswith("dup") or (flags & F_DUPFD and a1 in F_DUPFD_CMDS):
             obj = table.get(a0, "")
             if ret >= 0:  # an unknown source leaves the new fd unknown, not what it held before
@@ -345,10 +365,19 @@ class KernelDecoder:
     def _received(self, ev: FdsReceived) -> None:
         """fds installed by a recvmsg: whatever those numbers held is gone. The live reader writes an FdInfo
         for each one it could name right after this event."""
-        table = self._fds.setdefault(ev.pid, {})
+        table = self._table(ev.pid, ev.ts)
         for fd in ev.fds:
-            table.pop(fd, None)
+            table.drop(fd)
             self._epolls.fd_gone(ev.pid, fd)
+
+    def _uring(self, f: tuple[Any, ...]) -> IoUringRequest:
+        """A request names the file its fd held when it was submitted (it may be closed before it completes)."""
+        _, opcode, pid, tid, start, end, fd, res, ring_fd, flags, user_data, _cflags, _pad = f
+        op = uring_op(opcode)
+        table = self._fds.get(pid)
+        obj = table.at(fd, start) if table is not None and fd >= 0 and res != -errno.EBADF else ""
+        nbytes = res if res > 0 and op in XFER else 0
+        return IoUringRequest(pid, tid, op, start, end, res, fd, obj, nbytes, ring_fd, flags, opcode, user_data)
 
     def _block(self, f: tuple[Any, ...]) -> BlockIO:
         _, dev, pid, tid, sector, issue, complete, nbytes, _err, rwbs, comm = f
@@ -392,6 +421,10 @@ class KernelDecoder:
             self._forked.discard(pid)
 
 
+# Calls whose new fd is known by its kind alone: what the fd table holds for it
+_NEW_FD = {"socket": "socket", "io_uring_setup": "anon_inode:[io_uring]"}
+
+
 def proc_record(raw: bytes) -> Any:
     """A process event from the live process ring as a ProcFork / ProcExec / ProcLeftOut / ProcExit record."""
     from gputrace.records import ProcExec, ProcExit, ProcLeftOut
@@ -408,11 +441,18 @@ def proc_record(raw: bytes) -> Any:
     raise ValueError(f"bad process event type {etype}")
 
 
-def _put(table: dict[int, str], fd: int, obj: str) -> None:
+def _put(table: FdTable, fd: int, obj: str) -> None:
     if obj:
         table[fd] = obj
     else:
-        table.pop(fd, None)
+        table.drop(fd)
+
+
+def _resolve_path(table: FdTable, dirfd: int, path: str) -> str:
+    if not path or path.startswith("/"):
+        return path
+    base = table.get(dirfd, "")
+    return os.path.normpath(os.path.join(base, path)) if base.startswith("/") else path
 
 
 def _int(v: int) -> int:

@@ -27,6 +27,7 @@ from gputrace.probes.events import (
     F_SOCKADDR,
     F_SOCKADDR_PLEN,
     F_TIMESPEC,
+    F_URING,
     F_XFER,
 )
 
@@ -48,6 +49,7 @@ _CONN = "socket setup (peer addresses)"
 _SLEEP = "sleeps"
 _FDS = "fd table changes (resolves fds to files and peers)"
 _CWD = "working directory changes (resolves relative paths)"
+_URING = "io_uring waits (the ring's requests name what was waited for)"
 
 SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("read", F_FD | F_XFER, 2, _READ),
@@ -92,6 +94,8 @@ SPECS: tuple[SyscallSpec, ...] = (
     SyscallSpec("nanosleep", F_TIMESPEC, 0, _SLEEP),
     SyscallSpec("clock_nanosleep", F_TIMESPEC, 2, _SLEEP),
     SyscallSpec("ioctl", F_FD, 1, "device calls (a GPU driver's ioctls)"),
+    SyscallSpec("io_uring_enter", F_FD | F_URING, 2, _URING),  # arg: min_complete
+    SyscallSpec("io_uring_setup", F_FDTABLE, 0, _URING),  # its fd is the ring's
     SyscallSpec("pipe", F_PIPE | F_FDTABLE, 0, _FDS),
     SyscallSpec("pipe2", F_PIPE | F_FDTABLE, 1, _FDS),
     SyscallSpec("socket", F_FDTABLE, 0, _FDS),
@@ -107,6 +111,18 @@ SPECS: tuple[SyscallSpec, ...] = (
 
 BY_NAME: dict[str, SyscallSpec] = {s.name: s for s in SPECS}
 
+# io_uring requests of traced processes: their file (fd) and timing. The fields each program reads.
+URING_FIELDS: dict[str, tuple[str, ...]] = {
+    "io_uring_submit_req": ("ctx", "req", "user_data", "opcode", "flags", "sq_thread"),
+    "io_uring_file_get": ("ctx", "req", "user_data", "fd"),
+    "io_uring_complete": ("ctx", "req", "user_data", "res", "cflags"),
+}
+URING_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
+    ("io_uring", "io_uring_submit_req", "io_uring requests: submission (Linux 5.19+ layout)"),
+    ("io_uring", "io_uring_file_get", "io_uring requests: the file each reads or writes"),
+    ("io_uring", "io_uring_complete", "io_uring requests: completion, in any context (a worker, an interrupt)"),
+)
+
 # (category, name, purpose). The scheduler and interrupt group can hang on raw or classic tracepoints
 # (gputrace.probes.ebpf_hooks); each is served by the program gt_<name>.
 OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
@@ -116,6 +132,7 @@ OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("block", "block_io_start", "block requests, in the submitter's context (else block_rq_issue)"),
     ("block", "block_rq_complete", "block request completion"),
     ("filemap", "mm_filemap_fault", "waits in page faults on file mappings (mmap'd datasets; Linux 6.11+)"),
+    *URING_TRACEPOINTS,
 )
 SCHED_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("sched", "sched_switch", "off-CPU intervals"),

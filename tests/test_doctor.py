@@ -79,6 +79,21 @@ def test_missing_tracepoint_is_reported_as_missing() -> None:
     assert not failed_required(checks), "a missing tracepoint degrades a source, it does not stop the capture"
 
 
+def test_a_tracepoint_of_an_older_layout_is_degraded(tmp_path: Path) -> None:
+    """io_uring's request tracepoints changed in 5.19: present without the fields the program reads is a warning."""
+    from gputrace.hostcheck import _tracepoint
+
+    tp = tmp_path / "events" / "io_uring" / "io_uring_file_get"
+    tp.mkdir(parents=True)
+    (tp / "id").write_text("1\n")
+    (tp / "format").write_text("\tfield:void * ctx;\toffset:8;\tsize:8;\tsigned:0;\n\tfield:int fd;\toffset:16;\n")
+    c = _tracepoint(tmp_path, "io_uring", "io_uring_file_get", "files", ("ctx", "req", "fd"))
+    assert (c.status, c.detail) == (WARN, "an older layout, without req: files degraded")
+    assert _tracepoint(tmp_path, "io_uring", "io_uring_file_get", "files", ("ctx", "fd")).status == OK
+    by_name = {c.name: c for c in check_tracepoints()}  # this kernel's: the current layout
+    assert by_name["tracepoint io_uring:io_uring_complete"].status == OK
+
+
 def test_unwritable_socket_dir_fails(tmp_path: Path) -> None:
     assert check_socket_dir(str(tmp_path)).status == OK
     r = subprocess.run([*NOBODY, sys.executable, "-c",

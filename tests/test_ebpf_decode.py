@@ -282,3 +282,50 @@ def test_a_wait_in_flight_at_stop_names_only_an_fd_it_watches() -> None:
     many = events.SYS.pack(events.EV_UNFINISHED, _NR["select"], 5, 5, 10, 20, 1, 8, 0, 0)
     poll = events.SYS.pack(events.EV_UNFINISHED, _NR["poll"], 5, 5, 10, 20, 1, 0x7FFF00000004, 0, 0)
     assert [r.obj for r in d.decode(sel + many + poll)] == ["10.0.0.7:80", "", ""]
+
+
+_URING_META = {"layout": events.LAYOUT, "threshold_ns": 0,
+               "syscalls": {3: "close", 257: "openat", 425: "io_uring_setup", 426: "io_uring_enter"},
+               "sysflags": {3: events.F_FD | events.F_FDTABLE, 257: events.F_PATH | events.F_FDTABLE,
+                            425: events.F_FDTABLE, 426: events.F_FD | events.F_URING}}  # fmt: skip
+
+
+def _uring(pid: int, fd: int, res: int, start: int, end: int, opcode: int = 22, flags: int = 0) -> bytes:
+    return events.URING.pack(events.EV_URING, opcode, pid, pid + 1, start, end, fd, res, 4, flags, 77, 0, 0)
+
+
+def _timed(nr: int, pid: int, ret: int, a0: int, start: int, path: bytes = b"") -> bytes:
+    head = events.SYS.pack(events.EV_PATH if path else events.EV_SYS, nr, pid, pid, start, start + 1, ret, a0, 0, 0)
+    return head + (struct.pack("<II", len(path), 0) + path.ljust(256, b"\0") if path else b"")
+
+
+def test_io_uring_request_names_its_file_as_of_its_submission() -> None:
+    """The event comes at completion; the file is what its fd held when it was submitted, even where the program
+    closed the fd (or reused its number) while the request was in flight."""
+    d = KernelDecoder(_URING_META)
+    blob = (_timed(425, 9, 4, 8, 10) + _timed(257, 9, 5, -100 & 0xFFFFFFFF, 20, b"/data/a.bin")
+            + _timed(3, 9, 0, 5, 40) + _timed(257, 9, 5, -100 & 0xFFFFFFFF, 50, b"/data/b.bin")
+            + _uring(9, 5, 4096, 30, 60) + _uring(9, 5, 100, 55, 70)
+            + _uring(9, -1, 4096, 55, 70, flags=1)  # a registered file: no fd, no name
+            + _uring(9, 5, -9, 55, 71)  # EBADF: the fd named nothing
+            + _uring(9, 5, 3, 55, 72, opcode=200) + _uring(9, 5, 6, 55, 73, opcode=18))  # fmt: skip
+    recs = list(d.decode(blob))
+    setup = recs[0]
+    assert (setup.name, setup.fd, setup.obj) == ("io_uring_setup", -1, "anon_inode:[io_uring]")
+    a, b, fixed, badf, unknown, opened = (r for r in recs if type(r).__name__ == "IoUringRequest")
+    assert (a.op, a.obj, a.nbytes, a.fd, a.ring_fd, a.tid, a.user_data) == ("READ", "/data/a.bin", 4096, 5, 4, 10, 77)
+    assert (a.start_ns, a.end_ns, a.res, a.opcode) == (30, 60, 4096, 22)
+    assert (b.obj, b.nbytes) == ("/data/b.bin", 100)
+    assert (fixed.obj, fixed.fd, fixed.flags) == ("", -1, 1)
+    assert (badf.obj, badf.nbytes) == ("", 0)
+    assert (unknown.op, unknown.nbytes) == ("OP_200", 0)
+    assert (opened.op, opened.res, opened.nbytes) == ("OPENAT", 6, 0)  # an fd, not bytes
+
+
+def test_io_uring_request_of_an_unknown_process_names_nothing() -> None:
+    (r,) = KernelDecoder(_URING_META).decode(_uring(9, 5, 4096, 30, 60))
+    assert (r.obj, r.nbytes) == ("", 4096)
+    with pytest.raises(ValueError):  # cut short
+        list(KernelDecoder(_URING_META).decode(_uring(9, 5, 4096, 30, 60)[:40]))
+    with pytest.raises(ValueError, match="layout"):  # a reader of layout 5 knows layout 5 and before
+        KernelDecoder({**_URING_META, "layout": 6})

@@ -87,6 +87,7 @@ BPF_ARRAY(layout_proc, struct gt_proc_event, 1);
 BPF_ARRAY(layout_fault, struct gt_fault_event, 1);
 BPF_ARRAY(layout_mapfile, struct gt_mapfile_event, 1);
 BPF_ARRAY(layout_fdrecv, struct gt_fdrecv_event, 1);
+BPF_ARRAY(layout_uring, struct gt_uring_event, 1);
 
 static __always_inline void count_drop(u32 reason)
 {
@@ -588,6 +589,19 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
     return 0;
 }
 
+/* The ring fd of the io_uring_enter call thread `tid` is in now, or -1 when it is in none (or in no traced call). */
+static __always_inline s32 uring_ring_fd(u32 tid)
+{
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *c = inflight.lookup(&slot);
+    if (!c || c->tid != tid)
+        return -1;
+    u32 nr = c->nr;
+    struct gt_sysinfo *si = sysinfo.lookup(&nr);
+    return si && (si->flags & GT_F_URING) ? (s32)c->args[0] : -1;
+}
+
+#define GT_STATE_S 0x1 /* sched_switch prev_state: interruptible sleep */
 #define GT_STATE_D 0x2 /* sched_switch prev_state: uninterruptible sleep */
 
 static __always_inline void iowait_add(s64 d)
@@ -606,10 +620,10 @@ static __always_inline int iowait_any(void)
     return n && *n > 0;
 }
 
-/* Forget a task's off-CPU entry, keeping `iowait` in step with the D entries. */
+/* Forget a task's off-CPU entry, keeping `iowait` in step with the entries it counts. */
 static __always_inline void offcpu_forget(u32 tid, struct gt_offcpu_val *o)
 {
-    if (o->state & GT_STATE_D)
+    if (o->io)
         iowait_add(-1);
     offcpu.delete(&tid);
 }
@@ -926,12 +940,15 @@ GT_SCHED_PROBE(sched_switch)
 #ifdef HAVE_FILEMAP_FAULT
         v.fault_ns = in_file_fault(prev, now);
 #endif
+        /* Waiting for I/O: in D, or asleep in io_uring_enter, whose reads are issued (and their requests,
+         * throttled, dispatched) while it sleeps interruptibly */
+        v.io = (v.state & GT_STATE_D) || ((v.state & GT_STATE_S) && uring_ring_fd(prev) >= 0);
         struct gt_offcpu_val *old = offcpu.lookup(&prev);
-        if (old && (old->state & GT_STATE_D))
+        if (old && old->io)
             iowait_add(-1); /* its switch back in was never seen */
         if (offcpu.update(&prev, &v))
             count_drop(GT_DROP_OFFCPU);
-        else if (v.state & GT_STATE_D)
+        else if (v.io)
             iowait_add(1);
     }
     u32 next = GT_SWITCH_NEXT;
@@ -1184,3 +1201,125 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     blk.delete(&k);
     return 0;
 }
+
+/* --------------------------------------------------------------------------------- io_uring ---- */
+
+/* A traced process's io_uring requests: submitted (io_uring_submit_req) and given their file
+ * (io_uring_file_get) by a thread of the process (the submitter, its SQPOLL thread or an io-wq worker:
+ * all threads of its tgid), completed (io_uring_complete) in any context: the submitter running its task
+ * work, an io-wq worker, an interrupt. `uring` keeps each request in flight by the kernel's request pointer;
+ * its completion emits one event (at least THRESHOLD_NS long; shorter ones are summed in `agg` per thread and
+ * opcode) and forgets it. A request whose completion is never seen (IOSQE_CQE_SKIP_SUCCESS, a skipped
+ * program run) stays until its pointer is reused: the ring and user_data are checked at completion. */
+#ifdef HAVE_IO_URING
+#ifndef MAX_URING
+#define MAX_URING 16384
+#endif
+#define GT_REQ_F_FIXED_FILE 0x1   /* req->flags (low bits are the IOSQE_* flags): IOSQE_FIXED_FILE */
+#define GT_REQ_F_FORCE_ASYNC 0x10 /* IOSQE_ASYNC */
+#define GT_CQE_F_MORE 0x2         /* IORING_CQE_F_MORE: a multishot request goes on */
+#define GT_URING_AGG_NR 0x10000   /* agg key nr of short requests: this | opcode (syscall numbers are below) */
+BPF_HASH(uring, u64, struct gt_uring_val, MAX_URING);
+
+TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    u64 req = (u64)args->req;
+    u64 flags = args->flags;
+    struct gt_uring_val v = {};
+    v.ts = bpf_ktime_get_ns();
+    v.ctx = (u64)args->ctx;
+    v.user_data = args->user_data;
+    v.pid = id >> 32;
+    v.tid = (u32)id;
+    v.fd = -1;
+    v.ring_fd = args->sq_thread ? -1 : uring_ring_fd(v.tid);
+    v.opcode = args->opcode;
+    v.flags = ((flags & GT_REQ_F_FIXED_FILE) ? GT_URING_FIXED : 0) | ((flags & GT_REQ_F_FORCE_ASYNC) ? GT_URING_ASYNC : 0) |
+              (args->sq_thread ? GT_URING_SQPOLL : 0);
+    if (uring.update(&req, &v))
+        count_drop(GT_DROP_URING);
+    return 0;
+}
+
+/* Fires where the request gets its file: at issue, by the submitter or the io-wq worker (a fixed file: never). */
+TRACEPOINT_PROBE(io_uring, io_uring_file_get)
+{
+    if (!is_target(bpf_get_current_pid_tgid() >> 32))
+        return 0;
+    u64 req = (u64)args->req;
+    struct gt_uring_val *v = uring.lookup(&req);
+    if (v && v->ctx == (u64)args->ctx && v->user_data == args->user_data)
+        v->fd = args->fd;
+    return 0;
+}
+
+static __always_inline void uring_emit(struct gt_uring_val *v, u64 now, s32 res, u32 cflags)
+{
+    struct gt_uring_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return;
+    }
+    e->type = GT_EV_URING;
+    e->opcode = v->opcode;
+    e->pid = v->pid;
+    e->tid = v->tid;
+    e->start_ns = v->ts;
+    e->end_ns = now;
+    e->fd = v->fd;
+    e->res = res;
+    e->ring_fd = v->ring_fd;
+    e->flags = v->flags | ((cflags & GT_CQE_F_MORE) ? GT_URING_MORE : 0);
+    e->user_data = v->user_data;
+    e->cflags = cflags;
+    e->pad = 0;
+    events.ringbuf_submit(e, 0);
+}
+
+/* A short request, summed per (thread, opcode). Any CPU may complete a thread's requests: atomic adds. */
+static __always_inline void uring_agg(struct gt_uring_val *v, u64 dur)
+{
+    struct gt_agg_key k = {.pid = v->pid, .tid = v->tid, .nr = GT_URING_AGG_NR | (v->opcode & 0xff)};
+    struct gt_agg_val *a = agg.lookup(&k);
+    if (!a) {
+        struct gt_agg_val init = {.count = 1, .total_ns = dur};
+        if (agg.insert(&k, &init) == 0)
+            return;
+        a = agg.lookup(&k); /* another CPU inserted it first */
+        if (!a) {
+            count_drop(GT_DROP_AGG);
+            return;
+        }
+    }
+    __sync_fetch_and_add(&a->count, 1);
+    __sync_fetch_and_add(&a->total_ns, dur);
+}
+
+TRACEPOINT_PROBE(io_uring, io_uring_complete)
+{
+    u64 req = (u64)args->req;
+    if (!req)
+        return 0; /* a CQE of no request (io_post_aux_cqe) */
+    struct gt_uring_val *v = uring.lookup(&req);
+    if (!v)
+        return 0;
+    if (v->ctx != (u64)args->ctx || v->user_data != args->user_data || !is_target(v->pid)) {
+        uring.delete(&req); /* an earlier request's entry at this address, or its process is no longer traced */
+        return 0;
+    }
+    u64 now = bpf_ktime_get_ns();
+    u32 cflags = args->cflags;
+    if (now - v->ts >= THRESHOLD_NS)
+        uring_emit(v, now, args->res, cflags);
+    else
+        uring_agg(v, now - v->ts);
+    if (cflags & GT_CQE_F_MORE)
+        v->ts = now; /* the next completion of a multishot request covers the time from this one */
+    else
+        uring.delete(&req);
+    return 0;
+}
+#endif

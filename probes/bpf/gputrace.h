@@ -5,8 +5,8 @@
 #ifndef GPUTRACE_H
 #define GPUTRACE_H
 
-#define GT_LAYOUT 4 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
-                      * the other events are as in 1 */
+#define GT_LAYOUT 5 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
+                      * 5: adds GT_EV_URING; the other events are as in 1 */
 #define GT_COMM_LEN 16
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
@@ -33,6 +33,7 @@
 /* 10 is EV_UNFINISHED, written by user space (probes/events.py) */
 #define GT_EV_FDRECV 11 /* struct gt_fdrecv_event, in both rings */
 #define GT_EV_OFFCPU2 12 /* struct gt_offcpu2_event */
+#define GT_EV_URING 13   /* struct gt_uring_event */
 
 /* gt_proc_event.flags of a GT_EV_EXEC event: the exec gave the task privileges the capture's owner lacks, and
  * the process was left out of the trace from there on (see gt_task_foreign). */
@@ -48,7 +49,8 @@
 #define GT_DROP_TARGETS 6  /* target set full: a child is not followed */
 #define GT_DROP_FAULT 7    /* file-fault map full: a thread's wait in a page fault is not named */
 #define GT_DROP_LAYOUT 8   /* a raw scheduler program read a wrong tid (bad task_struct offset): skipped */
-#define GT_DROP_MAX 9
+#define GT_DROP_URING 9    /* io_uring request map full: a request's file and timing are not recorded */
+#define GT_DROP_MAX 10
 
 /* Per-syscall flags (the `sysinfo` array, filled from probes/syscalls.py). */
 #define GT_F_FD 0x1             /* args[0] is an fd */
@@ -73,6 +75,7 @@
                                  * holds the data word of the event registered), arg the target fd | op << 32 */
 #define GT_F_SELECTFD 0x10000   /* select/pselect6: a0 reports the fd of a select watching a single one, else the lowest
                                  * ready fd (read set, then write, then except) when the call returned > 0, else -1 */
+#define GT_F_URING 0x20000      /* io_uring_enter: args[0] is the ring whose requests it submits and waits for */
 
 struct gt_sysinfo {
     u32 flags;
@@ -172,6 +175,44 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
     u64 pad;
 };
 
+/* gt_uring_event.flags */
+#define GT_URING_FIXED 0x1  /* a registered (fixed) file: its fd is not known */
+#define GT_URING_ASYNC 0x2  /* IOSQE_ASYNC: an io-wq worker thread issued it */
+#define GT_URING_SQPOLL 0x4 /* submitted by the ring's SQPOLL thread */
+#define GT_URING_MORE 0x8   /* a multishot request's completion with more to come (IORING_CQE_F_MORE): the next
+                             * one's start_ns is this one's end_ns */
+
+/* One io_uring request of a traced process, from its submission to its completion (the CQE posted), emitted
+ * at completion in whatever context that runs (the submitter, an io-wq worker, an interrupt). */
+struct gt_uring_event { /* 64 bytes: not 56 nor 88, the sizes the reader tells fault and fd-receive events by */
+    u32 type;
+    u32 opcode; /* IORING_OP_* */
+    u32 pid;
+    u32 tid;      /* the submitting thread (the SQPOLL thread when the ring has one) */
+    u64 start_ns; /* submitted (io_uring_submit_req) */
+    u64 end_ns;   /* completed (io_uring_complete) */
+    s32 fd;       /* the file's fd (io_uring_file_get), -1 when unknown (a fixed file, an op without one) */
+    s32 res;      /* the CQE's result: bytes, an fd, or -errno */
+    s32 ring_fd;  /* the io_uring_enter fd it was submitted through, -1 when unknown (SQPOLL) */
+    u32 flags;    /* GT_URING_* */
+    u64 user_data;
+    u32 cflags;
+    u32 pad;
+};
+
+/* An io_uring request in flight, keyed by the kernel's request pointer. */
+struct gt_uring_val {
+    u64 ts;
+    u64 ctx;
+    u64 user_data;
+    u32 pid;
+    u32 tid;
+    s32 fd;
+    s32 ring_fd;
+    u32 opcode;
+    u32 flags;
+};
+
 struct gt_proc_event { /* 176 bytes */
     u32 type;
     u32 flags; /* fork: 1 = a thread; exit: 1 = the whole process is gone */
@@ -264,6 +305,8 @@ struct gt_offcpu_val {
     u32 waker_pid;
     u32 waker_tid;
     char waker_comm[GT_COMM_LEN];
+    u32 io;  /* counted in `iowait`: off CPU in D, or waiting in io_uring_enter */
+    u32 pad;
 };
 
 #ifdef GT_OWNER_UID

@@ -1,0 +1,134 @@
+"""io_uring reads traced for real: a process reads a cold file on a loop-device ext4 through a ring
+(tests/workloads/uring_read.c, raw syscalls), inline and through io-wq worker threads (IOSQE_ASYNC), and
+waits in io_uring_enter(GETEVENTS). One record per request names the file, fd, opcode and bytes; the wait is
+an io_uring_enter syscall record."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from workloads import uring_reader
+from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.loopdev import LoopFs, loop_filesystem, write_file
+
+from gputrace.probes import uring
+from gputrace.probes.ebpf_host import uring_supported
+from gputrace.records import BlockIO, Drops, IoUringRequest, Syscall, SyscallAgg
+
+WORKLOADS = Path(__file__).parent / "workloads"
+SIZE, CHUNK, DEPTH = (3 << 20) + 4096, 1 << 20, 2
+DROP_CACHE, ASYNC = uring_reader.DROP_CACHE, uring_reader.ASYNC
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return uring_reader.build(tmp_path_factory.mktemp("uring"))
+
+
+class Reader:
+    """tests/workloads/uring_reader.py, driven line by line."""
+
+    def __init__(self, lib: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(WORKLOADS / "uring_reader.py"), str(lib)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        word, pid, ring = self._line()
+        assert word == "ready", word
+        self.pid, self.ring = int(pid), int(ring)
+
+    def _line(self) -> list[str]:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().split()
+
+    def read(self, path: Path, flags: int) -> tuple[int, int, int]:
+        """(tid, the file's fd, bytes read)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{path} {CHUNK} {DEPTH} {flags}\n")
+        self.proc.stdin.flush()
+        word, tid, fd, n = self._line()
+        assert word == "read", word
+        return int(tid), int(fd), int(n)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
+    with loop_filesystem(tmp_path) as fs:
+        yield fs
+
+
+def test_io_uring_reads_are_recorded_per_request(lib: Path, loopfs: LoopFs, tmp_path: Path) -> None:
+    assert uring_supported(), "io_uring tracepoints with the expected fields are missing on this kernel"
+    inline, worked = write_file(loopfs.mountpoint / "inline.bin", SIZE), write_file(loopfs.mountpoint / "w.bin", SIZE)
+    reader = Reader(lib)
+    try:
+        with ebpf_capture(tmp_path / "u.gputrace", [reader.pid], threshold_ns=0) as src:
+            assert not [m for m in src.missing if "io_uring" in m], src.missing
+            runs = {inline: reader.read(inline, DROP_CACHE), worked: reader.read(worked, DROP_CACHE | ASYNC)}
+    finally:
+        reader.close()
+    records, _ = read_capture(tmp_path / "u.gputrace")
+    assert all(n == SIZE for _, _, n in runs.values()), runs
+    mine = [r for r in of(records, IoUringRequest) if r.pid == reader.pid]
+    enters = [s for s in of(records, Syscall) if s.pid == reader.pid and s.name == "io_uring_enter"]
+    assert enters and all(s.fd == reader.ring and s.obj == "anon_inode:[io_uring]" for s in enters), enters
+    for path, (tid, fd, _n) in runs.items():
+        reqs = [r for r in mine if r.obj == str(path)]
+        data = [r for r in reqs if r.res > 0]
+        # one record per request: every byte of the file once, in chunks, then reads at the end of the file
+        assert sum(r.nbytes for r in data) == SIZE and len(data) == -(-SIZE // CHUNK), data
+        assert all(r.res == 0 for r in reqs if r not in data) and len(reqs) > len(data)
+        assert {(r.op, r.opcode, r.fd, r.tid, r.ring_fd) for r in reqs} == {("READ", 22, fd, tid, reader.ring)}
+        assert sorted(r.user_data for r in sorted(reqs, key=lambda r: r.start_ns)[:DEPTH]) == list(range(DEPTH))
+        # each was submitted and completed inside io_uring_enter calls of its thread
+        for r in reqs:
+            assert any(s.start_ns <= r.start_ns <= s.end_ns for s in enters), r
+            assert any(s.start_ns <= r.end_ns <= s.end_ns for s in enters), r
+        # a call that waited (1 ms or more) was let go by a request that was in flight over the wait: the last
+        # one to complete in it was submitted before the call began or at its start
+        for call in (s for s in enters if s.end_ns - s.start_ns >= 1_000_000):
+            done = [r for r in reqs if call.start_ns <= r.end_ns <= call.end_ns]
+            if done:
+                last = max(done, key=lambda r: r.end_ns)
+                assert last.start_ns <= call.start_ns + (call.end_ns - call.start_ns) // 2, (last, call)
+    inline_reqs = [r for r in mine if r.obj == str(inline)]
+    worked_reqs = [r for r in mine if r.obj == str(worked)]
+    assert not [r for r in inline_reqs if r.flags & uring.ASYNC]
+    assert all(r.flags & uring.ASYNC for r in worked_reqs)
+    # the block requests of the worked file were issued by the process's io-wq worker threads
+    blocks = [b for b in of(records, BlockIO) if b.dev == loopfs.name and b.pid == reader.pid and "R" in b.rwbs]
+    assert any(b.comm.startswith("iou-wrk-") for b in blocks), {b.comm for b in blocks}
+    assert SIZE <= sum(b.nbytes for b in blocks) <= 2 * SIZE + (512 << 10), blocks
+    drops = {d.what: d.count for d in of(records, Drops) if d.source == "ebpf"}
+    assert drops.get("uring") == 0 and not any(drops.values()), drops
+
+
+def test_short_requests_are_summed_not_dropped(lib: Path, tmp_path: Path) -> None:
+    """With the default threshold (100 us) page-cache reads are too short to record one by one: they are
+    summed per thread and opcode, as short syscalls are."""
+    f = tmp_path / "cached.bin"
+    f.write_bytes(b"x" * (256 << 10))
+    reader = Reader(lib)
+    try:
+        reader.read(f, 0)  # into the page cache
+        with ebpf_capture(tmp_path / "s.gputrace", [reader.pid]):
+            tid, _fd, n = reader.read(f, 0)
+    finally:
+        reader.close()
+    assert n == 256 << 10
+    records, _ = read_capture(tmp_path / "s.gputrace")
+    summed = [a for a in of(records, SyscallAgg) if a.name == "io_uring:READ" and a.tid == tid]
+    recorded = [r for r in of(records, IoUringRequest) if r.tid == tid]
+    assert summed and summed[0].count + len(recorded) >= 2, (summed, recorded)
+    assert all(r.end_ns - r.start_ns >= 100_000 for r in recorded)
