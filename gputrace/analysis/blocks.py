@@ -7,6 +7,10 @@ requests on the path's block device, issued inside the call, in the call's direc
 are not traced (kernel workers, other processes): ``dispatched``. A traced submitter's requests are its
 own reads' and never move to another thread. When a candidate also falls inside another traced thread's
 call on the same device, nothing says which of them it served: each keeps it, marked shared.
+
+An io_uring request (``uring.as_call``) is tied the same way over its submission-to-completion window, on
+its file's device: its own requests are those its submitting thread or the process's ring workers
+(``iou-wrk-*``, ``iou-sqp-*``, which issue the reads a worker does) issued then.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from gputrace.analysis import uring
 from gputrace.analysis.load import Capture
 from gputrace.analysis.objects import block_device_of, classify
 from gputrace.records import BlockIO, Syscall
@@ -57,6 +62,20 @@ class BlockTies:
             return None
         return Tie(found, "dispatched", self._sharing(sc, dev, found))
 
+    def for_request(self, req: Syscall) -> Tie | None:
+        """The block requests under an io_uring request (as ``uring.as_call`` shapes it)."""
+        dev = self.device(req.obj)
+        if not dev:
+            index = self.cap.blocks.get(req.tid)
+            own = index.starting_in(req.start_ns, req.end_ns) if index else []
+            return Tie(own, "submitted") if own else None
+        on_dev = self.cap.blocks_by_dev[dev].starting_in(req.start_ns, req.end_ns)
+        own = [b for b in on_dev if b.pid == req.pid and (b.tid == req.tid or uring.is_ring_worker(b.comm))]
+        if own:
+            return Tie(own, "submitted")
+        found = self._dispatched(req, dev)
+        return Tie(found, "dispatched", self._sharing(req, dev, found)) if found else None
+
     def device(self, path: str) -> str:
         """The name BlockIO records use for the device under ``path``; "" when none was seen."""
         if path not in self._device:
@@ -65,7 +84,8 @@ class BlockTies:
         return self._device[path]
 
     def _dispatched(self, sc: Syscall, dev: str) -> list[BlockIO]:
-        want = ("W", "F") if sc.name in WRITE_OPS else ("R",)
+        write = uring.writes(sc) if uring.is_request(sc) else sc.name in WRITE_OPS
+        want = ("W", "F") if write else ("R",)
         traced = self.cap.kernel_pids
         return [b for b in self.cap.blocks_by_dev[dev].starting_in(sc.start_ns, sc.end_ns)
                 if b.tid != sc.tid and b.pid not in traced and any(c in b.rwbs for c in want)]  # fmt: skip
@@ -96,6 +116,10 @@ class BlockTies:
             for sc in index.records:
                 if sc.obj.startswith("/") and classify(sc) == "storage" and (dev := self.device(sc.obj)):
                     by_dev.setdefault(dev, []).append(sc)
+        for done in self.cap.uring.values():  # io_uring requests on files read (or write) too
+            for r in done.requests:
+                if r.obj.startswith("/") and (dev := self.device(r.obj)):
+                    by_dev.setdefault(dev, []).append(uring.as_call(r))
         out: dict[str, _Calls] = {}
         for dev, calls in by_dev.items():
             calls.sort(key=lambda c: c.start_ns)

@@ -12,10 +12,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import FAULT_OP, Capture
 from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
-from gputrace.records import BlockIO, OffCpu, Syscall
+from gputrace.records import BlockIO, IoUringRequest, OffCpu, Syscall
 
 MAX_DEPTH = 4
 MAX_EVIDENCE = 12
@@ -196,6 +197,10 @@ class Explainer:
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
         kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
+        requests: list[IoUringRequest] = []
+        if kind == "uring":  # named by the ring's requests it waited for; none that names a file or peer: a wait
+            requests = uring.waited_for(self.cap.uring.get(sc.pid), sc)
+            kind = (uring.kind_of(requests[-1]) if requests else "") or "wait"
         offs = list(self.cap.offcpu[sc.tid].overlapping(x, y)) if sc.tid in self.cap.offcpu else []
         preempted = [o for o in offs if o.state == "R"]
         runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
@@ -220,6 +225,8 @@ class Explainer:
                     held.update(self._cpu_holders([o], a, b))
             parts.append(Part("cpu.runqueue", woken, self.culprit(sc.tid, "woken, waiting for a CPU"),
                               evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE], held=held))
+        if requests:
+            return parts + [self._request(kind, sc, requests, ns - woken, blocked)]
         return parts + [self._direct(kind, sc, ns - woken, blocked)]
 
     def _late_completion(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], depth: int) -> list[Part]:
@@ -289,8 +296,22 @@ class Explainer:
             return Part("unknown", ns, empty_culprit(), evidence=ev)
         return Part("cpu", ns, self.cpu_culprit(sc.tid, sc.start_ns, sc.end_ns), evidence=ev)
 
+    def _request(self, kind: str, sc: Syscall, requests: list[IoUringRequest], ns: int,
+                 blocked: list[OffCpu]) -> Part:
+        """A wait in io_uring_enter ``sc``, named by the last of the ring's ``requests`` to complete in it: its
+        file (``storage``, with the block requests under it) or peer (``network``)."""
+        req = uring.as_call(requests[-1])
+        if kind == "storage":
+            part = self._storage(req, ns, blocked)
+        else:
+            part = Part("network", ns, self.culprit(req.tid, req.name, req.obj, req.nbytes, req.end_ns - req.start_ns),
+                        evidence=[evidence_syscall(req)])
+        part.culprit.update(uring.culprit_fields(requests))
+        part.evidence = [evidence_syscall(sc), *part.evidence][: MAX_EVIDENCE + 1]
+        return part
+
     def _storage(self, sc: Syscall, ns: int, blocked: list[OffCpu]) -> Part:
-        tie = self.ties.for_syscall(sc)
+        tie = self.ties.for_request(sc) if uring.is_request(sc) else self.ties.for_syscall(sc)
         culprit = self.culprit(sc.tid, sc.name, sc.obj, sc.nbytes, sc.end_ns - sc.start_ns)
         ev = [evidence_syscall(sc)]
         if tie is not None:

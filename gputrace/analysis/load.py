@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
+from gputrace.analysis.uring import Completions
 from gputrace.capture import CaptureReader
 from gputrace.records import (
     AgentInfo,
@@ -26,6 +27,7 @@ from gputrace.records import (
     GpuMemset,
     GpuSync,
     InProgress,
+    IoUringRequest,
     NvmlSample,
     OffCpu,
     PageFault,
@@ -98,6 +100,7 @@ class Capture:
     blocks_by_dev: dict[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
     block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta
     syncs: dict[int, Intervals] = field(default_factory=dict)
+    uring: dict[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
     in_progress: list[InProgress] = field(default_factory=list)  # threads caught waiting at stop
     samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
     stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (pid, stack id) -> frames, leaf first
@@ -147,6 +150,7 @@ class _Loader:
         self.gpu_devices: dict[tuple[int, int], GpuDevice] = {}
         self.faults: dict[tuple[int, int], PageFault] = {}  # (tid, start_ns) -> the fault, its last wait's end
         self.samples: dict[int, list[tuple[int, int]]] = {}  # tid -> [(ts, stack id)]
+        self.uring: dict[int, list[IoUringRequest]] = {}  # pid -> its requests
 
     def add(self, r: Any) -> None:
         kind = type(r).__name__
@@ -206,6 +210,15 @@ class _Loader:
         self.cap.kernel_pids.add(r.pid)
         self._span(r.start_ns, r.end_ns)
 
+    def request(self, r: IoUringRequest) -> None:
+        if r.end_ns < r.start_ns:
+            self.cap.malformed += 1  # a request cannot complete before it was submitted
+            return
+        self.uring.setdefault(r.pid, []).append(r)
+        self._thread(r.pid, r.tid)
+        self.cap.kernel_pids.add(r.pid)
+        self._span(r.start_ns, r.end_ns)
+
     def finish(self, nvml_meta: Any = None) -> Capture:
         cap, raw = self.cap, self.raw
         for f in self.faults.values():
@@ -218,6 +231,7 @@ class _Loader:
         cap.blocks_by_dev = {d: Intervals(v, "issue_ns", "complete_ns") for d, v in self.by_dev.items()}
         cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
         cap.samples = {t: Samples(v) for t, v in self.samples.items()}
+        cap.uring = {p: Completions(v) for p, v in self.uring.items()}
         for made in cap.created.values():
             made.sort()
         self._merge_shared_devices(nvml_meta)
@@ -343,6 +357,7 @@ _HANDLERS: dict[str, Any] = {
     "OffCpu": _offcpu,
     "BlockIO": _block,
     "PageFault": _Loader.fault,
+    "IoUringRequest": _Loader.request,
     "GpuSync": lambda ld, r: ld.per_tid("sync", r, r.start_ns, r.end_ns),
     "ProcInfo": _proc,
     "ThreadInfo": _threadinfo,
@@ -374,6 +389,7 @@ _SHAPES = {
     "OffCpu": _shape(OffCpu, "pid tid start_ns end_ns wake_ns waker_pid waker_tid", "state waker_comm"),
     "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs comm"),
     "PageFault": _shape(PageFault, "pid tid start_ns end_ns offset ino", "obj dev"),
+    "IoUringRequest": _shape(IoUringRequest, "pid tid start_ns end_ns res fd nbytes ring_fd flags opcode", "op obj"),
     "GpuSync": _shape(GpuSync, "pid tid start_ns end_ns"),
     "Drops": _shape(Drops, "ts count", "source what"),
     "ProcInfo": _shape(ProcInfo, "pid", "comm"),
@@ -402,7 +418,7 @@ def load(reader: CaptureReader) -> Capture:
     cap.unknown_kinds = dict(reader.unknown_kinds)
     cap.trailer = dict(reader.trailer or {})
     cap.tracing_ns = _tracing_ns(cap.trailer, reader.meta.get("session"))
-    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault")
+    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
     return cap
 

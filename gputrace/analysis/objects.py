@@ -46,10 +46,13 @@ def object_kind(obj: str) -> str:
 
 
 def classify(sc: Any) -> str:
-    """storage, network, sleep, wait (for another task), gpu (a driver call), or other."""
+    """storage, network, sleep, wait (for another task), gpu (a driver call), uring (a wait for an io_uring
+    ring's requests), or other."""
     name, kind = sc.name, object_kind(sc.obj)
     if name == "page_fault":  # a wait for a file mapping's page: the file's I/O, named or not
         return "storage"
+    if name == "io_uring_enter":  # named by the ring's requests that completed meanwhile (analysis/uring.py)
+        return "uring"
     if name in SLEEP:
         return "sleep"
     if kind == "peer" and name in POLLS:  # the socket polled, or the one found ready: its peer answered

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.capture import CaptureWriter, host_header
+from gputrace.probes.uring import OPS as URING_OPS
 from gputrace.records import (
     BlockIO,
     Collective,
@@ -21,6 +22,7 @@ from gputrace.records import (
     GpuKernel,
     GpuMemcpy,
     GpuSync,
+    IoUringRequest,
     NvmlSample,
     OffCpu,
     PageFault,
@@ -153,6 +155,15 @@ class Builder:
         """``held``: (pid, tid, comm) of the task that had the CPU until the thread got it back."""
         wake = ns(wake_ms) if wake_ms is not None else (ns(end_ms) if waker[1] else 0)
         self.records.append(OffCpu(pid, tid, ns(start_ms), ns(end_ms), state, wake, *waker, *held))
+        return self
+
+    def uring(self, pid: int, tid: int, submit_ms: float, done_ms: float, obj: str = "", nbytes: int = 0,
+              op: str = "READ", fd: int = 5, ring_fd: int = 4, res: int | None = None, flags: int = 0) -> Builder:
+        """An io_uring request of ``pid`` submitted by ``tid`` through ring ``ring_fd`` (-1: SQPOLL), on ``obj``
+        (its fd's path or peer, "" unknown), completed at ``done_ms`` with ``res`` (default ``nbytes``)."""
+        opcode = URING_OPS.index(op) if op in URING_OPS else 255
+        self.records.append(IoUringRequest(pid, tid, op, ns(submit_ms), ns(done_ms), nbytes if res is None else res,
+                                           fd, obj, nbytes, ring_fd, flags, opcode, 0))  # fmt: skip
         return self
 
     def sync(self, pid: int, tid: int, start_ms: float, end_ms: float, dev: int = 0) -> Builder:

@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # tests/, where the shared `workloads` helpers live
     sys.path.insert(0, str(HERE.parent))
 
-from workloads import loopdev  # noqa: E402
+from workloads import loopdev, uring_reader  # noqa: E402
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
@@ -25,6 +25,11 @@ def loop_filesystem(workdir: Path) -> Iterator[tuple[Path, str]]:
     """An ext4 filesystem on a fresh loop device (tests/workloads/loopdev.py): (mount point, "MAJ:MIN")."""
     with loopdev.loop_filesystem(workdir, size_mib=48) as fs:
         yield fs.mountpoint, fs.majmin
+
+
+def uring_lib(workdir: Path) -> str:
+    """The io_uring reader library (tests/workloads/uring_read.c) built in ``workdir``."""
+    return str(uring_reader.build(workdir))
 
 
 def make_files(directory: Path, prefix: str, count: int, size: int) -> list[str]:

@@ -160,6 +160,12 @@ def _mp_queue(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 5, **_loop(w, st, [1 << 20], 5, 160 * KIB)}
 
 
+def _uring(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # the trainer reads 6 shards of 192 KiB at 1 MiB/s itself through io_uring: inline on even steps, by the
+    # ring's io-wq worker threads on odd ones (IOSQE_ASYNC)
+    return {"steps": 6, "lib": fixtures.uring_lib(w), **_loop(w, st, [1 << 20], 6, 192 * KIB)}
+
+
 def _torch_loader(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     # worker 1's cgroup reads at 1 MiB/s: 5 shards of 160 KiB; worker 0 spends 30 ms of CPU a sample
     cfg = _loop(w, st, [64 << 20, 1 << 20], 5, 160 * KIB)
@@ -181,6 +187,7 @@ SCENARIOS: dict[str, Setup] = {
     "mp_queue": _mp_queue,
     "asyncio_fetch": _network,
     "gil": lambda w, st: {"steps": 10, "work_ms": 0.2},
+    "uring": _uring,
     "torch_loader": _torch_loader,
     "torch_loader_pinned": lambda w, st: {**_torch_loader(w, st), "pin_memory": True},
 }

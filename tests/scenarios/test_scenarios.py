@@ -71,6 +71,16 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
                 via = via[1:]
             assert via[0] == f"wait:pid {c['pid']}", s["via"]
             assert all(h == f"wait:tid {c['tid']}" or h.startswith("gil:tid ") for h in via[1:]), s["via"]
+    elif name == "uring":
+        # the trainer's own waits in io_uring_enter, named by the ring's read requests that completed in them
+        # (read inline on even steps, by io-wq worker threads on odd ones), with the requests the throttle's
+        # kworker dispatched for them
+        for s in stalls:
+            c = s["culprit"]
+            assert c["op"] == "io_uring read" and c["bytes"] > 0 and c["pid"] == s["device_pid"] and not s["via"], c
+            assert c.get("block_requests", 0) > 0 and c["block_attribution"] == "dispatched", c
+            whats = [e["what"].split("(")[0] for e in s["evidence"][:2]]
+            assert whats == ["io_uring_enter", "io_uring read"], s["evidence"]
     elif name == "asyncio_fetch":  # the event loop's epoll_wait names the peer's socket it found ready
         assert all(s["culprit"]["op"].startswith("epoll") for s in stalls), [s["culprit"] for s in stalls]
 

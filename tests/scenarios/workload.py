@@ -486,6 +486,29 @@ def timed_waits(cfg: dict[str, Any]) -> None:
     trainer_loop(cfg, wait)
 
 
+def uring(cfg: dict[str, Any]) -> None:
+    """The trainer reads each shard itself through io_uring between steps (a C reader in a shared library,
+    called through ctypes, as a Rust or C++ reader in an extension is): it waits in io_uring_enter while the
+    kernel reads, inline on even steps and in the ring's io-wq worker threads (IOSQE_ASYNC) on odd ones."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: workloads
+    from workloads.uring_reader import ASYNC, DROP_CACHE, load
+
+    join_cgroup(cfg["cgroups"][0])
+    lib = load(cfg["lib"])
+    if lib.gt_uring_open(8) < 0:
+        raise RuntimeError("io_uring_setup failed")
+
+    def wait(k: int) -> tuple[str, str, int]:
+        path = cfg["files"][k % len(cfg["files"])]
+        n = lib.gt_uring_read_file(path.encode(), 64 << 10, 2, DROP_CACHE | (ASYNC if k % 2 else 0))
+        if n <= 0:
+            raise RuntimeError(f"reading {path} through io_uring: {n}")
+        return "storage", path, os.getpid()
+
+    trainer_loop(cfg, wait)
+    lib.gt_uring_close()
+
+
 def pin_memory_thread_on_cpu() -> None:
     """Make PyTorch's DataLoader run its pin-memory thread on the CPU build, as it does on a GPU host: it
     asks the accelerator API whether there is a device (answered yes here) and pins each batch (a copy
@@ -548,7 +571,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
-    "gil": gil, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
+    "gil": gil, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader, "uring": uring,
 }  # fmt: skip
 
 if __name__ == "__main__":
