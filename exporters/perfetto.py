@@ -5,6 +5,7 @@ Track layout (see docs/perfetto.md):
     process <comm>                      ProcessDescriptor
       thread <comm>                     ThreadDescriptor; syscall slices
         off-CPU                         off-CPU / runqueue slices; "woken by" child at the wakeup
+        io_uring                        the thread's io_uring requests, submission to completion
         CUDA API, NVTX                  host-side GPU calls and ranges
       (CPU samples)                     PerfSample packets with interned callstacks: Perfetto's own
                                         per-thread sample track and flame graph
@@ -41,6 +42,7 @@ from gputrace.records import (
     GpuMemset,
     GpuSync,
     InProgress,
+    IoUringRequest,
     NvmlSample,
     NvtxRange,
     OffCpu,
@@ -58,7 +60,7 @@ from gputrace.records import (
 
 from . import ExportResult
 from . import perfetto_proto as pp
-from .perfetto_args import activity_slice, header_int, size_text, stall_args, unit_of
+from .perfetto_args import activity_slice, header_int, size_text, stall_args, unit_of, uring_flags
 from .perfetto_canvas import Canvas
 from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
 from .perfetto_samples import CpuSamples
@@ -128,7 +130,7 @@ class _Run(Canvas):
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
-            PageFault: self.page_fault, InProgress: self.in_progress,
+            PageFault: self.page_fault, InProgress: self.in_progress, IoUringRequest: self.uring_request,
             GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
@@ -230,6 +232,18 @@ class _Run(Canvas):
         # the report names a fault's wait as offcpu evidence starting where the fault does
         flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
         self.slice(lane.uuid, s, e, "page fault", _CAT["syscall"], args, flows)
+
+    def uring_request(self, r: IoUringRequest) -> None:
+        """On the submitting thread's "io_uring" track: requests overlap each other and the thread's calls."""
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "io_uring").place(s, e)
+        args: dict[str, Any] = {"obj": r.obj} if r.obj else {}
+        args.update(op=r.op, fd=r.fd, res=r.res, nbytes=r.nbytes, ring_fd=r.ring_fd, user_data=r.user_data,
+                    flags=uring_flags(r.flags))
+        name = f"{r.op} {size_text(r.nbytes)}" if r.nbytes else r.op
+        # the report names a request as syscall evidence: its thread, from its submission
+        flows = self.stall_links.take(evidence_key("syscall", r.pid, r.tid, r.start_ns))
+        self.slice(lane.uuid, s, e, name, _CAT["syscall"], args, flows)
 
     def in_progress(self, r: InProgress) -> None:
         """A wait the capture stopped in the middle of: drawn up to the stop, on the syscall lane."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gputrace.analysis.report import holders_text
+from gputrace.probes import uring
 from gputrace.records import Collective, GpuKernel, GpuMemcpy
 
 _DIRECTION = {"h2d": "HtoD", "d2h": "DtoH", "d2d": "DtoD", "h2h": "HtoH", "p2p": "PtoP"}
@@ -72,3 +73,11 @@ def header_int(header: dict[str, Any], key: str) -> int:
     """An integer field of the capture header; a missing or mistyped one counts as 0."""
     value = header.get(key, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+_URING_FLAGS = ((uring.FIXED, "fixed file"), (uring.ASYNC, "async"), (uring.SQPOLL, "sqpoll"), (uring.MORE, "more"))
+
+
+def uring_flags(flags: int) -> str:
+    """An io_uring request's flags in words ("fixed file, async")."""
+    return ", ".join(word for bit, word in _URING_FLAGS if flags & bit)

@@ -137,3 +137,25 @@ def test_requests_alone_change_nothing_outside_io_uring_waits(tmp_path: Path) ->
     b = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8)
     b.uring(TRAINER, TRAINER, 9.05, 39.7, PATH, 10)
     assert only_stall(run(b, tmp_path))["cause"] == "sleep"
+
+
+def test_perfetto_draws_the_request_and_an_arrow_from_it_to_the_stall(tmp_path: Path) -> None:
+    from gputrace.analysis import analyze
+    from gputrace.exporters.perfetto import PerfettoExporter
+    from gputrace.exporters.perfetto_check import check_trace
+
+    b = waiting(trainer()).uring(TRAINER, TRAINER, 9.05, 39.8, PATH, 64 << 10, flags=2)
+    b.uring(TRAINER, TRAINER, 9.06, 30.0, PATH, 4096)  # in flight beside it: a second lane
+    path = b.write(tmp_path / "t.gputrace")
+    with open_capture(path) as reader:
+        report = analyze(reader)
+    with open_capture(path) as reader:
+        PerfettoExporter(tmp_path / "t.pftrace", report=report).write(reader)
+    trace = check_trace(tmp_path / "t.pftrace")
+    assert not trace.problems, trace.problems[:5]
+    lanes = [t for t in trace.children(trace.thread(TRAINER)) if t.name.startswith("io_uring")]
+    assert sorted(t.name for t in lanes) == ["io_uring", "io_uring #2"]
+    (req,) = [s for s in trace.find("READ 64 KiB")]
+    assert (req.ts, req.args["obj"], req.args["flags"], req.args["ring_fd"]) == (ns(9.05), PATH, "async", RING)
+    linked = [a for a, b in trace.flows if trace.track_of(b).name == "stalls"]
+    assert req in linked and any(a.name == "io_uring_enter" for a in linked), [a.name for a in linked]

@@ -1,7 +1,7 @@
 """io_uring reads traced for real: a process reads a cold file on a loop-device ext4 through a ring
 (tests/workloads/uring_read.c, raw syscalls), inline and through io-wq worker threads (IOSQE_ASYNC), and
 waits in io_uring_enter(GETEVENTS). One record per request names the file, fd, opcode and bytes; the wait is
-an io_uring_enter syscall record."""
+an io_uring_enter syscall record; the requests show in Perfetto on the submitting thread."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from workloads import uring_reader
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
+from gputrace.capture import open_capture
+from gputrace.exporters.perfetto import PerfettoExporter
+from gputrace.exporters.perfetto_check import check_trace
 from gputrace.probes import uring
 from gputrace.probes.ebpf_host import uring_supported
 from gputrace.records import BlockIO, Drops, IoUringRequest, Syscall, SyscallAgg
@@ -112,6 +115,15 @@ def test_io_uring_reads_are_recorded_per_request(lib: Path, loopfs: LoopFs, tmp_
     assert SIZE <= sum(b.nbytes for b in blocks) <= 2 * SIZE + (512 << 10), blocks
     drops = {d.what: d.count for d in of(records, Drops) if d.source == "ebpf"}
     assert drops.get("uring") == 0 and not any(drops.values()), drops
+    # Perfetto: each request a slice on the submitting thread's io_uring track
+    with open_capture(tmp_path / "u.gputrace") as cap:
+        PerfettoExporter(tmp_path / "u.pftrace").write(cap)
+    trace = check_trace(tmp_path / "u.pftrace")
+    assert not trace.problems, trace.problems[:5]
+    slices = [s for s in trace.all_slices() if trace.track_of(s).name.startswith("io_uring")]
+    assert len(slices) == len(mine)
+    assert {s.args.get("obj") for s in slices} == {str(inline), str(worked)}
+    assert any(s.name == "READ 1 MiB" and s.args["nbytes"] == CHUNK and s.args["op"] == "READ" for s in slices)
 
 
 def test_short_requests_are_summed_not_dropped(lib: Path, tmp_path: Path) -> None:
