@@ -9,6 +9,7 @@
  *                                                   device), GT_URING_ASYNC (IOSQE_ASYNC: an io-wq worker
  *                                                   thread does each read)
  *   int  gt_uring_last_fd(void)                      the file's fd in the last gt_uring_read_file
+ *   long gt_uring_requests(void)                     requests queued so far
  *   long gt_uring_pread(fd, buf, len, off)           one read, submitted and waited for in one io_uring_enter:
  *                                                   bytes read, or -errno
  *   void gt_uring_close(void)
@@ -39,6 +40,7 @@ struct ring {
 
 static struct ring R = {.fd = -1};
 static int last_fd = -1;
+static long requests;
 
 static int sys_setup(unsigned entries, struct io_uring_params *p)
 {
@@ -120,6 +122,7 @@ static void queue_read(int fd, char *buf, unsigned len, unsigned long long off, 
         sqe->flags |= IOSQE_ASYNC;
     R.sq_array[i] = i;
     __atomic_store_n(R.sq_tail, tail + 1, __ATOMIC_RELEASE);
+    requests++;
 }
 
 long gt_uring_read_file(const char *path, unsigned chunk, unsigned depth, int flags)
@@ -197,4 +200,9 @@ long gt_uring_pread(int fd, void *buf, unsigned len, unsigned long long off)
 int gt_uring_last_fd(void)
 {
     return last_fd;
+}
+
+long gt_uring_requests(void)
+{
+    return requests;
 }

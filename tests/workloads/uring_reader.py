@@ -3,7 +3,8 @@
     python uring_reader.py LIB.so
 
 Prints ``ready PID RINGFD`` once the ring exists, then for each stdin line ``PATH CHUNK DEPTH FLAGS`` reads
-the whole file through the ring and prints ``read TID FD BYTES`` (FD: the file's fd while it was read).
+the whole file through the ring and prints ``read TID FD BYTES REQUESTS`` (FD: the file's fd while it was
+read; REQUESTS: the read requests it took).
 Flags: 1 drop the file from the page cache first, 2 IOSQE_ASYNC (an io-wq worker does the reads).
 """
 
@@ -31,6 +32,7 @@ def load(path: str | Path) -> ctypes.CDLL:
     lib.gt_uring_open.argtypes = [ctypes.c_uint]
     lib.gt_uring_read_file.restype = ctypes.c_long
     lib.gt_uring_read_file.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int]
+    lib.gt_uring_requests.restype = ctypes.c_long
     return lib
 
 
@@ -42,8 +44,10 @@ def main() -> None:
     print("ready", threading.get_native_id(), ring, flush=True)
     for line in sys.stdin:
         path, chunk, depth, flags = line.split()
+        before = lib.gt_uring_requests()
         n = lib.gt_uring_read_file(path.encode(), int(chunk), int(depth), int(flags))
-        print("read", threading.get_native_id(), lib.gt_uring_last_fd(), n, flush=True)
+        made = lib.gt_uring_requests() - before
+        print("read", threading.get_native_id(), lib.gt_uring_last_fd(), n, made, flush=True)
     lib.gt_uring_close()
 
 
