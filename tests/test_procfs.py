@@ -75,7 +75,8 @@ def test_the_snapshot_has_what_each_epoll_fd_watches_with_its_whole_data_word() 
         os.close(w)
     assert [s.obj for s in snap if isinstance(s, FdInfo) and s.fd == epfd] == ["anon_inode:[eventpoll]"]
     io = select.EPOLLIN | select.EPOLLOUT  # the kernel adds EPOLLERR | EPOLLHUP
-    entries = sorted((e.epfd, e.fd, e.events & io, e.data & 0xFFFFFFFF) for e in snap if isinstance(e, EpollEntry))
+    entries = sorted((e.epfd, e.fd, e.events & io, e.data & 0xFFFFFFFF) for e in snap
+                     if isinstance(e, EpollEntry) and e.epfd == epfd)  # not those of other tests' epoll fds
     assert entries == [(epfd, r, select.EPOLLIN, r), (epfd, w, select.EPOLLOUT, w)]
     assert snap.index(next(e for e in snap if isinstance(e, EpollEntry))) > max(
         i for i, s in enumerate(snap) if isinstance(s, FdInfo))  # the fds first: they name what is registered
