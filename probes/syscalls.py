@@ -5,6 +5,7 @@ Pure Python (no bcc): ``gputrace doctor`` and the tests read it on any machine.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -153,9 +154,11 @@ RAW_SCHED_ONLY: tuple[tuple[str, str, str], ...] = (
 RAW_PURPOSE = "every traced syscall, one raw tracepoint program pair (reads, opens, writes, waits, network)"
 
 
+@functools.cache
 def raw_syscalls_supported() -> bool:
     """Whether the syscall programs can use the raw tracepoints sys_enter / sys_exit here: they read the
-    arguments from x86_64's pt_regs, and the kernel must support BPF raw tracepoints (bcc asks kallsyms)."""
+    arguments from x86_64's pt_regs, and the kernel must support BPF raw tracepoints (bcc asks kallsyms,
+    a fifth of a second: asked once a process)."""
     if platform.machine() != "x86_64":
         return False
     try:

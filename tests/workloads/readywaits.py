@@ -17,7 +17,7 @@ fd taken from a token names the wrong file. Two waits: one woken by the peer, on
 
 Or select(): ``select``: one socket that the peer answers; the same socket timing out (nothing sent); the
 pipe and the socket, the socket ready; the pipe and the socket, neither ready (timing out). Python's select()
-calls pselect6; then the select syscall itself, on a copy of the socket at fd 200 (its fourth fd_set word):
+calls pselect6; then the select syscall itself, on a copy of the socket at fd 100 (its second fd_set word):
 with the pipe, the socket ready; alone, timing out.
 """
 
@@ -31,7 +31,7 @@ import sys
 
 EPOLL_CTL_ADD, EPOLL_CTL_MOD = 1, 3
 SYS_SELECT = 23  # x86_64
-HIGH_FD = 200
+HIGH_FD = 100
 libc = ctypes.CDLL(None, use_errno=True)
 
 
