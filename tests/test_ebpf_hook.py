@@ -135,6 +135,9 @@ def test_raw_and_classic_scheduler_hooks_name_the_same_wakers(tmp_path: Path) ->
         assert len(waits) == 5, hook
         assert {(w.waker_tid, w.waker_pid) for w in waits} == {(releaser_tid, main_tid)}, hook
         assert all(w.start_ns < w.wake_ns <= w.end_ns for w in waits)
+        # who had the CPU each time it came back: never the thread itself, a named task or none (idle)
+        offs = [w for w in of(records, OffCpu) if w.tid in (main_tid, releaser_tid)]
+        assert all(w.held_tid != w.tid and bool(w.held_tid) == bool(w.held_comm) for w in offs), hook
         # The releaser's sleeps end in a timer interrupt: named as such, not after whoever was running.
         sleeps = [w for w in _waits(records, releaser_tid) if w.state != "R"]  # not preempted
         assert len(sleeps) >= 4 and {w.waker_comm for w in sleeps} == {"[timer]"}, hook

@@ -1,6 +1,6 @@
 """Who had the CPU a traced thread waited for: each off-CPU record names the task the thread got its CPU
 back from. A hog, a spinning process (preempted) and a sleeping one (woken, then waiting for the CPU) share
-CPU 0; both hooks."""
+CPU 0."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def _start(kind: str) -> tuple[subprocess.Popen[str], int]:
     return p, int(p.stdout.readline())
 
 
-@pytest.mark.parametrize("hook", ["raw", "classic"])
+# One hook: the holder is read from `current` at the switch in, by code the raw and classic hooks share
+# (tests/test_ebpf_hook.py checks the holder fields under both hooks).
+@pytest.mark.parametrize("hook", ["raw"])
 def test_off_cpu_records_name_the_task_that_had_the_cpu(tmp_path: Path, hook: str) -> None:
     procs = []
     try:
