@@ -225,9 +225,8 @@ def render_compare(doc: dict[str, Any], console: Console, before: str, after: st
                       _points(doc["stall_change_points"])))
     t.add_row(*_cells("stalls", f"{b['stalls']:,}", f"{a['stalls']:,}", f"{a['stalls'] - b['stalls']:+,}"))
     if b["input_bound_pct"] is not None and a["input_bound_pct"] is not None:
-        change = a["input_bound_pct"] - b["input_bound_pct"] if b["window_ns"] and a["window_ns"] else None
         t.add_row(*_cells("waiting on input", f"{b['input_bound_pct']:.1f}%", f"{a['input_bound_pct']:.1f}%",
-                          _points(change)))
+                          _points(doc["input_change_points"])))
     console.print(t)
     if doc["by_cause"]:
         t = Table(title="Stall time by cause (% of GPU window)", title_justify="left")

@@ -87,6 +87,13 @@ def _notes(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _input_change(b: dict[str, Any], a: dict[str, Any]) -> float | None:
+    """Percentage points between the runs' shares of their windows spent waiting on input; None without both."""
+    if not (b["window_ns"] and a["window_ns"]) or b["input_bound_pct"] is None or a["input_bound_pct"] is None:
+        return None
+    return round(a["input_bound_pct"] - b["input_bound_pct"], 2)
+
+
 def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The ``gputrace.compare/1`` document of two ``gputrace.report/1`` reports."""
     b, a = _side(before), _side(after)
@@ -94,4 +101,5 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {"schema": SCHEMA, "before": b, "after": a,
             "busy_change_points": _change(b["busy_ns"], wb, a["busy_ns"], wa),
             "stall_change_points": _change(b["stall_ns"], wb, a["stall_ns"], wa),
+            "input_change_points": _input_change(b, a),
             "by_cause": _by_cause(before, after), "culprits": _culprits(before, after), "notes": _notes(b, a)}

@@ -101,6 +101,17 @@ def _expired(sc: Syscall, o: OffCpu) -> bool:
     return _timed_out(sc) or (sc.name in ("futex", "futex_waitv") and o.waker_comm == TIMER_WAKER)
 
 
+def _cpu_holders(waits: list[tuple[OffCpu, int, int]]) -> Counter[tuple[int, int, str]]:
+    """Who had the CPU each off-CPU span waited for within its window [a, b) (a preemption, or the time from
+    a wakeup on): (pid, tid, comm) with the time of that window."""
+    out: Counter[tuple[int, int, str]] = Counter()
+    for o, a, b in waits:
+        ns = min(o.end_ns, b) - max(o.start_ns, a)
+        if o.held_tid and ns > 0:
+            out[(o.held_pid, o.held_tid, o.held_comm)] += ns
+    return out
+
+
 class Explainer:
     def __init__(self, cap: Capture) -> None:
         self.cap = cap
@@ -180,20 +191,10 @@ class Explainer:
             total += ns
             if o.state == "R":
                 parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)],
-                                  held=self._cpu_holders([o], x, y)))
+                                  held=_cpu_holders([(o, x, y)])))
             else:  # blocked outside any recorded syscall (a page fault, a short call under the threshold)
                 parts.append(Part("unknown", ns, empty_culprit(), evidence=[evidence_offcpu(o)]))
         return total
-
-    @staticmethod
-    def _cpu_holders(waits: list[OffCpu], x: int, y: int) -> Counter[tuple[int, int, str]]:
-        """Who had the CPU these off-CPU spans waited for in [x, y) (a preemption, or the time from a wakeup
-        on), (pid, tid, comm), with the time of each span in [x, y)."""
-        out: Counter[tuple[int, int, str]] = Counter()
-        for o in waits:
-            if o.held_tid:
-                out[(o.held_pid, o.held_tid, o.held_comm)] += max(min(o.end_ns, y) - max(o.start_ns, x), 0)
-        return out
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
         kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
@@ -206,7 +207,7 @@ class Explainer:
         runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
         parts = [Part("cpu.runqueue", runq, self.culprit(sc.tid, "preempted"),
                       evidence=[evidence_offcpu(o) for o in preempted[:MAX_EVIDENCE]],
-                      held=self._cpu_holders(preempted, x, y))] if runq > 0 else []
+                      held=_cpu_holders([(o, x, y) for o in preempted]))] if runq > 0 else []
         blocked = [o for o in offs if o.state != "R"]
         ns = (y - x) - runq
         if kind == "wait":
@@ -219,12 +220,9 @@ class Explainer:
         late = [(o, max(o.wake_ns, x), min(o.end_ns, y)) for o in blocked if o.wake_ns]
         woken = sum(max(b - a, 0) for _, a, b in late)
         if woken > 0:
-            held: Counter[tuple[int, int, str]] = Counter()
-            for o, a, b in late:
-                if b > a:
-                    held.update(self._cpu_holders([o], a, b))
             parts.append(Part("cpu.runqueue", woken, self.culprit(sc.tid, "woken, waiting for a CPU"),
-                              evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE], held=held))
+                              evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE],
+                              held=_cpu_holders(late)))
         if requests:
             return parts + [self._request(kind, sc, requests, ns - woken, blocked)]
         return parts + [self._direct(kind, sc, ns - woken, blocked)]
@@ -362,7 +360,7 @@ class Explainer:
                 parts.extend(self._follow(sc, o, ox, woke, depth))
             if oy > woke:  # woken but not yet running
                 parts.append(Part("cpu.runqueue", oy - woke, self.culprit(sc.tid, "woken, waiting for a CPU"),
-                                  evidence=[evidence_offcpu(o)], held=self._cpu_holders([o], woke, oy)))
+                                  evidence=[evidence_offcpu(o)], held=_cpu_holders([(o, woke, oy)])))
             used += oy - ox
         rest = ns - used
         if rest > 0:
