@@ -42,7 +42,6 @@ class Btf:
         self._data = data
         self._strings = data[strings_at:strings_at + str_len]
         self._offsets = self._index(types_at, types_at + type_len)
-        self._by_name: dict[tuple[int, str], list[int]] | None = None
 
     def _index(self, pos: int, end: int) -> list[int]:
         """Where each type starts; ids count from 1 (id 0 is void)."""
@@ -72,14 +71,26 @@ class Btf:
         return self.name(name_off), info >> 24 & 0x1F, info >> 31, info & 0xFFFF, pos + _TYPE.size
 
     def find(self, kind: int, name: str) -> list[int]:
-        """Ids of the types of `kind` called `name` (a name can repeat, e.g. a forward declaration)."""
-        if self._by_name is None:
-            self._by_name = {}
-            for tid in range(1, len(self._offsets)):
-                tname, tkind, _, _, _ = self._type(tid)
-                if tname and tkind in (KIND_STRUCT, KIND_UNION):
-                    self._by_name.setdefault((tkind, tname), []).append(tid)
-        return self._by_name.get((kind, name), [])
+        """Ids of the types of `kind` called `name` (a name can repeat, e.g. a forward declaration). The name's
+        places in the string section are found first, so the scan compares numbers, not decoded names."""
+        key = name.encode()
+        if not key or b"\0" in key:
+            return []
+        offs, at = set(), self._strings.find(b"\0" + key + b"\0")
+        while at >= 0:
+            offs.add(at + 1)
+            at = self._strings.find(b"\0" + key + b"\0", at + 1)
+        if self._strings.startswith(key + b"\0"):
+            offs.add(0)
+        if not offs:
+            return []
+        unpack, data = _TYPE.unpack_from, self._data
+        out = []
+        for tid in range(1, len(self._offsets)):
+            name_off, info, _ = unpack(data, self._offsets[tid])
+            if name_off in offs and info >> 24 & 0x1F == kind:
+                out.append(tid)
+        return out
 
     def member_offset(self, tid: int, member: str) -> int | None:
         """Byte offset of `member` in struct/union `tid`, looking into anonymous struct/union members.

@@ -8,8 +8,9 @@
  * targets ever get an entry). Calls shorter
  * than THRESHOLD_NS are summed per (tid, syscall) in `agg`, not emitted. Every lost record is counted in
  * `drops` by reason (see gputrace.h). Build-time settings come in as -D flags from probes/ebpf.py. */
-#include <linux/sched.h>
-#include <linux/ptrace.h>
+/* Only struct pt_regs comes from the kernel's headers (asm/ptrace.h); task_struct fields are read at offsets
+ * taken from BTF (probes/btf.py). linux/sched.h would make the compile 1 s slower on every capture. */
+#include <asm/ptrace.h>
 #include "gputrace.h"
 
 #ifndef offsetof
