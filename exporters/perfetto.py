@@ -30,6 +30,7 @@ from typing import Any
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
+from gputrace.probes import uring
 from gputrace.records import (
     AgentInfo,
     BlockIO,
@@ -241,6 +242,8 @@ class _Run(Canvas):
         args.update(op=r.op, fd=r.fd, res=r.res, nbytes=r.nbytes, ring_fd=r.ring_fd, user_data=r.user_data,
                     flags=uring_flags(r.flags))
         name = f"{r.op} {size_text(r.nbytes)}" if r.nbytes else r.op
+        if r.flags & uring.UNFINISHED:
+            name += " (in flight at stop)"
         # the report names a request as syscall evidence: its thread, from its submission
         flows = self.stall_links.take(evidence_key("syscall", r.pid, r.tid, r.start_ns))
         self.slice(lane.uuid, s, e, name, _CAT["syscall"], args, flows)

@@ -75,7 +75,8 @@ def header_int(header: dict[str, Any], key: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-_URING_FLAGS = ((uring.FIXED, "fixed file"), (uring.ASYNC, "async"), (uring.SQPOLL, "sqpoll"), (uring.MORE, "more"))
+_URING_FLAGS = ((uring.FIXED, "fixed file"), (uring.ASYNC, "async"), (uring.SQPOLL, "sqpoll"), (uring.MORE, "more"),
+                (uring.UNFINISHED, "in flight at stop"), (uring.SKIP_CQE, "skip success CQE"))
 
 
 def uring_flags(flags: int) -> str:

@@ -210,7 +210,9 @@ class IoUringRequest(NamedTuple):
     request was submitted (path, peer), "" when unknown. ``nbytes``: ``res`` for ops that move bytes, else 0.
     ``ring_fd``: the io_uring_enter fd it was submitted through (-1: by the ring's SQPOLL thread).
     ``flags``: 1 a registered file, 2 IOSQE_ASYNC, 4 submitted by SQPOLL, 8 one completion of a multishot
-    request with more to come (the next one starts where it ends). ``user_data``: the program's tag.
+    request with more to come (the next one starts where it ends), 16 still in flight when the capture stopped
+    (``end_ns`` is the stop, ``res`` 0), 32 submitted with IOSQE_CQE_SKIP_SUCCESS. ``user_data``: the program's
+    tag.
     """
 
     pid: int

@@ -131,6 +131,7 @@ class EbpfSource:
         self.owner_uid = owner_uid
         self.owner = OwnerFilter(owner_uid, self.is_traced, self._remove_from_target_set)
         self._final_left_out: int | None = None
+        self._uring_unsure = 0  # in flight at stop or done without a completion: see ebpf_final.unfinished_requests
 
     # ------------------------------------------------------------------------------ lifecycle ---
 
@@ -196,7 +197,10 @@ class EbpfSource:
         now = clock.monotonic_ns()
         slots = [v for _, v in self._bpf[b"inflight"].items_lookup_batch()]
         offcpu = {k.value: v for k, v in self._bpf[b"offcpu"].items()}
-        waiting = final.unfinished(slots, offcpu, self.live_targets(), self._since, now, self.threshold_ns)
+        live = self.live_targets()
+        waiting = final.unfinished(slots, offcpu, live, self._since, now, self.threshold_ns)
+        requests, self._uring_unsure = final.unfinished_requests(self._uring_entries(), live, now, self.threshold_ns)
+        waiting += requests
         if waiting:
             self._sink.emit_kernel(b"".join(waiting), len(waiting))
         aggs = final.aggregates(self._bpf[b"agg"].items(), slots, {**uring.agg_names(), **self._nr_names})
@@ -211,8 +215,19 @@ class EbpfSource:
         _quiet(bpf)  # the programs go quiet at once; unhooking them takes a while
         unload_in_background(bpf)
 
+    def _uring_entries(self) -> list[Any]:
+        """The io_uring requests the kernel side holds as in flight (none where it has no io_uring programs)."""
+        try:
+            table = self._bpf[b"uring"]
+        except KeyError:
+            return []
+        return [v for _, v in table.items()]
+
     def _final_status(self, now: int) -> SourceStatus:
         detail = f"{self.events} kernel events"
+        if self._uring_unsure:
+            detail += (f"; {self._uring_unsure} io_uring requests submitted with IOSQE_CQE_SKIP_SUCCESS had posted no "
+                       "completion at stop: done or still in flight, the kernel does not say, so they are left out")
         if self._final_left_out:
             detail += f"; {self._final_left_out} processes left out: {LEFT_OUT_WHY}"
         if self._on_proc_errors:

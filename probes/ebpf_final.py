@@ -1,12 +1,13 @@
-"""What the eBPF source's kernel maps still hold when a capture stops: short-call totals and the threads
-caught waiting. Each function takes the maps' contents (bcc leaves) and returns what goes into the capture."""
+"""What the eBPF source's kernel maps still hold when a capture stops: short-call totals, the threads
+caught waiting and the io_uring requests still in flight. Each function takes the maps' contents (bcc
+leaves) and returns what goes into the capture."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from gputrace.probes import events, procfs
+from gputrace.probes import events, procfs, uring
 from gputrace.records import SyscallAgg
 
 
@@ -53,3 +54,22 @@ def aggregates(agg: Iterable[tuple[Any, Any]], slots: list[Any], names: dict[int
             t[1] += v.agg_ns
     return [SyscallAgg(pid, tid, names.get(nr, f"syscall_{nr}"), n, ns)
             for (pid, tid, nr), (n, ns) in sorted(totals.items())]  # fmt: skip
+
+
+def unfinished_requests(entries: Iterable[Any], pids: set[int], now: int, threshold_ns: int) -> tuple[list[bytes], int]:
+    """io_uring requests of live traced processes still in flight at stop (the ``uring`` map's leaves), as
+    EV_URING events ending at ``now``, flagged UNFINISHED, with res 0; those in flight less than the threshold
+    are left out, as their completion would have been. The second value counts the requests submitted with
+    IOSQE_CQE_SKIP_SUCCESS that are left out too: a successful one posts no completion, so its entry stays
+    whether it is done or not."""
+    out, unsure = [], 0
+    for v in entries:
+        if v.pid not in pids or now - v.ts < threshold_ns or v.ts > now:
+            continue
+        if v.flags & uring.SKIP_CQE:
+            unsure += 1
+            continue
+        out.append(events.URING.pack(events.EV_URING, v.opcode, v.pid, v.tid, v.ts, now, v.fd, 0, v.ring_fd,
+                                     v.flags | uring.UNFINISHED, v.user_data, 0, 0))  # fmt: skip
+    out.sort(key=lambda b: events.URING.unpack(b)[4])
+    return out, unsure

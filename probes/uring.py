@@ -23,7 +23,7 @@ WRITES = frozenset({"WRITEV", "WRITE_FIXED", "WRITE", "WRITEV_FIXED", "FSYNC", "
 AGG_NR = 0x10000  # the `agg` map's "syscall number" of short requests: this | opcode (GT_URING_AGG_NR)
 
 # gt_uring_event.flags (GT_URING_*)
-FIXED, ASYNC, SQPOLL, MORE = 0x1, 0x2, 0x4, 0x8
+FIXED, ASYNC, SQPOLL, MORE, UNFINISHED, SKIP_CQE = 0x1, 0x2, 0x4, 0x8, 0x10, 0x20
 
 
 def uring_op(opcode: int) -> str:

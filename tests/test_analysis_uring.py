@@ -10,6 +10,7 @@ from test_analysis import PATH, TRAINER, WORKER, only_stall, run, trainer, worke
 
 from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import CaptureWriter, host_header, open_capture
+from gputrace.probes import uring
 
 RING, FILE_FD = 4, 5
 WRK = TRAINER + 5  # the trainer's io-wq worker thread
@@ -120,7 +121,8 @@ def test_hostile_request_records_are_counted_and_skipped(tmp_path: Path) -> None
         [*row[:2], 22, *row[3:]],  # an op that is not a name
     ])  # fmt: skip
     huge = (1 << 63) - 1  # the most msgpack holds
-    w.write_rows("IoUringRequest", [[*row[:5], -huge, -1, "/data/huge.bin", huge, RING, -1, 999, "x"]])
+    # every flag bit but "in flight at stop" (such a request completed nothing a wait could end on)
+    w.write_rows("IoUringRequest", [[*row[:5], -huge, -1, "/data/huge.bin", huge, RING, ~uring.UNFINISHED, 999, "x"]])
     bad = w.close({"end_ns": ns(60), "drops": {}})
     with open_capture(bad) as reader:
         from gputrace.analysis import analyze

@@ -5,22 +5,27 @@ an io_uring_enter syscall record; the requests show in Perfetto on the submittin
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from workloads import uring_reader
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
+from gputrace.analysis import analyze, summary_lines
 from gputrace.capture import open_capture
 from gputrace.exporters.perfetto import PerfettoExporter
 from gputrace.exporters.perfetto_check import check_trace
-from gputrace.probes import uring
+from gputrace.probes import ebpf_final as final
+from gputrace.probes import events, uring
 from gputrace.probes.ebpf_host import uring_supported
-from gputrace.records import BlockIO, Drops, IoUringRequest, OffCpu, Syscall, SyscallAgg
+from gputrace.records import BlockIO, Drops, InProgress, IoUringRequest, OffCpu, Syscall, SyscallAgg
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SIZE, CHUNK, DEPTH = (3 << 20) + 4096, 1 << 20, 2
@@ -172,3 +177,72 @@ def test_a_full_request_map_is_counted(lib: Path, tmp_path: Path, monkeypatch: p
     recorded = [r for r in of(records, IoUringRequest) if r.pid == reader.pid]
     lost = {d.what: d.count for d in of(records, Drops) if d.source == "ebpf"}["uring"]
     assert n == 64 << 10 and lost > 0 and len(recorded) + lost == made, (len(recorded), lost, made)
+
+
+def test_a_request_in_flight_at_stop_names_what_the_waiting_thread_waits_for(lib: Path, tmp_path: Path) -> None:
+    """A reader stuck in io_uring_enter on a read of a FIFO nobody writes, when the capture stops: the request
+    still in flight is recorded up to the stop (flagged, result 0) with the FIFO's path, the report's thread
+    caught waiting names it, and Perfetto draws it."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # the reader's open does not block; its read does
+    reader = Reader(lib)
+    try:
+        out = tmp_path / "f.gputrace"
+        with ebpf_capture(out, [reader.pid], threshold_ns=100_000):
+            assert reader.proc.stdin is not None
+            reader.proc.stdin.write(f"{fifo} 4096 1 0\n")
+            reader.proc.stdin.flush()
+            time.sleep(0.4)
+            stopped = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        os.write(writer, b"z" * 10)
+        os.close(writer)  # the read completes with 10 bytes, the next one with EOF
+        word, tid, _fd, n, _made = reader._line()
+        assert (word, int(n)) == ("read", 10)
+    finally:
+        reader.close()
+    records, _ = read_capture(out)
+    mine = [r for r in of(records, IoUringRequest) if r.pid == reader.pid]
+    assert len(mine) == 1, mine
+    req = mine[0]
+    waiting = {w.tid: w for w in of(records, InProgress)}[int(tid)]
+    assert waiting.name == "io_uring_enter" and waiting.state == "S"
+    assert (req.op, req.obj, req.res, req.nbytes, req.tid, req.ring_fd) == ("READ", str(fifo), 0, 0, int(tid),
+                                                                            reader.ring)  # fmt: skip
+    assert req.flags & uring.UNFINISHED and req.end_ns == waiting.at_ns >= stopped
+    assert waiting.start_ns <= req.start_ns and req.end_ns - req.start_ns >= 300_000_000
+    with open_capture(out) as cap:
+        report = analyze(cap)
+        PerfettoExporter(tmp_path / "f.pftrace").write(cap)
+    row = next(r for r in report["capture"]["in_progress"] if r["tid"] == int(tid))
+    assert row["requests_in_flight"] == 1 and row["requests"][0]["object"] == str(fifo)
+    text = "\n".join(summary_lines(report))
+    assert f"in flight: io_uring read({fifo}) for" in text, text
+    trace = check_trace(tmp_path / "f.pftrace")
+    assert not trace.problems, trace.problems[:5]
+    slices = [s for s in trace.all_slices() if trace.track_of(s).name.startswith("io_uring")]
+    assert [(s.name, s.args["flags"]) for s in slices] == [("READ (in flight at stop)", "in flight at stop")]
+
+
+class _Leaf(NamedTuple):
+    ts: int
+    pid: int
+    tid: int
+    fd: int
+    ring_fd: int
+    opcode: int
+    flags: int
+    user_data: int
+
+
+def test_requests_that_may_be_done_without_a_completion_are_counted_not_written() -> None:
+    """An entry of a request submitted with IOSQE_CQE_SKIP_SUCCESS may be long done: it is counted, never
+    written as in flight; nor are entries of processes no longer traced, or shorter than the threshold."""
+    now = 10_000_000
+    leaves = [_Leaf(1_000, 7, 8, 3, 4, 22, 0, 1), _Leaf(2_000, 7, 8, 3, 4, 22, uring.SKIP_CQE, 2),
+              _Leaf(3_000, 9, 9, 3, 4, 22, 0, 3), _Leaf(now - 50, 7, 8, 3, 4, 22, 0, 4)]  # fmt: skip
+    out, unsure = final.unfinished_requests(leaves, {7}, now, 100_000)
+    assert unsure == 1 and len(out) == 1
+    f = events.URING.unpack(out[0])
+    assert (f[0], f[1], f[2], f[4], f[5], f[7], f[9], f[10]) == (events.EV_URING, 22, 7, 1_000, now, 0,
+                                                                 uring.UNFINISHED, 1)  # fmt: skip

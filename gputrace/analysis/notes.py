@@ -53,7 +53,14 @@ def waiting_text(w: dict[str, Any]) -> str:
     what = f"{w['op']}({w['object']})" if w["object"] else w["op"]
     since = "more than " if w["since_before_capture"] else ""
     state = f", state {w['state']}" if w["state"] else ""
-    return f"pid {w['pid']} tid {w['tid']} ({w['comm']}): {what} for {since}{fmt_ms(w['duration_ns'])}{state}"
+    text = f"pid {w['pid']} tid {w['tid']} ({w['comm']}): {what} for {since}{fmt_ms(w['duration_ns'])}{state}"
+    requests = w.get("requests") or []
+    if requests:  # io_uring_enter: the requests still in flight, the oldest named
+        q = requests[0]
+        more = w.get("requests_in_flight", len(requests)) - 1
+        named = f"{q['op'].lower()}({q['object']})" if q["object"] else q["op"].lower()
+        text += f"; in flight: io_uring {named} for {fmt_ms(q['duration_ns'])}" + (f" (+{more} more)" if more else "")
+    return text
 
 
 def left_out_note(cap: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gputrace.analysis import uring
 from gputrace.analysis.attribute import Attributor
 from gputrace.analysis.load import Capture
 from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
@@ -105,14 +106,24 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
 
 
 MAX_IN_PROGRESS = 20
+MAX_REQUESTS = 5  # io_uring requests listed for each thread caught in io_uring_enter
 
 
 def in_progress(cap: Capture) -> list[dict[str, Any]]:
     """Threads caught waiting when the capture stopped, longest first: what a hung job is stuck in."""
     rows = sorted(cap.in_progress, key=lambda r: (r.start_ns - r.at_ns, r.tid))[:MAX_IN_PROGRESS]
-    return [{"pid": r.pid, "tid": r.tid, "comm": cap.comm(r.tid) or cap.comm(r.pid), "op": r.name or "off-CPU",
-             "object": r.obj, "state": r.state, "start_ns": r.start_ns, "duration_ns": r.at_ns - r.start_ns,
-             "since_before_capture": bool(r.before)} for r in rows]
+    out = []
+    for r in rows:
+        row = {"pid": r.pid, "tid": r.tid, "comm": cap.comm(r.tid) or cap.comm(r.pid), "op": r.name or "off-CPU",
+               "object": r.obj, "state": r.state, "start_ns": r.start_ns, "duration_ns": r.at_ns - r.start_ns,
+               "since_before_capture": bool(r.before)}
+        requests = uring.in_flight(cap.uring.get(r.pid), r.pid, r.tid) if r.name == uring.ENTER else []
+        if requests:  # what its io_uring_enter was waiting for
+            row["requests_in_flight"] = len(requests)
+            row["requests"] = [{"op": q.op, "object": q.obj, "fd": q.fd, "start_ns": q.start_ns,
+                                "duration_ns": q.end_ns - q.start_ns} for q in requests[:MAX_REQUESTS]]
+        out.append(row)
+    return out
 
 
 def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:

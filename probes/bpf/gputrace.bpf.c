@@ -1211,13 +1211,15 @@ TRACEPOINT_PROBE(block, block_rq_complete)
  * work, an io-wq worker, an interrupt. `uring` keeps each request in flight by the kernel's request pointer;
  * its completion emits one event (at least THRESHOLD_NS long; shorter ones are summed in `agg` per thread and
  * opcode) and forgets it. A request whose completion is never seen (IOSQE_CQE_SKIP_SUCCESS, a skipped
- * program run) stays until its pointer is reused: the ring and user_data are checked at completion. */
+ * program run) stays until its pointer is reused: the ring and user_data are checked at completion. What the
+ * map holds at stop is read as the requests still in flight (probes/ebpf_final.py). */
 #ifdef HAVE_IO_URING
 #ifndef MAX_URING
 #define MAX_URING 16384
 #endif
 #define GT_REQ_F_FIXED_FILE 0x1   /* req->flags (low bits are the IOSQE_* flags): IOSQE_FIXED_FILE */
 #define GT_REQ_F_FORCE_ASYNC 0x10 /* IOSQE_ASYNC */
+#define GT_REQ_F_CQE_SKIP 0x40    /* IOSQE_CQE_SKIP_SUCCESS */
 #define GT_CQE_F_MORE 0x2         /* IORING_CQE_F_MORE: a multishot request goes on */
 #define GT_URING_AGG_NR 0x10000   /* agg key nr of short requests: this | opcode (syscall numbers are below) */
 BPF_HASH(uring, u64, struct gt_uring_val, MAX_URING);
@@ -1239,7 +1241,7 @@ TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
     v.ring_fd = args->sq_thread ? -1 : uring_ring_fd(v.tid);
     v.opcode = args->opcode;
     v.flags = ((flags & GT_REQ_F_FIXED_FILE) ? GT_URING_FIXED : 0) | ((flags & GT_REQ_F_FORCE_ASYNC) ? GT_URING_ASYNC : 0) |
-              (args->sq_thread ? GT_URING_SQPOLL : 0);
+              (args->sq_thread ? GT_URING_SQPOLL : 0) | ((flags & GT_REQ_F_CQE_SKIP) ? GT_URING_SKIP_CQE : 0);
     if (uring.update(&req, &v))
         count_drop(GT_DROP_URING);
     return 0;

@@ -181,6 +181,10 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
 #define GT_URING_SQPOLL 0x4 /* submitted by the ring's SQPOLL thread */
 #define GT_URING_MORE 0x8   /* a multishot request's completion with more to come (IORING_CQE_F_MORE): the next
                              * one's start_ns is this one's end_ns */
+#define GT_URING_UNFINISHED 0x10 /* set by user space only: still in flight when the capture stopped (end_ns: the
+                                  * stop; res 0), read from the `uring` map */
+#define GT_URING_SKIP_CQE 0x20   /* IOSQE_CQE_SKIP_SUCCESS: a successful completion posts no CQE, and so fires no
+                                  * io_uring_complete; its entry stays in `uring` done or not */
 
 /* One io_uring request of a traced process, from its submission to its completion (the CQE posted), emitted
  * at completion in whatever context that runs (the submitter, an io-wq worker, an interrupt). */
