@@ -9,7 +9,6 @@ import functools
 import os
 import platform
 import re
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -154,20 +153,27 @@ RAW_SCHED_ONLY: tuple[tuple[str, str, str], ...] = (
 RAW_PURPOSE = "every traced syscall, one raw tracepoint program pair (reads, opens, writes, waits, network)"
 
 
+KALLSYMS = Path("/proc/kallsyms")
+# What the kernel calls to find a raw tracepoint by name (4.17+; renamed in 5.x): one of them is there when
+# BPF_RAW_TRACEPOINT_OPEN is.
+_RAW_TP_SYMBOLS = re.compile(rb"^\S+ \S (?:bpf_find_raw_tracepoint|bpf_get_raw_tracepoint)\s", re.M)
+
+
 @functools.cache
 def raw_syscalls_supported() -> bool:
     """Whether the syscall programs can use the raw tracepoints sys_enter / sys_exit here: they read the
-    arguments from x86_64's pt_regs, and the kernel must support BPF raw tracepoints (bcc asks kallsyms,
-    a fifth of a second: asked once a process)."""
+    arguments from x86_64's pt_regs, and the kernel must support BPF raw tracepoints. Asked of kallsyms by
+    name: the names are listed to any reader, the addresses only with CAP_SYSLOG, which gputraced drops
+    (bcc's own check looks for an address, and so failed there). Asked once a process."""
     if platform.machine() != "x86_64":
         return False
-    try:
-        from bcc import BPF
+    return kernel_has_raw_tracepoints()
 
-        with warnings.catch_warnings():  # bcc 0.26 passes str symbol names to its own lookup
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return bool(BPF.support_raw_tracepoint())
-    except Exception:  # noqa: BLE001 - no bcc: the classic tracepoints are what doctor should check
+
+def kernel_has_raw_tracepoints(kallsyms: Path = KALLSYMS) -> bool:
+    try:
+        return _RAW_TP_SYMBOLS.search(kallsyms.read_bytes()) is not None
+    except OSError:
         return False
 
 

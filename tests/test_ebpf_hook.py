@@ -168,3 +168,19 @@ def test_sched_hook_choice() -> None:
     assert ebpf_hooks.choose("sched", "classic") == ("classic", "")
     with pytest.raises(UserError, match="unknown sched hook 'fentry'"):
         EbpfSource([1], sched_hook="fentry")
+
+
+def test_raw_tracepoint_support_is_read_from_kallsyms_names_not_addresses(tmp_path: Path) -> None:
+    """A process without CAP_SYSLOG (gputraced after it drops capabilities) reads kallsyms with every address
+    0: the kernel's support for raw tracepoints is still seen from the names. This kernel lists them."""
+    from gputrace.probes.syscalls import KALLSYMS, kernel_has_raw_tracepoints
+
+    assert kernel_has_raw_tracepoints(KALLSYMS)
+    hidden = tmp_path / "kallsyms"
+    lines = [f"{'0' * 16} {line.split(' ', 1)[1]}" for line in KALLSYMS.read_text().splitlines() if " " in line]
+    hidden.write_text("\n".join(lines) + "\n")
+    assert kernel_has_raw_tracepoints(hidden)
+    older = tmp_path / "older"  # a kernel without BPF raw tracepoints (before 4.17)
+    older.write_text("".join(line + "\n" for line in lines if "_raw_tracepoint" not in line))
+    assert not kernel_has_raw_tracepoints(older)
+    assert not kernel_has_raw_tracepoints(tmp_path / "absent")
