@@ -122,8 +122,10 @@ def test_root_captures_a_child_through_the_client(svc: Svc) -> None:
     assert "ProcInfo" in {type(rec).__name__ for rec in records}
     assert not list((svc.state / ".staging").iterdir()), "staging left behind"
     # the service runs without CAP_SYSLOG (kallsyms shows it no addresses) and still takes the raw tracepoints
-    started = [r.detail for r in records if isinstance(r, SourceStatus) and r.source == "ebpf" and r.status == "started"]
-    assert started and started[0].startswith("syscalls via raw tracepoints sys_enter/sys_exit; scheduler via raw"), started
+    started = [r.detail for r in records
+               if isinstance(r, SourceStatus) and r.source == "ebpf" and r.status == "started"]
+    raw = "syscalls via raw tracepoints sys_enter/sys_exit; scheduler via raw"
+    assert started and started[0].startswith(raw), started
 
 
 def test_user_captures_own_process_into_own_directory(svc: Svc) -> None:
