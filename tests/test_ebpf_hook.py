@@ -4,6 +4,7 @@ the offset BTF gives, or the classic tracepoints' fields). Both kinds record the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -184,3 +185,29 @@ def test_raw_tracepoint_support_is_read_from_kallsyms_names_not_addresses(tmp_pa
     older.write_text("".join(line + "\n" for line in lines if "_raw_tracepoint" not in line))
     assert not kernel_has_raw_tracepoints(older)
     assert not kernel_has_raw_tracepoints(tmp_path / "absent")
+
+
+DUMP = """
+import hashlib, json, sys, warnings
+warnings.simplefilter("ignore")
+import bcc
+from bcc.libbcc import lib
+from gputrace.probes import ebpf_build
+bcc.BPF._trace_autoload = lambda self: None  # compiled, never attached
+b = ebpf_build.compile_program(bcc, ebpf_build.cflags(100000, 64, "raw", "raw", None))
+names = [lib.bpf_function_name(b.module, i) for i in range(lib.bpf_num_functions(b.module))]
+print(json.dumps({n.decode(): hashlib.sha1(b.dump_func(n)).hexdigest() for n in names}))
+"""
+
+
+def test_the_service_without_cap_syslog_compiles_the_same_program_as_root() -> None:
+    """gputraced drops CAP_SYSLOG, and kallsyms then shows it no addresses, so bcc would swap the read helpers for
+    the legacy bpf_probe_read: the program calls them by names of its own, and every instruction is the same."""
+    def dump(*prefix: str) -> dict[str, str]:
+        r = subprocess.run([*prefix, sys.executable, "-c", DUMP], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    as_root = dump()
+    without = dump("setpriv", "--inh-caps=-syslog", "--bounding-set=-syslog")
+    assert len(as_root) >= 15 and without == as_root

@@ -169,7 +169,7 @@ static __always_inline u32 lowest_bit(u64 w)
 static __always_inline u64 fdset_word(u64 set, u32 nfds, u32 i)
 {
     u64 w = 0;
-    if (!set || bpf_probe_read_user(&w, sizeof(w), (void *)set + i * 8))
+    if (!set || gt_read_user(&w, sizeof(w), (void *)set + i * 8))
         return 0;
     u32 left = nfds - i * 64;
     return left >= 64 ? w : w & ((1ULL << left) - 1);
@@ -269,7 +269,7 @@ int gt_sys_enter(struct bpf_raw_tracepoint_args *ctx)
         return 0;
     u64 r[GT_REG_CS + 1] = {};
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
-    bpf_probe_read_kernel(r, sizeof(r), (void *)regs + offsetof(struct pt_regs, r10));
+    gt_read_kernel(r, sizeof(r), (void *)regs + offsetof(struct pt_regs, r10));
     if (r[GT_REG_CS] == GT_USER32_CS)
         return 0;
     struct gt_inflight *v = sys_enter_slot(id, nr);
@@ -289,7 +289,7 @@ static __always_inline u32 exit_nr(struct bpf_raw_tracepoint_args *ctx)
 {
     u64 nr = (u64)-1;
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
-    bpf_probe_read_kernel(&nr, sizeof(nr), (void *)regs + offsetof(struct pt_regs, orig_ax));
+    gt_read_kernel(&nr, sizeof(nr), (void *)regs + offsetof(struct pt_regs, orig_ax));
     return (u32)nr;
 }
 #define GT_EXIT_CTX struct bpf_raw_tracepoint_args
@@ -320,7 +320,7 @@ int gt_sys_enter(struct gt_sys_enter_args *ctx)
         return 0;
     /* Copied, not loaded from ctx: a direct load past a call's last argument would make the kernel
      * refuse to attach the shared program to tracepoints with fewer arguments. Extra slots hold junk. */
-    bpf_probe_read_kernel(v->args, sizeof(v->args), ctx->args);
+    gt_read_kernel(v->args, sizeof(v->args), ctx->args);
     u32 nr = (u32)ctx->nr;
     struct gt_sysinfo *si = sysinfo.lookup(&nr);
     if (si && (si->flags & GT_F_SELECTFD))
@@ -380,12 +380,12 @@ static __always_inline s32 poll_fd(struct gt_inflight *c, s64 ret)
     struct gt_pollfd p = {};
     u64 n = c->args[1];
     if (n == 1)
-        return bpf_probe_read_user(&p, sizeof(p), (void *)c->args[0]) ? -1 : p.fd;
+        return gt_read_user(&p, sizeof(p), (void *)c->args[0]) ? -1 : p.fd;
     if (ret <= 0)
         return -1;
 #pragma unroll
     for (int i = 0; i < GT_POLL_SCAN; i++) {
-        if (i >= n || bpf_probe_read_user(&p, sizeof(p), (void *)c->args[0] + i * sizeof(p)))
+        if (i >= n || gt_read_user(&p, sizeof(p), (void *)c->args[0] + i * sizeof(p)))
             return -1;
         if (p.revents && p.fd >= 0)
             return p.fd;
@@ -408,7 +408,7 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
     e->arg = c->args[si->arg_idx & 3];
     if (si->flags & GT_F_TIMESPEC) {
         s64 ts[2] = {};
-        if (e->arg && bpf_probe_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
+        if (e->arg && gt_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
             e->arg = ts[0] * 1000000000ULL + ts[1];
     }
     if (si->flags & GT_F_POLLFD)
@@ -422,7 +422,7 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
          * pointer): the reader maps it to the fd registered with it (epoll_ctl events, /proc fdinfo). */
         e->a0 = (u32)c->args[0];
         e->a1 = 0;
-        if (ret > 0 && bpf_probe_read_user(&e->a1, sizeof(e->a1), (void *)c->args[1] + GT_EPOLL_DATA_OFF) == 0)
+        if (ret > 0 && gt_read_user(&e->a1, sizeof(e->a1), (void *)c->args[1] + GT_EPOLL_DATA_OFF) == 0)
             e->a0 |= GT_EPOLL_DATA_OK;
     }
     if (si->flags & GT_F_EPOLLCTL) {
@@ -431,12 +431,12 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
         e->a1 = 0;
         e->arg = (u32)c->args[2] | ((u64)op << 32);
         if (op != GT_EPOLL_CTL_DEL && c->args[3] &&
-            bpf_probe_read_user(&e->a1, sizeof(e->a1), (void *)c->args[3] + GT_EPOLL_DATA_OFF) == 0)
+            gt_read_user(&e->a1, sizeof(e->a1), (void *)c->args[3] + GT_EPOLL_DATA_OFF) == 0)
             e->a0 |= GT_EPOLL_DATA_OK;
     }
     if ((si->flags & GT_F_PIPE) && ret == 0) {
         int fds[2] = {-1, -1};
-        bpf_probe_read_user(fds, sizeof(fds), (void *)c->args[0]);
+        gt_read_user(fds, sizeof(fds), (void *)c->args[0]);
         e->a0 = (u64)(s64)fds[0];
         e->a1 = (u64)(s64)fds[1];
     }
@@ -451,7 +451,7 @@ static __always_inline void read_sockaddr(struct gt_path_event *e, const void *a
     /* Keep the compiler from folding the clamp away; the mask is the bound the verifier sees. */
     asm volatile("" : "+r"(len));
     u64 n = len & (GT_DATA_LEN - 1);
-    if (n && bpf_probe_read_user(e->data, n, addr) == 0)
+    if (n && gt_read_user(e->data, n, addr) == 0)
         e->len = n;
 }
 
@@ -468,13 +468,13 @@ static __always_inline void emit_path(struct gt_inflight *c, u64 id, u64 now, s6
     e->data[0] = 0;
     if (si->flags & GT_F_PATH) {
         void *path = (void *)((si->flags & GT_F_PATH0) ? c->args[0] : c->args[1]);
-        int n = bpf_probe_read_user_str(e->data, sizeof(e->data), path);
+        int n = gt_read_user_str(e->data, sizeof(e->data), path);
         e->len = n > 0 ? n - 1 : 0;
     } else if (si->flags & GT_F_SOCKADDR) {
         read_sockaddr(e, (void *)c->args[1], (u32)c->args[2]);
     } else if ((si->flags & GT_F_SOCKADDR_PLEN) && ret >= 0 && c->args[2]) {
         u32 len = 0;
-        bpf_probe_read_user(&len, sizeof(len), (void *)c->args[2]);
+        gt_read_user(&len, sizeof(len), (void *)c->args[2]);
         read_sockaddr(e, (void *)c->args[1], len);
     }
     events.ringbuf_submit(e, 0);
@@ -513,12 +513,12 @@ struct gt_cmsghdr {
 static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
 {
     u64 ctl[2] = {}; /* msg_control, msg_controllen */
-    if (!c->args[1] || bpf_probe_read_user(ctl, sizeof(ctl), (void *)c->args[1] + GT_MSG_CONTROL_OFF))
+    if (!c->args[1] || gt_read_user(ctl, sizeof(ctl), (void *)c->args[1] + GT_MSG_CONTROL_OFF))
         return;
     if (!ctl[0] || ctl[1] < GT_CMSG_HDR_LEN + sizeof(s32))
         return;
     struct gt_cmsghdr h = {};
-    if (bpf_probe_read_user(&h, sizeof(h), (void *)ctl[0]) || h.level != GT_SOL_SOCKET || h.type != GT_SCM_RIGHTS)
+    if (gt_read_user(&h, sizeof(h), (void *)ctl[0]) || h.level != GT_SOL_SOCKET || h.type != GT_SCM_RIGHTS)
         return;
     if (h.len > ctl[1])
         h.len = ctl[1];
@@ -538,7 +538,7 @@ static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
     const s32 *src = (const s32 *)(ctl[0] + GT_CMSG_HDR_LEN);
 #pragma unroll
     for (int i = 0; i < GT_FDRECV_MAX; i++) {
-        if (i >= n || bpf_probe_read_user(&e->fds[i], sizeof(s32), src + i))
+        if (i >= n || gt_read_user(&e->fds[i], sizeof(s32), src + i))
             break;
         e->count = i + 1;
     }
@@ -664,7 +664,7 @@ TRACEPOINT_PROBE(task, task_newtask)
     ev.ts = bpf_ktime_get_ns();
     ev.child_tid = args->pid;
     ev.child_pid = ev.flags ? ptgid : (u32)args->pid;
-    bpf_probe_read_kernel(ev.comm, sizeof(ev.comm), args->comm);
+    gt_read_kernel(ev.comm, sizeof(ev.comm), args->comm);
     if (!ev.flags) {
         if (add_target(ev.child_pid))
             count_drop(GT_DROP_TARGETS);
@@ -778,9 +778,9 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 static __always_inline void user_regs(u64 *ip, u64 *sp, u64 *entry)
 {
     struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
-    bpf_probe_read_kernel(ip, sizeof(*ip), &PT_REGS_IP(regs));
-    bpf_probe_read_kernel(sp, sizeof(*sp), &PT_REGS_SP(regs));
-    bpf_probe_read_kernel(entry, sizeof(*entry), &regs->orig_ax);
+    gt_read_kernel(ip, sizeof(*ip), &PT_REGS_IP(regs));
+    gt_read_kernel(sp, sizeof(*sp), &PT_REGS_SP(regs));
+    gt_read_kernel(entry, sizeof(*entry), &regs->orig_ax);
 }
 
 TRACEPOINT_PROBE(filemap, mm_filemap_fault)
@@ -881,7 +881,7 @@ static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now
 static __always_inline u32 gt_task_tid(u64 task)
 {
     u32 pid = 0;
-    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)task + GT_TASK_PID_OFF);
+    gt_read_kernel(&pid, sizeof(pid), (void *)task + GT_TASK_PID_OFF);
     return pid;
 }
 /* The raw prev_state is the task's __state; the classic tracepoint reports it as one TASK_REPORT bit
@@ -1085,7 +1085,7 @@ BPF_TABLE("lru_hash", u32, struct gt_waker, early_wake, 4096);
 static __always_inline u32 gt_task_tgid(u64 task)
 {
     u32 tgid = 0;
-    bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)task + GT_TASK_TGID_OFF);
+    gt_read_kernel(&tgid, sizeof(tgid), (void *)task + GT_TASK_TGID_OFF);
     return tgid;
 }
 #endif
@@ -1146,7 +1146,7 @@ static __always_inline int block_submit(u32 dev, u64 sector)
         /* A non-root owner sees requests of other submitters only from kernel threads (the workers that
          * dispatch held-back I/O) or its own processes: not those of a process it may not trace. */
         u64 task = bpf_get_current_task(), mm = 0;
-        if (bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + GT_TASK_MM_OFF) || (mm && gt_task_foreign(task)))
+        if (gt_read_kernel(&mm, sizeof(mm), (void *)task + GT_TASK_MM_OFF) || (mm && gt_task_foreign(task)))
             return 0;
 #endif
     }
@@ -1192,7 +1192,7 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         e->complete_ns = bpf_ktime_get_ns();
         e->nbytes = args->nr_sector << 9;
         e->error = args->error;
-        bpf_probe_read_kernel(e->rwbs, sizeof(e->rwbs), args->rwbs);
+        gt_read_kernel(e->rwbs, sizeof(e->rwbs), args->rwbs);
         e->rwbs[7] = 0;
         __builtin_memcpy(e->comm, v->comm, sizeof(e->comm));
         events.ringbuf_submit(e, 0);

@@ -5,6 +5,15 @@
 #ifndef GPUTRACE_H
 #define GPUTRACE_H
 
+/* The read helpers, called by number. bcc swaps bpf_probe_read_kernel/_user for the legacy bpf_probe_read when
+ * kallsyms shows it no address for them, as it does to gputraced once that has dropped CAP_SYSLOG; names of our
+ * own are out of its reach, so the service loads the same program as `gputrace capture` as root. (The legacy
+ * helper reads the same on x86_64 and is missing where address spaces overlap.) All are there on 5.8+, which
+ * the ring buffers need anyway. */
+static int (*gt_read_kernel)(void *dst, __u32 size, const void *src) = (void *)BPF_FUNC_probe_read_kernel;
+static int (*gt_read_user)(void *dst, __u32 size, const void *src) = (void *)BPF_FUNC_probe_read_user;
+static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *)BPF_FUNC_probe_read_user_str;
+
 #define GT_LAYOUT 5 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
                       * 5: adds GT_EV_URING; the other events are as in 1 */
 #define GT_COMM_LEN 16
@@ -336,7 +345,7 @@ struct gt_offcpu_val {
 static __always_inline u32 gt_cred_u32(u64 cred, u32 off)
 {
     u32 v = 0;
-    if (bpf_probe_read_kernel(&v, sizeof(v), (void *)cred + off))
+    if (gt_read_kernel(&v, sizeof(v), (void *)cred + off))
         return ~0U;
     return v;
 }
@@ -344,7 +353,7 @@ static __always_inline u32 gt_cred_u32(u64 cred, u32 off)
 static __always_inline int gt_task_foreign(u64 task)
 {
     u64 cred = 0, mm = 0, mmflags = 0, caps[2] = {~0ULL, ~0ULL};
-    if (bpf_probe_read_kernel(&cred, sizeof(cred), (void *)task + GT_TASK_REAL_CRED_OFF) || !cred)
+    if (gt_read_kernel(&cred, sizeof(cred), (void *)task + GT_TASK_REAL_CRED_OFF) || !cred)
         return 1;
     if (gt_cred_u32(cred, GT_CRED_UID_OFF) != GT_OWNER_UID || gt_cred_u32(cred, GT_CRED_EUID_OFF) != GT_OWNER_UID ||
         gt_cred_u32(cred, GT_CRED_SUID_OFF) != GT_OWNER_UID || gt_cred_u32(cred, GT_CRED_FSUID_OFF) != GT_OWNER_UID)
@@ -353,13 +362,13 @@ static __always_inline int gt_task_foreign(u64 task)
     if (gid == ~0U || gt_cred_u32(cred, GT_CRED_EGID_OFF) != gid || gt_cred_u32(cred, GT_CRED_SGID_OFF) != gid ||
         gt_cred_u32(cred, GT_CRED_FSGID_OFF) != gid)
         return 1;
-    bpf_probe_read_kernel(&caps[0], sizeof(caps[0]), (void *)cred + GT_CRED_CAP_PERMITTED_OFF);
-    bpf_probe_read_kernel(&caps[1], sizeof(caps[1]), (void *)cred + GT_CRED_CAP_EFFECTIVE_OFF);
+    gt_read_kernel(&caps[0], sizeof(caps[0]), (void *)cred + GT_CRED_CAP_PERMITTED_OFF);
+    gt_read_kernel(&caps[1], sizeof(caps[1]), (void *)cred + GT_CRED_CAP_EFFECTIVE_OFF);
     if (caps[0] || caps[1])
         return 1;
-    if (bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + GT_TASK_MM_OFF) || !mm)
+    if (gt_read_kernel(&mm, sizeof(mm), (void *)task + GT_TASK_MM_OFF) || !mm)
         return 1; /* no user memory (a kernel thread): nothing of the owner's */
-    if (bpf_probe_read_kernel(&mmflags, sizeof(mmflags), (void *)mm + GT_MM_FLAGS_OFF))
+    if (gt_read_kernel(&mmflags, sizeof(mmflags), (void *)mm + GT_MM_FLAGS_OFF))
         return 1;
     return (mmflags & GT_DUMPABLE_MASK) != GT_SUID_DUMP_USER;
 }
