@@ -108,7 +108,8 @@ HANDOFF = Path(__file__).parent / "workloads" / "handoff.py"  # prints the main 
 
 def _handoffs(tmp_path: Path, name: str, **options: object) -> tuple[EbpfSource, list[object], dict[str, object],
                                                                       tuple[int, int]]:
-    proc = subprocess.Popen([sys.executable, str(HANDOFF), "5", "20", "--gate"], stdin=subprocess.PIPE,
+    # 50 ms a round: a main thread that gets back on a CPU late still waits well over the 10 ms _waits counts
+    proc = subprocess.Popen([sys.executable, str(HANDOFF), "5", "50", "--gate"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     path = tmp_path / f"{name}.gputrace"
