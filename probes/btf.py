@@ -42,6 +42,7 @@ class Btf:
         self._data = data
         self._strings = data[strings_at:strings_at + str_len]
         self._offsets = self._index(types_at, types_at + type_len)
+        self._found: dict[tuple[int, str], list[int]] = {}
 
     def _index(self, pos: int, end: int) -> list[int]:
         """Where each type starts; ids count from 1 (id 0 is void)."""
@@ -72,25 +73,23 @@ class Btf:
 
     def find(self, kind: int, name: str) -> list[int]:
         """Ids of the types of `kind` called `name` (a name can repeat, e.g. a forward declaration). The name's
-        places in the string section are found first, so the scan compares numbers, not decoded names."""
-        key = name.encode()
-        if not key or b"\0" in key:
-            return []
-        offs, at = set(), self._strings.find(b"\0" + key + b"\0")
+        places in the string section are found first (offset 0 is the empty name), so the scan compares numbers,
+        not decoded names; each (kind, name) is scanned for once."""
+        if (kind, name) not in self._found:
+            self._found[(kind, name)] = self._scan(kind, name.encode())
+        return self._found[(kind, name)]
+
+    def _scan(self, kind: int, key: bytes) -> list[int]:
+        needle = b"\0" + key + b"\0"
+        offs, at = set(), self._strings.find(needle) if key and b"\0" not in key else -1
         while at >= 0:
             offs.add(at + 1)
-            at = self._strings.find(b"\0" + key + b"\0", at + 1)
-        if self._strings.startswith(key + b"\0"):
-            offs.add(0)
+            at = self._strings.find(needle, at + 1)
         if not offs:
             return []
         unpack, data = _TYPE.unpack_from, self._data
-        out = []
-        for tid in range(1, len(self._offsets)):
-            name_off, info, _ = unpack(data, self._offsets[tid])
-            if name_off in offs and info >> 24 & 0x1F == kind:
-                out.append(tid)
-        return out
+        return [tid for tid in range(1, len(self._offsets))
+                if (t := unpack(data, self._offsets[tid]))[0] in offs and t[1] >> 24 & 0x1F == kind]  # fmt: skip
 
     def member_offset(self, tid: int, member: str) -> int | None:
         """Byte offset of `member` in struct/union `tid`, looking into anonymous struct/union members.

@@ -63,7 +63,7 @@ def unfinished_requests(entries: Iterable[Any], pids: set[int], now: int, thresh
     IOSQE_CQE_SKIP_SUCCESS that are left out too: a successful one posts no completion, so its entry stays
     whether it is done or not."""
     out, unsure = [], 0
-    for v in entries:
+    for v in sorted(entries, key=lambda v: v.ts):
         if v.pid not in pids or now - v.ts < threshold_ns or v.ts > now:
             continue
         if v.flags & uring.SKIP_CQE:
@@ -71,5 +71,4 @@ def unfinished_requests(entries: Iterable[Any], pids: set[int], now: int, thresh
             continue
         out.append(events.URING.pack(events.EV_URING, v.opcode, v.pid, v.tid, v.ts, now, v.fd, 0, v.ring_fd,
                                      v.flags | uring.UNFINISHED, v.user_data, 0, 0))  # fmt: skip
-    out.sort(key=lambda b: events.URING.unpack(b)[4])
     return out, unsure
