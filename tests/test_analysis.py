@@ -11,6 +11,7 @@ from gputrace.analysis import analyze, summary_lines
 from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
 from gputrace.exporters.perfetto_args import stall_args
+from gputrace.records import CudaApi
 from gputrace.viewer.terminal import describe
 
 TRAINER, WORKER, WORKER2 = 100, 200, 300
@@ -123,6 +124,100 @@ def test_wakeup_chain_across_two_processes(tmp_path: Path) -> None:
     s = only_stall(run(b, tmp_path))
     assert s["cause"] == "storage" and s["culprit"]["pid"] == WORKER2 and s["culprit"]["object"] == "/data/b.bin"
     assert s["via"] == [f"wait:pid {WORKER}", f"wait:pid {WORKER2}"]
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_a_delivery_set_aside_is_not_what_the_wait_was_for(tmp_path: Path, used: bool) -> None:
+    """PyTorch's DataLoader with a slow worker among fast ones: while the trainer waits for the slow worker's
+    batch, a fast worker's later batch arrives first on the shared queue; the trainer fetches its tensors'
+    fds from that worker (a wait its busy worker answers late) and sets it aside, then waits on the queue
+    again. Its waits on the queue are one wait, for the slow worker's batch: the stall is the slow worker's
+    read, the early batch's fds included. Had the trainer used that batch (a launch before it waited on the
+    queue again), the fds were what it waited for then: the fast worker keeps that part."""
+    fast, sharer, feeder, slow = WORKER, WORKER + 1, WORKER + 2, WORKER2
+    b = trainer()
+    b.proc(fast, "pt_data_worker", TRAINER).thread(fast, sharer, "pt_data_worker")
+    b.thread(fast, feeder, "QueueFeederThr")
+    b.syscall(TRAINER, TRAINER, "poll", 5.0, 8.0, "pipe:[77]", fd=6, arg=1)  # the fast batch comes first
+    b.offcpu(TRAINER, TRAINER, 5.0, 7.95, "S", 7.9, (fast, feeder, "QueueFeederThr"))
+    b.syscall(TRAINER, TRAINER, "read", 8.2, 28.0, "unix:/tmp/pymp-x/listener-y", fd=9)  # its fds, slowly
+    b.offcpu(TRAINER, TRAINER, 8.2, 27.9, "S", 27.8, (fast, sharer, "pt_data_worker"))
+    if used:
+        b.records.append(CudaApi(TRAINER, TRAINER, "cudaMemcpyAsync", ns(28.2), ns(28.3), 999, "runtime", 0))
+    b.syscall(TRAINER, TRAINER, "poll", 28.5, 39.9, "pipe:[77]", fd=6, arg=1)  # the queue again
+    b.offcpu(TRAINER, TRAINER, 28.5, 39.85, "S", 39.8, (slow, slow, "pt_data_worker"))
+    worker_reads(b, slow, start=5.0, end=39.6)
+    s = only_stall(run(b, tmp_path))
+    by = {(p["cause"], p["pid"]): p["ns"] for p in s["breakdown"]}
+    if used:
+        assert s["cause"] == "cpu" and s["culprit"]["pid"] == fast, s
+        assert by[("cpu", fast)] >= ns(27.8) - ns(10) and by[("storage", slow)] >= ns(39.5) - ns(28.5), by
+        return
+    assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["object"]) == (slow, PATH), s
+    assert s["via"] == [f"wait:pid {slow}"]
+    assert not [p for p in s["breakdown"] if p["pid"] == fast], s["breakdown"]
+    assert by[("storage", slow)] >= ns(39.5) - ns(10), by
+
+
+def test_a_lock_handed_over_after_the_wait_is_not_a_hand_off(tmp_path: Path) -> None:
+    """The trainer reads its file itself, then waits a moment for the GIL, which a thread of its own process
+    took while it was reading (back from a timed sleep) and hands back: a futex delivers nothing, so the
+    read stays the stall's cause instead of that thread's sleep."""
+    other = TRAINER + 1
+    b = trainer()
+    b.thread(TRAINER, other, "python")
+    b.syscall(TRAINER, TRAINER, "read", 9.0, 39.5, PATH, 1 << 20)
+    b.offcpu(TRAINER, TRAINER, 9.0, 39.5, "D", 39.4, (0, 0, "swapper/0"))
+    b.syscall(TRAINER, TRAINER, "futex", 39.55, 39.9).offcpu(TRAINER, TRAINER, 39.55, 39.9, "S", 39.85,
+                                                             (TRAINER, other, "python"))
+    b.syscall(TRAINER, other, "pselect6", 1.0, 39.6).offcpu(TRAINER, other, 1.0, 39.6, "S", 39.55, (0, 0, "[timer]"))
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["object"]) == (TRAINER, PATH), s
+
+
+def test_a_wait_the_next_task_spent_waiting_for_this_thread_stays_on_its_own_waker(tmp_path: Path) -> None:
+    """A chain of requests: the trainer waits for A's answer, then asks B, which was idle until asked, and
+    waits for B's. A's time is on the way (B could not start before A answered): the hand-off rule follows B
+    back to the trainer's request and from there to A; the hops name A alone, as if the trainer had waited
+    for A directly (the detour through B and back to the trainer is not repeated)."""
+    a_pid, b_pid = WORKER, WORKER2
+    b = trainer()
+    b.proc(a_pid, "encoder", TRAINER).proc(b_pid, "reader", TRAINER)
+    b.syscall(TRAINER, TRAINER, "read", 9.0, 30.0, "pipe:[1]")  # A's answer (A computes, on CPU)
+    b.offcpu(TRAINER, TRAINER, 9.0, 29.9, "S", 29.8, (a_pid, a_pid, "encoder"))
+    b.syscall(TRAINER, TRAINER, "read", 30.5, 39.9, "pipe:[2]")  # B's answer
+    b.offcpu(TRAINER, TRAINER, 30.5, 39.85, "S", 39.8, (b_pid, b_pid, "reader"))
+    b.syscall(b_pid, b_pid, "read", 1.0, 30.4, "pipe:[3]")  # B idle until the trainer's request
+    b.offcpu(b_pid, b_pid, 1.0, 30.4, "S", 30.3, (TRAINER, TRAINER, "python"))
+    worker_reads(b, b_pid, start=30.6, end=39.6)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "cpu" and s["culprit"]["pid"] == a_pid, s
+    assert s["via"] == [f"wait:pid {a_pid}"]
+    by = {(p["cause"], p["pid"]): p["ns"] for p in s["breakdown"]}
+    assert by[("cpu", a_pid)] >= ns(29.7) - ns(10) and by[("storage", b_pid)] >= ns(39.5) - ns(30.7), by
+
+
+def test_a_chain_that_comes_back_to_a_task_it_named_drops_the_detour(tmp_path: Path) -> None:
+    """The trainer's last wait is for a worker's resource-sharer thread (the batch's fd), which sat idle until
+    the trainer connected; before that the trainer waited on the queue for the worker's feeder. The chain
+    goes worker, trainer, worker again: the hops name the worker once, then its main thread that read."""
+    sharer, feeder = WORKER + 1, WORKER + 2
+    b = trainer()
+    b.thread(WORKER, sharer, "pt_data_worker").thread(WORKER, feeder, "QueueFeederThr")
+    b.syscall(TRAINER, TRAINER, "poll", 9.0, 29.9, "pipe:[77]", arg=1)
+    b.offcpu(TRAINER, TRAINER, 9.0, 29.85, "S", 29.8, (WORKER, feeder, "QueueFeederThr"))
+    b.syscall(TRAINER, TRAINER, "read", 30.0, 39.9, "unix:/tmp/pymp-x/listener-y")
+    b.offcpu(TRAINER, TRAINER, 30.0, 39.85, "S", 39.8, (WORKER, sharer, "pt_data_worker"))
+    b.syscall(WORKER, sharer, "accept4", 1.0, 30.2, "unix:/tmp/pymp-x/listener-y")
+    b.offcpu(WORKER, sharer, 1.0, 30.15, "S", 30.1, (TRAINER, TRAINER, "python"))
+    b.syscall(WORKER, feeder, "futex", 1.0, 29.7).offcpu(WORKER, feeder, 1.0, 29.7, "S", 29.6,
+                                                         (WORKER, WORKER, "pt_data_worker"))
+    worker_reads(b, WORKER, start=5.0, end=29.5)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and s["culprit"]["object"] == PATH, s
+    assert s["via"] == [f"wait:pid {WORKER}", f"wait:tid {WORKER}"]
+    by = {(p["cause"], p["pid"]): p["ns"] for p in s["breakdown"]}
+    assert by[("storage", WORKER)] >= ns(29.4) - ns(10) and by[("cpu", WORKER)] >= ns(39.7) - ns(30.2), by
 
 
 def test_a_hop_inside_the_process_already_named_names_the_thread(tmp_path: Path) -> None:

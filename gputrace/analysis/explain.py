@@ -18,7 +18,7 @@ from gputrace.analysis.load import FAULT_OP, Capture
 from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.records import BlockIO, IoUringRequest, OffCpu, Syscall
 
-MAX_DEPTH = 4
+MAX_DEPTH = 8
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
@@ -30,6 +30,7 @@ class Part:
     ns: int
     culprit: dict[str, Any]
     via: list[str] = field(default_factory=list)
+    path: list[int] = field(default_factory=list)  # the tid each hop of ``via`` went to
     evidence: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     held: Counter[tuple[int, int, str]] = field(default_factory=Counter)  # a run-queue wait's: who had the CPU
@@ -120,6 +121,7 @@ class Explainer:
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
         self._threads: dict[int, list[int]] | None = None
         self._shared: set[tuple[int, int]] | None = None  # (pid, futex word) timed out on by several threads
+        self._api_index: dict[int, list[tuple[int, int]]] | None = None  # tid -> its CUDA API calls (start, end)
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -143,13 +145,14 @@ class Explainer:
         adds ``fork:pid P`` to ``via``; a thread created by its own process's thread adds no hop."""
         parts: list[Part] = []
         hops: list[str] = []
+        hop_tids: list[int] = []
         pid = self.cap.pid_of(tid)
         while b > a:
             made = self.cap.creation(tid, b)
             born = made[0] if made is not None and made[0] > a else a
             for p in self._explain_alive(tid, born, b, depth):
                 if hops:
-                    p.via = [*hops, *p.via]
+                    p.via, p.path = [*hops, *p.via], [*hop_tids, *p.path]
                 parts.append(p)
             if born == a or made is None:
                 break
@@ -157,15 +160,75 @@ class Explainer:
             creator_pid = self.cap.pid_of(tid)
             if creator_pid and creator_pid != pid:
                 hops.append(f"fork:pid {creator_pid}")
+                hop_tids.append(tid)
                 pid = creator_pid
         return parts
 
     def _explain_alive(self, tid: int, a: int, b: int, depth: int) -> list[Part]:
-        """[a, b) of a thread that existed throughout it."""
+        """[a, b) of a thread that existed throughout it: up to its last hand-off (``_handoff``), the time
+        of the task that handed it what it waited for; after it, its own."""
         if b <= a:
             return []
         if not self.traced(tid):
             return [Part("unknown", b - a, empty_culprit(), extra={"why": f"tid {tid} was not traced"})]
+        handoff = self._handoff(tid, a, b, depth)
+        if handoff is None:
+            return self._explain_own(tid, a, b, depth)
+        start, sc, o = handoff
+        return (self._explain_own(tid, a, start, depth) + self._follow(sc, o, start, o.wake_ns, depth)
+                + self._explain_own(tid, o.wake_ns, b, depth))
+
+    def _handoff(self, tid: int, a: int, b: int, depth: int) -> tuple[int, Syscall, OffCpu] | None:
+        """The last wait of ``tid`` in [a, b) on a pipe or socket that another traced task ended, as (from
+        when its waker's chain explains the thread's time, the call, its off-CPU span woken by that task).
+
+        The thread could not go on before that task handed it something: what it did before then did not
+        decide when that came, the waker's chain did (the critical path). So the window up to that wakeup
+        is explained on the waker's chain (``_follow``), back to ``a`` or to the end of the thread's last
+        CUDA API call before it (a launch used what came before), not on what the thread did meanwhile.
+        PyTorch's DataLoader: workers share one result queue, and a batch that arrives ahead of its turn
+        (a fast worker's, while the trainer waits for a slow one's) is unpickled, its tensors' fds fetched
+        from that worker (a wait of its own, long where that worker's main thread holds its GIL), and kept
+        for later: the trainer's stall is the slow worker's, not the fast one's. Where the waker had first
+        waited for this thread (asked only once it answered), the chain comes back to the thread and goes
+        on from there. A futex is not a hand-off (a lock handed over, the GIL above all, delivers nothing),
+        nor a wake by a kernel task, an untraced task or a timeout: those waits keep the rules below."""
+        sys_index = self.cap.syscalls.get(tid)
+        if sys_index is None or depth >= MAX_DEPTH:
+            return None
+        calls = [sc for sc in sys_index.overlapping(a, b) if sc.fd >= 0 and sc.obj and classify(sc) == "wait"]
+        for sc in reversed(calls):
+            o = self._delivery(sc, a, b)
+            if o is None:
+                continue
+            start = max(a, self._last_api_end(tid, a, o.start_ns))
+            return (start, sc, o) if start < o.start_ns else None
+        return None
+
+    def _delivery(self, sc: Syscall, a: int, b: int) -> OffCpu | None:
+        """The last off-CPU span of ``sc`` in [a, b) woken by another traced user task."""
+        index = self.cap.offcpu.get(sc.tid)
+        woken = [o for o in index.overlapping(max(sc.start_ns, a), min(sc.end_ns, b))
+                 if o.state != "R" and a < o.wake_ns <= b and o.waker_tid and o.waker_tid != sc.tid
+                 and not is_kernel_task(o.waker_pid, o.waker_comm) and self.traced(o.waker_tid)] if index else []
+        return woken[-1] if woken else None
+
+    def _last_api_end(self, tid: int, a: int, b: int) -> int:
+        """The end of ``tid``'s last CUDA API call (a launch, a copy, a sync) that started in [a, b); 0 if none."""
+        if self._api_index is None:
+            self._api_index = {}
+            for api in self.cap.launches.values():
+                self._api_index.setdefault(api.tid, []).append((api.start_ns, api.end_ns))
+            for calls in self._api_index.values():
+                calls.sort()
+        calls = self._api_index.get(tid, [])
+        i = bisect_left(calls, (b, -1)) - 1
+        return calls[i][1] if i >= 0 and calls[i][0] >= a else 0
+
+    def _explain_own(self, tid: int, a: int, b: int, depth: int) -> list[Part]:
+        """[a, b) of a traced thread, call by call."""
+        if b <= a:
+            return []
         parts: list[Part] = []
         in_syscalls = 0
         sys_index = self.cap.syscalls.get(tid)
@@ -415,7 +478,7 @@ class Explainer:
         ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
         inner = self.explain(holder, x, y, depth + 1)
         for p in inner:
-            p.via = [f"gil:tid {holder}", *p.via]
+            p.via, p.path = [f"gil:tid {holder}", *p.via], [holder, *p.path]
             p.evidence = (ev + p.evidence)[: MAX_EVIDENCE * 2]
         return inner
 
@@ -487,9 +550,14 @@ class Explainer:
         ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
         waker = o.waker_tid
         if not waker or waker == sc.tid or depth >= MAX_DEPTH or is_kernel_task(o.waker_pid, o.waker_comm):
-            return [Part("unknown", y - x, empty_culprit(), via=[hop], evidence=ev)]
+            return [Part("unknown", y - x, empty_culprit(), via=[hop], path=[waker], evidence=ev)]
         inner = self.explain(waker, x, y, depth + 1)
         for p in inner:
-            p.via = [hop, *p.via]
+            p.via, p.path = [hop, *p.via], [waker, *p.path]
+            if sc.tid in p.path:  # the chain came back to this thread (the waker waited for it first): from there on
+                k = len(p.path) - p.path[::-1].index(sc.tid)
+                p.via, p.path = p.via[k:], p.path[k:]
+                if depth == 0 and p.via and p.via[0].startswith("wait:tid "):  # the first hop names the process
+                    p.via[0] = f"wait:pid {self.cap.pid_of(p.path[0])}"
             p.evidence = (ev + p.evidence)[: MAX_EVIDENCE * 2]
         return inner

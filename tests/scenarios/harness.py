@@ -172,6 +172,12 @@ def _torch_loader(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {**cfg, "steps": 10, "work_ms": 30}
 
 
+def _torch_straggler(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # a slow worker among fast ones: workers 0 and 1 spend 60 ms of CPU a sample, worker 2 reads its shards at
+    # 1 MiB/s. The fast workers' batches arrive out of order while the trainer waits for the slow one's.
+    return {**_torch_loader(w, st), "workers": 3, "steps": 15, "work_ms": 30, "warm_up": True}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -190,6 +196,7 @@ SCENARIOS: dict[str, Setup] = {
     "uring": _uring,
     "torch_loader": _torch_loader,
     "torch_loader_pinned": lambda w, st: {**_torch_loader(w, st), "pin_memory": True},
+    "torch_straggler": _torch_straggler,
 }
 
 

@@ -61,7 +61,8 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
     elif name.startswith("torch_loader"):
         # PyTorch's DataLoader: the trainer waits on the loader's queue (pinned: on the pin-memory thread's
         # queue first, a hop inside its own process); the worker's feeder thread, woken by the worker's main
-        # thread, hands the batch over (that hop stays inside the worker: it names the thread)
+        # thread, hands the batch over, and its resource-sharer thread the tensors' fds (those hops stay
+        # inside the worker: they name threads, the last one the culprit)
         reads = [s for s in stalls if s["cause"] == "storage"]
         assert len(reads) >= 3 and all(s["culprit"]["op"] == "read" and s["culprit"].get("block_requests", 0) > 0
                                        for s in reads), [s["culprit"] for s in reads]
@@ -71,7 +72,19 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
                 assert via[0] == f"wait:pid {s['device_pid']}", via
                 via = via[1:]
             assert via[0] == f"wait:pid {c['pid']}", s["via"]
-            assert all(h == f"wait:tid {c['tid']}" or h.startswith("gil:tid ") for h in via[1:]), s["via"]
+            assert all(h.startswith(("wait:tid ", "gil:tid ")) for h in via[1:]), s["via"]
+            assert len(via) == 1 or via[-1] in (f"wait:tid {c['tid']}", f"gil:tid {c['tid']}"), s["via"]
+    elif name == "torch_straggler":
+        # the fast workers' batches that arrived out of order while the trainer waited for the slow worker's
+        # (their tensors' fds fetched from them, then set aside) decided nothing: the slow worker's stalls
+        # are its read, with next to nothing left on the fast workers
+        reads = [s for s in stalls if s["cause"] == "storage"]
+        assert len(reads) >= 3, [s["culprit"] for s in stalls]
+        fast = {p["pid"] for s in stalls for p in s["breakdown"]} - {s["device_pid"] for s in stalls} \
+            - {s["culprit"]["pid"] for s in reads}
+        held = sum(p["ns"] for s in reads for p in s["breakdown"] if p["pid"] in fast)
+        assert held < 0.02 * sum(s["duration_ns"] for s in reads), [s["breakdown"] for s in reads]
+        assert all(s["via"][0] == f"wait:pid {s['culprit']['pid']}" for s in reads), [s["via"] for s in reads]
     elif name == "uring":
         # the trainer's own waits in io_uring_enter, named by the ring's read requests that completed in them
         # (read inline on even steps, by io-wq worker threads on odd ones), with the requests the throttle's

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -526,13 +527,17 @@ def pin_memory_thread_on_cpu() -> None:
 
 
 def torch_loader(cfg: dict[str, Any]) -> None:
-    """PyTorch's own DataLoader (CPU build) with two worker processes: worker 0 "decodes" each sample on the
-    CPU, worker 1 reads its samples from a throttled device. Batches come back through the DataLoader's
-    multiprocessing queue, their tensors through shared memory; the trainer waits in the loader's next()."""
+    """PyTorch's own DataLoader (CPU build) with worker processes: the last worker reads each of its samples
+    from a throttled device, the others "decode" theirs on the CPU. Batches come back through the
+    DataLoader's one result queue, their tensors through shared memory; the trainer waits in the loader's
+    next(), and sets aside the batches that come early (out of order) until the one it needs arrives."""
     import torch
     from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-    ready = 2  # one "ready" item per worker first, so worker start-up is not mistaken for a batch's wait
+    workers = cfg.get("workers", 2)
+    warnings.filterwarnings("ignore", "This DataLoader will create")  # more workers than the VM's 2 CPUs, on purpose
+    slow = workers - 1
+    ready = workers  # one "ready" item per worker first, so worker start-up is not mistaken for a batch's wait
 
     class Samples(Dataset):  # type: ignore[type-arg]
         def __len__(self) -> int:
@@ -542,20 +547,22 @@ def torch_loader(cfg: dict[str, Any]) -> None:
             info = get_worker_info()
             assert info is not None and i % info.num_workers == info.id  # the loader's round robin
             if i < ready:
+                if info.id == slow and cfg.get("warm_up"):  # spend blk-throttle's first slice before the steps
+                    read_uncached(cfg["files"][-1])
                 return {"x": torch.zeros(1), "cause": "ready", "object": "", "pid": os.getpid()}
-            if info.id == 0:
+            if info.id != slow:
                 spin(cfg["work_ms"])
                 return {"x": torch.ones(64), "cause": "cpu", "object": "", "pid": os.getpid()}
-            path = cfg["files"][(i - ready) // 2 % len(cfg["files"])]
+            path = cfg["files"][(i - ready) // workers % len(cfg["files"])]
             read_uncached(path)
             return {"x": torch.ones(64), "cause": "storage", "object": path, "pid": os.getpid()}
 
     def init(worker_id: int) -> None:
-        join_cgroup(cfg["cgroups"][worker_id % len(cfg["cgroups"])])
+        join_cgroup(cfg["cgroups"][-1 if worker_id == slow else 0])
 
     if cfg.get("pin_memory"):
         pin_memory_thread_on_cpu()
-    batches = iter(DataLoader(Samples(), batch_size=None, num_workers=2, worker_init_fn=init,
+    batches = iter(DataLoader(Samples(), batch_size=None, num_workers=workers, worker_init_fn=init,
                               multiprocessing_context="fork", pin_memory=bool(cfg.get("pin_memory"))))
     for _ in range(ready):
         next(batches)
@@ -571,7 +578,8 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
-    "gil": gil, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader, "uring": uring,
+    "gil": gil, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader, "torch_straggler": torch_loader,
+    "uring": uring,
 }  # fmt: skip
 
 if __name__ == "__main__":
