@@ -208,10 +208,15 @@ class Explainer:
     def _delivery(self, sc: Syscall, a: int, b: int) -> OffCpu | None:
         """The last off-CPU span of ``sc`` in [a, b) woken by another traced user task."""
         index = self.cap.offcpu.get(sc.tid)
+        if index is None:
+            return None
         woken = [o for o in index.overlapping(max(sc.start_ns, a), min(sc.end_ns, b))
-                 if o.state != "R" and a < o.wake_ns <= b and o.waker_tid and o.waker_tid != sc.tid
-                 and not is_kernel_task(o.waker_pid, o.waker_comm) and self.traced(o.waker_tid)] if index else []
+                 if o.state != "R" and a < o.wake_ns <= b and o.waker_tid != sc.tid and self._by_task(o)]
         return woken[-1] if woken else None
+
+    def _by_task(self, o: OffCpu) -> bool:
+        """Whether ``o``'s wakeup came from a traced user task, whose time can be explained in turn."""
+        return bool(o.waker_tid) and not is_kernel_task(o.waker_pid, o.waker_comm) and self.traced(o.waker_tid)
 
     def _last_api_end(self, tid: int, a: int, b: int) -> int:
         """The end of ``tid``'s last CUDA API call (a launch, a copy, a sync) that started in [a, b); 0 if none."""
@@ -300,7 +305,7 @@ class Explainer:
         for o in blocked:
             if not o.wake_ns or o.waker_tid == sc.tid:
                 continue
-            by_task = o.waker_tid and not is_kernel_task(o.waker_pid, o.waker_comm) and self.traced(o.waker_tid)
+            by_task = self._by_task(o)
             if not by_task and not _expired(sc, o):
                 continue
             done = self._device_done(pid, o.wake_ns)

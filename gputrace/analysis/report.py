@@ -117,7 +117,7 @@ def in_progress(cap: Capture) -> list[dict[str, Any]]:
         row = {"pid": r.pid, "tid": r.tid, "comm": cap.comm(r.tid) or cap.comm(r.pid), "op": r.name or "off-CPU",
                "object": r.obj, "state": r.state, "start_ns": r.start_ns, "duration_ns": r.at_ns - r.start_ns,
                "since_before_capture": bool(r.before)}
-        requests = uring.in_flight(cap.uring.get(r.pid), r.pid, r.tid) if r.name == uring.ENTER else []
+        requests = uring.in_flight(cap.uring.get(r.pid), r.tid) if r.name == uring.ENTER else []
         if requests:  # what its io_uring_enter was waiting for
             row["requests_in_flight"] = len(requests)
             row["requests"] = [{"op": q.op, "object": q.obj, "fd": q.fd, "start_ns": q.start_ns,

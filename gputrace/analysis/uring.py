@@ -46,12 +46,12 @@ def waited_for(index: Completions | None, sc: Syscall) -> list[IoUringRequest]:
             if r.ring_fd in (sc.fd, -1) and r.pid == sc.pid and not r.flags & uring.UNFINISHED]  # fmt: skip
 
 
-def in_flight(index: Completions | None, pid: int, tid: int) -> list[IoUringRequest]:
+def in_flight(index: Completions | None, tid: int) -> list[IoUringRequest]:
     """The requests a thread caught waiting in io_uring_enter at stop was waiting for: its process's requests
-    still in flight then, that it submitted (or the ring's SQPOLL thread did), oldest first."""
+    (``index``) still in flight then, that it submitted (or the ring's SQPOLL thread did), oldest first."""
     if index is None:
         return []
-    return sorted((r for r in index.requests if r.flags & uring.UNFINISHED and r.pid == pid
+    return sorted((r for r in index.requests if r.flags & uring.UNFINISHED
                    and (r.tid == tid or r.flags & uring.SQPOLL)), key=lambda r: r.start_ns)  # fmt: skip
 
 
