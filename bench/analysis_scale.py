@@ -4,8 +4,10 @@
 
 The captures mimic a DataLoader training loop: a trainer launching kernels and copies, four workers
 reading shards (block requests, off-CPU waits, wakeups), noise syscalls, and a GPU stall every other
-step whose wait chain leads to a worker's read. Each analysis runs in a fresh process so its peak RSS is
-its own.
+step whose wait chain leads to a worker's read. Each size is generated twice: the trainer waiting on the
+workers' queue itself (a pipe), and waiting on a pin-memory thread's queue (a futex the thread wakes after
+its own read of the pipe: a relay). Each analysis runs in a fresh process so its peak RSS is its own; the
+last column is the share of stall time named `storage` (the chain followed to the worker's read).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any
 from gputrace.capture import CaptureWriter, host_header
 
 TRAINER, WORKERS = 1000, (1001, 1002, 1003, 1004)
+PIN = 1010  # the trainer's pin-memory thread
 STEP_NS = 10_000_000
 MS = 1_000_000
 
 
-def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]]]) -> None:
+def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]]], relay: bool) -> None:
     """About 20 records: one training step, stalled on odd steps."""
     stalled = k % 2 == 1
     w = WORKERS[k % len(WORKERS)]
@@ -42,8 +45,15 @@ def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]
     rows["GpuMemcpy"].append([TRAINER, 0, 1, 8, launch + 20_000, launch + MS, 2 * k + 1, 1 << 20, "h2d",
                               "pinned"])
     if stalled:
-        rows["Syscall"].append([TRAINER, TRAINER, "read", t, launch - 1000, 64, 9, "pipe", 64, 64])
-        rows["OffCpu"].append([TRAINER, TRAINER, t + 1000, launch - 2000, "S", launch - 3000, w, w, "worker"])
+        if relay:
+            rows["Syscall"].append([TRAINER, TRAINER, "futex", t, launch - 1000, 0, -1, "", 0, 0x7000])
+            rows["OffCpu"].append([TRAINER, TRAINER, t + 1000, launch - 2000, "S", launch - 2500, TRAINER, PIN,
+                                   "pt_data_pin"])
+            rows["Syscall"].append([TRAINER, PIN, "read", t, launch - 2800, 64, 9, "pipe", 64, 64])
+            rows["OffCpu"].append([TRAINER, PIN, t + 1000, launch - 3000, "S", launch - 3000, w, w, "worker"])
+        else:
+            rows["Syscall"].append([TRAINER, TRAINER, "read", t, launch - 1000, 64, 9, "pipe", 64, 64])
+            rows["OffCpu"].append([TRAINER, TRAINER, t + 1000, launch - 2000, "S", launch - 3000, w, w, "worker"])
         path = f"/data/shard-{k % 997:04d}.bin"
         rows["Syscall"].append([w, w, "pread64", t + 500, launch - 5000, 1 << 20, 5, path, 1 << 20, 1 << 20])
         rows["OffCpu"].append([w, w, t + 600, launch - 6000, "D", launch - 6500, 0, 0, "[irq]"])
@@ -59,7 +69,7 @@ def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]
     rows["SyscallAgg"].append([TRAINER, TRAINER, "ioctl", 12, 48_000])
 
 
-def generate(path: Path, n_records: int) -> int:
+def generate(path: Path, n_records: int, relay: bool) -> int:
     rng = random.Random(42)
     w = CaptureWriter(path, {**host_header(["bench"]), "start_ns": 0}, force=True)
     w.write_rows("ProcInfo", [[0, p, 1, "python", ["python"], "/usr/bin/python3"] for p in (TRAINER, *WORKERS)])
@@ -69,7 +79,7 @@ def generate(path: Path, n_records: int) -> int:
         rows: dict[str, list[list[Any]]] = {kind: [] for kind in (
             "CudaApi", "GpuKernel", "GpuMemcpy", "Syscall", "OffCpu", "BlockIO", "SyscallAgg")}
         for _ in range(500):
-            step_rows(k, t, rng, rows)
+            step_rows(k, t, rng, rows, relay)
             k, t = k + 1, t + STEP_NS
         for kind, batch in rows.items():
             w.write_rows(kind, batch)
@@ -101,16 +111,20 @@ def main() -> int:
         analyse_one(args.one)
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"{'records':>10} {'file MiB':>9} {'stalls':>7} {'analyze s':>10} {'s per 100k':>11} {'peak RSS MiB':>13}")
+    print(f"{'records':>10} {'trainer waits':>13} {'file MiB':>9} {'stalls':>7} {'analyze s':>10} {'s per 100k':>11} "
+          f"{'peak RSS MiB':>13} {'storage %':>10}")
     with tempfile.TemporaryDirectory(prefix="gputrace-scale-") as tmp:
         for n in sizes:
-            path = Path(tmp) / f"scale-{n}.gputrace"
-            written = generate(path, n)
-            out = subprocess.run([sys.executable, __file__, "--one", str(path)], check=True, capture_output=True,
-                                 text=True).stdout
-            r = json.loads(out)
-            print(f"{written:>10,} {path.stat().st_size / 2**20:>9.1f} {r['stalls']:>7,} {r['seconds']:>10.2f} "
-                  f"{r['seconds'] / written * 1e5:>11.3f} {r['rss_mib']:>13.0f}")
+            for relay in (False, True):
+                path = Path(tmp) / f"scale-{n}-{relay}.gputrace"
+                written = generate(path, n, relay)
+                out = subprocess.run([sys.executable, __file__, "--one", str(path)], check=True,
+                                     capture_output=True, text=True).stdout
+                r = json.loads(out)
+                storage = 100.0 * r["by_cause"].get("storage", 0) / max(sum(r["by_cause"].values()), 1)
+                print(f"{written:>10,} {'futex relay' if relay else 'pipe':>13} {path.stat().st_size / 2**20:>9.1f} "
+                      f"{r['stalls']:>7,} {r['seconds']:>10.2f} {r['seconds'] / written * 1e5:>11.3f} "
+                      f"{r['rss_mib']:>13.0f} {storage:>10.1f}")
     return 0
 
 

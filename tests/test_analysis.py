@@ -175,6 +175,53 @@ def test_a_lock_handed_over_after_the_wait_is_not_a_hand_off(tmp_path: Path) -> 
     assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["object"]) == (TRAINER, PATH), s
 
 
+def test_a_queue_between_threads_passes_the_delivery_on(tmp_path: Path) -> None:
+    """PyTorch's pin-memory thread takes each batch off the workers' queue (a pipe) and puts it on the
+    trainer's ``queue.Queue`` (a futex). A fast worker's batch comes first and is set aside; the trainer's
+    futex waits are one wait, for the slow worker's batch, which the pin-memory thread was handed while the
+    trainer waited: the stall is the slow worker's read, with nothing on the fast worker."""
+    pin, fast, slow = TRAINER + 1, WORKER, WORKER2
+    b = trainer()
+    b.thread(TRAINER, pin, "pt_data_pin").proc(fast, "pt_data_worker", TRAINER)
+    b.syscall(TRAINER, pin, "poll", 5.0, 14.9, "pipe:[77]", fd=6, arg=1)
+    b.offcpu(TRAINER, pin, 5.0, 14.85, "S", 14.8, (fast, fast, "pt_data_worker"))
+    b.syscall(TRAINER, pin, "poll", 16.0, 38.0, "pipe:[77]", fd=6, arg=1)
+    b.offcpu(TRAINER, pin, 16.0, 37.95, "S", 37.9, (slow, slow, "pt_data_worker"))
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 16.0, fd=-1, arg=0x7000)  # the fast batch, set aside
+    b.offcpu(TRAINER, TRAINER, 9.0, 15.97, "S", 15.95, (TRAINER, pin, "pt_data_pin"))
+    b.syscall(TRAINER, TRAINER, "futex", 16.5, 39.9, fd=-1, arg=0x7000)
+    b.offcpu(TRAINER, TRAINER, 16.5, 38.6, "S", 38.5, (TRAINER, pin, "pt_data_pin"))
+    worker_reads(b, slow, start=5.0, end=37.8)
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["object"]) == (slow, PATH), s
+    assert s["via"] == [f"wait:pid {TRAINER}", f"wait:pid {slow}"]
+    assert not [p for p in s["breakdown"] if p["pid"] == fast], s["breakdown"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_lock_handed_over_by_a_thread_with_data_is_no_relay(tmp_path: Path, shared: bool) -> None:
+    """The trainer reads its file itself, then waits a moment for the GIL, which its pin-memory thread hands
+    over. That thread had been handed a batch, but before the trainer waited (it took the GIL to unpickle it),
+    or while the trainer waited yet on a futex word both wait on (the GIL's, which it took first): a lock
+    handed over, not a batch passed on, so the read stays the stall's cause, not the worker's CPU."""
+    pin, gil = TRAINER + 1, 0xA5B8F4
+    b = trainer()
+    b.thread(TRAINER, pin, "pt_data_pin").proc(WORKER, "pt_data_worker", TRAINER)
+    b.syscall(TRAINER, TRAINER, "read", 9.0, 39.5, PATH, 1 << 20)
+    b.offcpu(TRAINER, TRAINER, 9.0, 39.5, "D", 39.4, (0, 0, "swapper/0"))
+    b.syscall(TRAINER, TRAINER, "futex", 39.55, 39.9, fd=-1, arg=gil)
+    b.offcpu(TRAINER, TRAINER, 39.55, 39.87, "S", 39.85, (TRAINER, pin, "pt_data_pin"))
+    handed = 39.6 if shared else 29.9
+    b.syscall(TRAINER, pin, "poll", 1.0, handed + 0.01, "pipe:[77]", fd=6, arg=1)
+    b.offcpu(TRAINER, pin, 1.0, handed + 0.005, "S", handed, (WORKER, WORKER, "pt_data_worker"))
+    b.syscall(WORKER, WORKER, "write", handed - 0.1, handed - 0.05, "pipe:[77]", 4096)  # on CPU before that
+    if shared:
+        b.syscall(TRAINER, pin, "futex", 39.62, 39.7, fd=-1, arg=gil)
+        b.offcpu(TRAINER, pin, 39.62, 39.7, "S", 39.69, (TRAINER, TRAINER, "python"))
+    s = only_stall(run(b, tmp_path))
+    assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["object"]) == (TRAINER, PATH), s
+
+
 def test_a_wait_the_next_task_spent_waiting_for_this_thread_stays_on_its_own_waker(tmp_path: Path) -> None:
     """A chain of requests: the trainer waits for A's answer, then asks B, which was idle until asked, and
     waits for B's. A's time is on the way (B could not start before A answered): the hand-off rule follows B

@@ -85,12 +85,13 @@ def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
 
 
 ETIMEDOUT = 110
+FUTEXES = ("futex", "futex_waitv")
 TIMER_WAKER = "[timer]"  # the eBPF source's waker for wakeups from a timer interrupt (hrtimer expiry)
 
 
 def _timed_out(sc: Syscall) -> bool:
     """A futex wait that returned ETIMEDOUT, or a poll/select/epoll that returned no ready fd."""
-    if sc.name in ("futex", "futex_waitv"):
+    if sc.name in FUTEXES:
         return sc.ret == -ETIMEDOUT
     return sc.name in POLLS and sc.ret == 0
 
@@ -99,7 +100,7 @@ def _expired(sc: Syscall, o: OffCpu) -> bool:
     """A wait that ended by its timeout: it says so (``_timed_out``), or a futex wait whose off-CPU span ``o``
     was ended by a timer, which for a futex is its timeout firing (a wake that raced it can still make the
     call return 0)."""
-    return _timed_out(sc) or (sc.name in ("futex", "futex_waitv") and o.waker_comm == TIMER_WAKER)
+    return _timed_out(sc) or (sc.name in FUTEXES and o.waker_comm == TIMER_WAKER)
 
 
 def _cpu_holders(waits: list[tuple[OffCpu, int, int]]) -> Counter[tuple[int, int, str]]:
@@ -120,7 +121,8 @@ class Explainer:
         self.ties = BlockTies(cap, self.mounts)
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
         self._threads: dict[int, list[int]] | None = None
-        self._shared: set[tuple[int, int]] | None = None  # (pid, futex word) timed out on by several threads
+        # (pid, futex word) -> the threads that waited on it, and those of them that timed out there
+        self._futex_words: dict[tuple[int, int], tuple[set[int], set[int]]] | None = None
         self._api_index: dict[int, list[tuple[int, int]]] | None = None  # tid -> its CUDA API calls (start, end)
 
     def traced(self, tid: int) -> bool:
@@ -191,15 +193,17 @@ class Explainer:
         from that worker (a wait of its own, long where that worker's main thread holds its GIL), and kept
         for later: the trainer's stall is the slow worker's, not the fast one's. Where the waker had first
         waited for this thread (asked only once it answered), the chain comes back to the thread and goes
-        on from there. A futex is not a hand-off (a lock handed over, the GIL above all, delivers nothing),
-        nor a wake by a kernel task, an untraced task or a timeout: those waits keep the rules below."""
+        on from there. A futex wait is a hand-off only where it passed a delivery on (``_relayed``: a
+        pin-memory thread's queue); a lock handed over, the GIL above all, delivers nothing. Nor is a wake by a
+        kernel task, an untraced task or a timeout: those waits keep the rules below."""
         sys_index = self.cap.syscalls.get(tid)
         if sys_index is None or depth >= MAX_DEPTH:
             return None
-        calls = [sc for sc in sys_index.overlapping(a, b) if sc.fd >= 0 and sc.obj and classify(sc) == "wait"]
+        calls = [sc for sc in sys_index.overlapping(a, b)
+                 if classify(sc) == "wait" and (sc.name in FUTEXES or sc.fd >= 0 and sc.obj)]
         for sc in reversed(calls):
             o = self._delivery(sc, a, b)
-            if o is None:
+            if o is None or (sc.name in FUTEXES and not self._relayed(sc, o)):
                 continue
             start = max(a, self._last_api_end(tid, a, o.start_ns))
             return (start, sc, o) if start < o.start_ns else None
@@ -213,6 +217,34 @@ class Explainer:
         woken = [o for o in index.overlapping(max(sc.start_ns, a), min(sc.end_ns, b))
                  if o.state != "R" and a < o.wake_ns <= b and o.waker_tid != sc.tid and self._by_task(o)]
         return woken[-1] if woken else None
+
+    def _relayed(self, sc: Syscall, o: OffCpu) -> bool:
+        """Whether the futex wait ``sc``, ended by ``o``'s wakeup, passed a delivery on: while this thread
+        waited, its waker was handed something on a pipe or socket by a traced task, then woke it. That is a
+        queue between threads (PyTorch's pin-memory thread takes each batch off the workers' queue and puts
+        it on the trainer's ``queue.Queue``; a thread pool's future). A lock handed over is not: its holder
+        took it before this thread waited. Nor is a wait on a word other threads of the process wait on too
+        (the GIL's): its holder may have been handed its data during the wait and taken the lock after it."""
+        if len(self._futex_word(sc)[0]) > 1:
+            return False
+        index = self.cap.syscalls.get(o.waker_tid)
+        return index is not None and any(
+            c.fd >= 0 and c.obj and classify(c) == "wait" and self._delivery(c, sc.start_ns, o.wake_ns) is not None
+            for c in index.overlapping(sc.start_ns, o.wake_ns))
+
+    def _futex_word(self, sc: Syscall) -> tuple[set[int], set[int]]:
+        """The threads of ``sc``'s process that waited on its futex word in the capture, and those of them
+        that timed out there."""
+        if self._futex_words is None:
+            self._futex_words = {}
+            for index in self.cap.syscalls.values():
+                for r in index.records:
+                    if r.name in FUTEXES:
+                        waited, timed_out = self._futex_words.setdefault((r.pid, r.arg), (set(), set()))
+                        waited.add(r.tid)
+                        if _timed_out(r):
+                            timed_out.add(r.tid)
+        return self._futex_words.get((sc.pid, sc.arg), (set(), set()))
 
     def _by_task(self, o: OffCpu) -> bool:
         """Whether ``o``'s wakeup came from a traced user task, whose time can be explained in turn."""
@@ -465,14 +497,7 @@ class Explainer:
         out: a lock all of them take, as the GIL is (a queue's timed wait uses a lock of its own each time).
         Its holder then comes before the thread's next woken wait, which may be another thread's hand-over
         of that lock rather than what ended the wait."""
-        if self._shared is None:
-            waiters: dict[tuple[int, int], set[int]] = {}
-            for index in self.cap.syscalls.values():
-                for r in index.records:
-                    if r.name == "futex" and _timed_out(r):
-                        waiters.setdefault((r.pid, r.arg), set()).add(r.tid)
-            self._shared = {k for k, tids in waiters.items() if len(tids) > 1}
-        return sc.name == "futex" and (sc.pid, sc.arg) in self._shared
+        return sc.name == "futex" and len(self._futex_word(sc)[1]) > 1
 
     def _held(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int) -> list[Part]:
         """[x, y) of a futex wait that timed out, explained on the thread that held the interpreter's lock

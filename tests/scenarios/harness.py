@@ -173,7 +173,7 @@ def _torch_loader(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
 
 
 def _torch_straggler(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
-    # a slow worker among fast ones: workers 0 and 1 spend 60 ms of CPU a sample, worker 2 reads its shards at
+    # a slow worker among fast ones: workers 0 and 1 spend 30 ms of CPU a sample, worker 2 reads its shards at
     # 1 MiB/s. The fast workers' batches arrive out of order while the trainer waits for the slow one's.
     return {**_torch_loader(w, st), "workers": 3, "steps": 15, "work_ms": 30, "warm_up": True}
 
@@ -197,6 +197,7 @@ SCENARIOS: dict[str, Setup] = {
     "torch_loader": _torch_loader,
     "torch_loader_pinned": lambda w, st: {**_torch_loader(w, st), "pin_memory": True},
     "torch_straggler": _torch_straggler,
+    "torch_straggler_pinned": lambda w, st: {**_torch_straggler(w, st), "pin_memory": True},
 }
 
 

@@ -74,17 +74,20 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             assert via[0] == f"wait:pid {c['pid']}", s["via"]
             assert all(h.startswith(("wait:tid ", "gil:tid ")) for h in via[1:]), s["via"]
             assert len(via) == 1 or via[-1] in (f"wait:tid {c['tid']}", f"gil:tid {c['tid']}"), s["via"]
-    elif name == "torch_straggler":
+    elif name.startswith("torch_straggler"):
         # the fast workers' batches that arrived out of order while the trainer waited for the slow worker's
         # (their tensors' fds fetched from them, then set aside) decided nothing: the slow worker's stalls
-        # are its read, with next to nothing left on the fast workers
+        # are its read, with next to nothing left on the fast workers. Pinned: the pin-memory thread fetched
+        # them and passed each on through the trainer's queue.Queue (a futex), the slow worker's batch last
         reads = [s for s in stalls if s["cause"] == "storage"]
         assert len(reads) >= 3, [s["culprit"] for s in stalls]
         fast = {p["pid"] for s in stalls for p in s["breakdown"]} - {s["device_pid"] for s in stalls} \
             - {s["culprit"]["pid"] for s in reads}
         held = sum(p["ns"] for s in reads for p in s["breakdown"] if p["pid"] in fast)
         assert held < 0.02 * sum(s["duration_ns"] for s in reads), [s["breakdown"] for s in reads]
-        assert all(s["via"][0] == f"wait:pid {s['culprit']['pid']}" for s in reads), [s["via"] for s in reads]
+        pinned = name == "torch_straggler_pinned"
+        assert all(s["via"][:pinned + 1] == [f"wait:pid {s['device_pid']}"] * pinned
+                   + [f"wait:pid {s['culprit']['pid']}"] for s in reads), [s["via"] for s in reads]
     elif name == "uring":
         # the trainer's own waits in io_uring_enter, named by the ring's read requests that completed in them
         # (read inline on even steps, by io-wq worker threads on odd ones), with the requests the throttle's

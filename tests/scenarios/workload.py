@@ -578,8 +578,8 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
-    "gil": gil, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader, "torch_straggler": torch_loader,
-    "uring": uring,
+    "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
+    "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader,
 }  # fmt: skip
 
 if __name__ == "__main__":
