@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
 from gputrace.exporters.perfetto_args import stall_args
 from gputrace.records import CudaApi
-from gputrace.viewer.terminal import describe
+from gputrace.viewer.terminal import describe, render
 
 TRAINER, WORKER, WORKER2 = 100, 200, 300
 PATH = "/data/shard-0042.bin"
@@ -281,6 +282,41 @@ def test_a_hop_inside_the_process_already_named_names_the_thread(tmp_path: Path)
     s = only_stall(run(b, tmp_path))
     assert s["cause"] == "storage" and (s["culprit"]["pid"], s["culprit"]["tid"]) == (WORKER, WORKER)
     assert s["via"] == [f"wait:pid {WORKER}", f"wait:tid {WORKER}"]
+
+
+def test_stall_time_by_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Stalls on different files can be one worker's: ``top_processes`` sums every stall's breakdown by
+    process, the GPU process's own time marked as such, and the capture's summary says whose the files were
+    when its top culprits are files."""
+    b = trainer()
+    b.op(TRAINER, TRAINER, 79.95, 80.0, 90.0, "step_opt")  # a second stall [50, 80)
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,
+                                                           (WORKER, WORKER, "pt_data_worker"))
+    worker_reads(b, WORKER)
+    # on CPU from 50 to 60 (nothing recorded), then waits for the worker's next read
+    b.syscall(TRAINER, TRAINER, "futex", 60.0, 79.9).offcpu(TRAINER, TRAINER, 60.0, 79.85, "S", 79.8,
+                                                            (WORKER, WORKER, "pt_data_worker"))
+    b.syscall(WORKER, WORKER, "pread64", 61.0, 79.5, "/data/b.bin", 1 << 20)
+    b.offcpu(WORKER, WORKER, 61.1, 79.45, "D", waker=(0, 0, "swapper/1"))
+    r = run(b, tmp_path)
+    assert [s["cause"] for s in r["stalls"]] == ["storage", "storage"]
+    assert {c["culprit"] for c in r["top_culprits"]} == {PATH, "/data/b.bin"}
+    procs = r["top_processes"]
+    assert [(p["pid"], p["comm"], p["gpu_process"], p["stalls"]) for p in procs] == \
+        [(WORKER, "pt_data_worker", False, 2), (TRAINER, "python", True, 2)], procs
+    worker, own = procs
+    assert worker["by_cause"]["storage"] >= ns(29.3) - ns(10) + ns(79.4) - ns(61.1), worker
+    assert own["by_cause"]["cpu"] >= ns(60) - ns(50) and own["stall_ns"] < ns(11), own
+    total = r["summary"]["stall_ns"]
+    assert [p["share_pct"] for p in procs] == [round(100 * p["stall_ns"] / total, 1) for p in procs]
+    assert worker["stall_ns"] + own["stall_ns"] <= total
+    line = next(x for x in summary_lines(r) if x.startswith("  by process: "))
+    assert line == f"  by process: pid {WORKER} (pt_data_worker) {worker['share_pct']:.1f}%, " \
+                   f"pid {TRAINER} (python) {own['share_pct']:.1f}%"
+    render(r, Console(width=200, force_terminal=False))
+    out = capsys.readouterr().out
+    row = f"pid {WORKER} (pt_data_worker) │            │    49.6 ms │ 82.7% │      2 │ storage 90%, cpu 10%"
+    assert "Stall time by process" in out and row in out, out
 
 
 def test_cpu_in_a_worker(tmp_path: Path) -> None:

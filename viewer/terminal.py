@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gputrace.analysis.notes import caveats, waiting_lines
-from gputrace.analysis.report import culprit_label, holders_text, pid_text
+from gputrace.analysis.report import causes_text, culprit_label, holders_text, pid_text
 
 TOP_STALLS = 10
 TOP_WAITING = 10
@@ -48,6 +48,8 @@ def render(report: dict[str, Any], console: Console, capture_name: str = "") -> 
     if report["stalls"]:
         console.print(_budget(report))
         console.print(_culprits(report))
+        if report.get("top_processes"):
+            console.print(_processes(report))
         console.print(_worst(report))
     else:
         console.print("No GPU stall of at least the minimum gap: the devices were never idle that long.")
@@ -149,6 +151,16 @@ def _culprits(report: dict[str, Any]) -> Table:
     return t
 
 
+def _processes(report: dict[str, Any]) -> Table:
+    t = Table(title="Stall time by process", title_justify="left")
+    for col in ("process", "runs a GPU", "stall time", "share", "stalls", "causes"):
+        t.add_column(col, justify="right" if col in ("stall time", "share", "stalls") else "left")
+    for p in report["top_processes"]:
+        t.add_row(*_cells(pid_text(p), "yes" if p["gpu_process"] else "", ms(p["stall_ns"]),
+                          f"{p['share_pct']:.1f}%", p["stalls"], causes_text(p["by_cause"])))
+    return t
+
+
 def describe(s: dict[str, Any]) -> str:
     """One line saying what a stall waited on, e.g. 'pid 4242 (worker) pread64 /data/x.bin, 3 block requests'."""
     c = s["culprit"]
@@ -160,7 +172,8 @@ def describe(s: dict[str, Any]) -> str:
     what = " ".join(x for x in (c.get("op", ""), c.get("object", "")) if x)
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):
-        text += f", {c['block_requests']} block requests on {c['block_device']}, " \
+        n = c["block_requests"]
+        text += f", {n} block request{'s' if n != 1 else ''} on {c['block_device']}, " \
                 f"{ms(c['block_latency_ns'])} device latency"
         if c.get("dispatched_by"):  # throttled I/O: a kernel worker issued the requests the read waited on
             text += f" (dispatched by {c['dispatched_by']})"

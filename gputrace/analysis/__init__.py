@@ -12,7 +12,7 @@ from typing import Any
 
 from gputrace.analysis.load import load
 from gputrace.analysis.notes import capture_notes, lost_records
-from gputrace.analysis.report import CAUSES, SCHEMA, assemble, holders_text
+from gputrace.analysis.report import CAUSES, SCHEMA, assemble, holders_text, pid_text
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.capture import CaptureReader
 
@@ -66,8 +66,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if total:
         budget = ", ".join(f"{c} {100.0 * ns / total:.0f}%" for c, ns in summ["by_cause"].items())
         lines.append(f"stall budget: {budget}")
-        for c in report.get("top_culprits", [])[:3]:
+        top = report.get("top_culprits", [])[:3]
+        for c in top:
             lines.append(f"  {c['share_pct']:5.1f}%  {c['kind']}: {c['culprit']}")
+        procs = report.get("top_processes", [])[:3]
+        if procs and any(c["kind"] != "process" for c in top):  # files, peers: whose were they
+            lines.append("  by process: " + ", ".join(f"{pid_text(p)} {p['share_pct']:.1f}%" for p in procs))
         held = cpu_holders(report["stalls"])
         if held and summ["by_cause"].get("cpu.runqueue", 0) >= RUNQUEUE_NOTE_SHARE * total:
             lines.append(f"waiting for a CPU ({fmt_ms(summ['by_cause']['cpu.runqueue'])}): the CPU was held by "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from gputrace.analysis import uring
@@ -37,6 +38,7 @@ def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
     }
     report["summary"]["input_bound"] = input_bound(report)
     report["top_culprits"] = top_culprits(stalls)
+    report["top_processes"] = top_processes(cap, stalls)
     report["min_gap_ns"] = min_gap_ns
     return report
 
@@ -210,3 +212,37 @@ def top_culprits(stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str
     top = sorted(acc.items(), key=lambda kv: -kv[1][0])[:limit]
     return [{"kind": k, "culprit": label, "stall_ns": ns, "stalls": n,
              "share_pct": round(100.0 * ns / total, 1) if total else 0.0} for (k, label), (ns, n) in top]
+
+
+def top_processes(cap: Capture, stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str, Any]]:
+    """The processes the stall time went to, most first: each stall's ``breakdown`` (its largest parts,
+    by cause, process and object) summed by process. A DataLoader's stalls on many shard files are one
+    worker's; the GPU process's own time (``gpu_process``) is there too. ``unknown`` names no process."""
+    total = sum(s["duration_ns"] for s in stalls)
+    gpu_pids = {s.get("device_pid") for s in stalls}
+    acc: dict[int, tuple[Counter[str], set[int]]] = {}
+    for k, s in enumerate(stalls):
+        for part in s.get("breakdown", []):
+            if part["pid"]:
+                causes, seen = acc.setdefault(part["pid"], (Counter(), set()))
+                causes[part["cause"]] += part["ns"]
+                seen.add(k)
+    top = sorted(acc.items(), key=lambda kv: -kv[1][0].total())[:limit]
+    out = []
+    for pid, (causes, seen) in top:
+        ns = causes.total()
+        row = {"pid": pid, "comm": cap.comm(pid), "gpu_process": pid in gpu_pids, "stall_ns": ns,
+               "share_pct": round(100.0 * ns / total, 1) if total else 0.0, "stalls": len(seen),
+               "by_cause": dict(causes.most_common())}
+        _namespaced(cap, row)
+        out.append(row)
+    return out
+
+
+def causes_text(by_cause: dict[str, int], limit: int = 3) -> str:
+    """'storage 99%, cpu 1%': a process's stall time by cause (``top_processes``), largest first; causes
+    under half a percent are left out (the largest never is)."""
+    total = sum(by_cause.values()) or 1
+    top = sorted(by_cause.items(), key=lambda kv: -kv[1])[:limit]
+    return ", ".join(f"{cause} {100 * ns / total:.0f}%" for k, (cause, ns) in enumerate(top)
+                     if k == 0 or ns * 200 >= total)

@@ -85,6 +85,9 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             - {s["culprit"]["pid"] for s in reads}
         held = sum(p["ns"] for s in reads for p in s["breakdown"] if p["pid"] in fast)
         assert held < 0.02 * sum(s["duration_ns"] for s in reads), [s["breakdown"] for s in reads]
+        slow = reads[0]["culprit"]["pid"]  # whose stall time it is, by process: the slow worker's
+        assert report["top_processes"][0]["pid"] == slow and report["top_processes"][0]["share_pct"] >= 95, \
+            report["top_processes"]
         pinned = name == "torch_straggler_pinned"
         assert all(s["via"][:pinned + 1] == [f"wait:pid {s['device_pid']}"] * pinned
                    + [f"wait:pid {s['culprit']['pid']}"] for s in reads), [s["via"] for s in reads]
