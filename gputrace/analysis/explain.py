@@ -103,6 +103,11 @@ def _expired(sc: Syscall, o: OffCpu) -> bool:
     return _timed_out(sc) or (sc.name in FUTEXES and o.waker_comm == TIMER_WAKER)
 
 
+def _on_pipe_or_socket(sc: Syscall) -> bool:
+    """A wait on an fd that names a pipe or socket (poll/select/epoll on one, or a read, recv or accept)."""
+    return sc.fd >= 0 and bool(sc.obj) and classify(sc) == "wait"
+
+
 def _cpu_holders(waits: list[tuple[OffCpu, int, int]]) -> Counter[tuple[int, int, str]]:
     """Who had the CPU each off-CPU span waited for within its window [a, b) (a preemption, or the time from
     a wakeup on): (pid, tid, comm) with the time of that window."""
@@ -199,8 +204,9 @@ class Explainer:
         sys_index = self.cap.syscalls.get(tid)
         if sys_index is None or depth >= MAX_DEPTH:
             return None
+        # a futex word other threads of the process wait on too (the GIL's) is a lock's, never a relay's
         calls = [sc for sc in sys_index.overlapping(a, b)
-                 if classify(sc) == "wait" and (sc.name in FUTEXES or sc.fd >= 0 and sc.obj)]
+                 if _on_pipe_or_socket(sc) or sc.name in FUTEXES and len(self._futex_word(sc)[0]) == 1]
         for sc in reversed(calls):
             o = self._delivery(sc, a, b)
             if o is None or (sc.name in FUTEXES and not self._relayed(sc, o)):
@@ -223,13 +229,11 @@ class Explainer:
         waited, its waker was handed something on a pipe or socket by a traced task, then woke it. That is a
         queue between threads (PyTorch's pin-memory thread takes each batch off the workers' queue and puts
         it on the trainer's ``queue.Queue``; a thread pool's future). A lock handed over is not: its holder
-        took it before this thread waited. Nor is a wait on a word other threads of the process wait on too
-        (the GIL's): its holder may have been handed its data during the wait and taken the lock after it."""
-        if len(self._futex_word(sc)[0]) > 1:
-            return False
+        took it before this thread waited. (A word other threads of the process wait on too, the GIL's, is
+        not asked about: its holder may have been handed its data during the wait and taken the lock after.)"""
         index = self.cap.syscalls.get(o.waker_tid)
         return index is not None and any(
-            c.fd >= 0 and c.obj and classify(c) == "wait" and self._delivery(c, sc.start_ns, o.wake_ns) is not None
+            _on_pipe_or_socket(c) and self._delivery(c, sc.start_ns, o.wake_ns) is not None
             for c in index.overlapping(sc.start_ns, o.wake_ns))
 
     def _futex_word(self, sc: Syscall) -> tuple[set[int], set[int]]:
