@@ -319,6 +319,34 @@ def test_stall_time_by_process(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "Stall time by process" in out and row in out, out
 
 
+def test_a_breakdown_keeps_every_part(tmp_path: Path) -> None:
+    """A worker that read eight shard files for one stall: the breakdown names the five largest and folds
+    the other three into one entry for that worker and cause, so the entries add up to the whole stall and
+    the worker's row in ``top_processes`` holds all eight reads."""
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,
+                                                           (WORKER, WORKER, "pt_data_worker"))
+    b.proc(WORKER, "pt_data_worker", TRAINER)
+    reads = [(10.5 + 3.5 * k, 10.5 + 3.5 * k + 3.0 - 0.1 * k) for k in range(8)]  # shorter and shorter
+    for k, (start, end) in enumerate(reads):
+        b.syscall(WORKER, WORKER, "pread64", start, end, f"/data/shard-{k}.bin", 1 << 20)
+        b.offcpu(WORKER, WORKER, start + 0.05, end - 0.05, "D", waker=(0, 0, "swapper/1"))
+    r = run(b, tmp_path)
+    s = only_stall(r)
+    # the worker's CPU between its reads (8.6 ms) is the largest part: it and four shards are named
+    assert [(p["cause"], p["object"]) for p in s["breakdown"][:5]] == \
+        [("cpu", "")] + [("storage", f"/data/shard-{k}.bin") for k in range(4)], s["breakdown"]
+    storage = [p for p in s["breakdown"] if p["cause"] == "storage"]
+    assert [p["object"] for p in storage] == [f"/data/shard-{k}.bin" for k in range(4)] + [""], s["breakdown"]
+    assert storage[-1]["objects"] == 4 and all("objects" not in p for p in s["breakdown"][:5])
+    read_ns = [ns(end) - ns(start) for start, end in reads]
+    assert abs(storage[-1]["ns"] - sum(read_ns[4:])) <= 4, storage[-1]
+    assert sum(p["ns"] for p in storage) == pytest.approx(sum(read_ns), abs=10)
+    assert sum(p["ns"] for p in s["breakdown"]) == pytest.approx(ns(39.8) - ns(10), abs=ns(0.2))
+    worker = next(p for p in r["top_processes"] if p["pid"] == WORKER)
+    assert worker["by_cause"]["storage"] == sum(p["ns"] for p in storage), worker
+
+
 def test_cpu_in_a_worker(tmp_path: Path) -> None:
     b = trainer()
     b.syscall(TRAINER, TRAINER, "futex", 9.0, 39.9).offcpu(TRAINER, TRAINER, 9.0, 39.85, "S", 39.8,

@@ -13,15 +13,15 @@ TRAINER, WORKER = 100, 200
 PATH = "/data/shard-0042.bin"
 
 
-def _run(tmp_path: Path, name: str, read_ms: float, cpu_ms: float, **kw: bool) -> Path:
+def _run(tmp_path: Path, name: str, read_ms: float, cpu_ms: float, worker: int = WORKER, **kw: bool) -> Path:
     """A trainer whose GPU waits on a worker's pread of PATH (read_ms), then on its own host work (cpu_ms)."""
     b = Builder().proc(TRAINER, "python").device(TRAINER)
     b.op(TRAINER, TRAINER, 0.0, 0.0, 10.0, "fwd")
     end = 10.0 + read_ms
     b.syscall(TRAINER, TRAINER, "futex", 9.0, end - 0.1)
-    b.offcpu(TRAINER, TRAINER, 9.0, end - 0.15, "S", end - 0.2, (WORKER, WORKER, "pt_data_worker"))
-    b.proc(WORKER, "pt_data_worker", TRAINER).syscall(WORKER, WORKER, "pread64", 9.5, end - 0.3, PATH, 1 << 20)
-    b.offcpu(WORKER, WORKER, 9.6, end - 0.35, "D", waker=(0, 0, "swapper/1"))
+    b.offcpu(TRAINER, TRAINER, 9.0, end - 0.15, "S", end - 0.2, (worker, worker, "pt_data_worker"))
+    b.proc(worker, "pt_data_worker", TRAINER).syscall(worker, worker, "pread64", 9.5, end - 0.3, PATH, 1 << 20)
+    b.offcpu(worker, worker, 9.6, end - 0.35, "D", waker=(0, 0, "swapper/1"))
     b.op(TRAINER, TRAINER, end - 0.05, end, end + 10, "bwd")
     b.op(TRAINER, TRAINER, end + 10 + cpu_ms - 0.05, end + 10 + cpu_ms, end + 20 + cpu_ms, "step")
     return b.write(tmp_path / name, **kw)
@@ -50,6 +50,27 @@ def test_compare_json_puts_the_same_file_side_by_side(tmp_path: Path) -> None:
     assert (cpu["cause"], cpu["before_ns"], cpu["after_ns"]) == ("cpu", 20 * ms, 20 * ms)
     f = next(c for c in doc["culprits"] if c["kind"] == "file")
     assert (f["culprit"], f["before_ns"], f["after_ns"]) == (PATH, 30 * ms, 5 * ms)  # matched by name
+
+
+def test_compare_matches_processes_by_name(tmp_path: Path) -> None:
+    """The worker has another pid in the second run: the processes table matches them by name (and keeps
+    the GPU process's own time apart)."""
+    before = _run(tmp_path, "b.gputrace", 30, 20)
+    after = _run(tmp_path, "a.gputrace", 5, 20, worker=WORKER + 77)
+    r = _compare(str(before), str(after), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    worker, own = doc["processes"]
+    assert (worker["comm"], worker["gpu_process"], worker["before_processes"], worker["after_processes"]) == \
+        ("pt_data_worker", False, 1, 1), worker
+    ms = ns(1) - ns(0)
+    assert abs(worker["before_ns"] - 30 * ms) < ms and abs(worker["after_ns"] - 5 * ms) < ms, worker
+    assert worker["change_points"] == round(100 * worker["after_ns"] / (55 * ms)
+                                            - 100 * worker["before_ns"] / (80 * ms), 2)
+    assert (own["comm"], own["gpu_process"]) == ("python", True) and abs(own["after_ns"] - 20 * ms) < ms, own
+    out = _compare(str(before), str(after)).stdout
+    assert "Stall time by process name" in out and "pt_data_worker" in out and "python (GPU process)" in out
+    assert "1 → 1" in out, out
 
 
 def test_compare_on_a_terminal_and_its_warnings(tmp_path: Path) -> None:

@@ -257,3 +257,14 @@ def render_compare(doc: dict[str, Any], console: Console, before: str, after: st
             t.add_row(*_cells(r["kind"], shown(r["culprit"]), f"{r['before_pct']:.1f}%" if r["before_ns"] else "-",
                               f"{r['after_pct']:.1f}%" if r["after_ns"] else "-"))
         console.print(t)
+    if doc.get("processes"):
+        t = Table(title="Stall time by process name (% of GPU window; processes of one name summed)",
+                  title_justify="left")
+        for col in ("process", "processes", "before", "after", "change"):
+            t.add_column(col, justify="left" if col == "process" else "right")
+        for r in doc["processes"]:
+            name = f"{r['comm']} (GPU process)" if r["gpu_process"] else r["comm"]
+            t.add_row(*_cells(shown(name), f"{r['before_processes']} → {r['after_processes']}",
+                              f"{r['before_pct']:.1f}%" if r["before_ns"] else "-",
+                              f"{r['after_pct']:.1f}%" if r["after_ns"] else "-", _points(r["change_points"])))
+        console.print(t)

@@ -123,11 +123,22 @@ def _cpu_held_by(parts: list[Part], best: Part) -> dict[str, Any]:
 
 
 def _breakdown(parts: list[Part]) -> list[dict[str, Any]]:
-    totals: dict[tuple[str, int, str], int] = {}
+    """The parts summed by (cause, pid, object), the largest ``MAX_BREAKDOWN`` first; the rest is folded by
+    (cause, pid) with an empty object and ``objects`` (how many it holds), so the entries always add up to
+    the whole stall (a worker's reads of forty shard files are all still that worker's)."""
+    totals: Counter[tuple[str, int, str]] = Counter()
     for p in parts:
-        totals[p.key()] = totals.get(p.key(), 0) + p.ns
-    top = sorted(totals.items(), key=lambda kv: -kv[1])[:MAX_BREAKDOWN]
-    return [{"cause": c, "pid": pid, "object": obj, "ns": ns} for (c, pid, obj), ns in top]
+        totals[p.key()] += p.ns
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    out = [{"cause": c, "pid": pid, "object": obj, "ns": ns} for (c, pid, obj), ns in ranked[:MAX_BREAKDOWN]]
+    rest: dict[tuple[str, int], list[int]] = {}
+    for (c, pid, _obj), ns in ranked[MAX_BREAKDOWN:]:
+        acc = rest.setdefault((c, pid), [0, 0])
+        acc[0] += ns
+        acc[1] += 1
+    out += [{"cause": c, "pid": pid, "object": "", "ns": ns, "objects": n}
+            for (c, pid), (ns, n) in sorted(rest.items(), key=lambda kv: -kv[1][0])]
+    return out
 
 
 def _from_parts(parts: list[Part], gpu_ev: list[dict[str, Any]]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Runs differ in length, so times are compared as shares of each run's GPU window (percentage points). Files,
 peers and collectives keep their names from run to run and are matched by name; processes get new pids in
-every run, so each run's processes are listed on their own.
+every run, so each run's processes are listed on their own among the culprits, and matched by name (and
+whether their GPU stalled) in ``processes``: the DataLoader workers of one run against the other's.
 """
 
 from __future__ import annotations
@@ -70,6 +71,22 @@ def _culprits(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, A
              "after_pct": _pct(a, wa)} for (kind, label), (b, a) in top]
 
 
+def _processes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each run's ``top_processes`` summed by (comm, gpu_process): how many processes of that name had stall
+    time in each run, and how much (as a share of the run's window)."""
+    acc: dict[tuple[str, bool], list[int]] = {}
+    for i, report in enumerate((before, after)):
+        for p in report.get("top_processes", []):
+            row = acc.setdefault((str(p["comm"]), bool(p["gpu_process"])), [0, 0, 0, 0])
+            row[i] += int(p["stall_ns"])
+            row[2 + i] += 1
+    wb, wa = before["summary"]["window_ns"], after["summary"]["window_ns"]
+    top = sorted(acc.items(), key=lambda kv: -max(_pct(kv[1][0], wb), _pct(kv[1][1], wa)))[:TOP_CULPRITS]
+    return [{"comm": comm, "gpu_process": gpu, "before_processes": nb, "after_processes": na,
+             "before_ns": b, "after_ns": a, "before_pct": _pct(b, wb), "after_pct": _pct(a, wa),
+             "change_points": _change(b, wb, a, wa)} for (comm, gpu), (b, a, nb, na) in top]
+
+
 def _notes(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
     notes = []
     for name, side in (("before", b), ("after", a)):
@@ -102,4 +119,5 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
             "busy_change_points": _change(b["busy_ns"], wb, a["busy_ns"], wa),
             "stall_change_points": _change(b["stall_ns"], wb, a["stall_ns"], wa),
             "input_change_points": _input_change(b, a),
-            "by_cause": _by_cause(before, after), "culprits": _culprits(before, after), "notes": _notes(b, a)}
+            "by_cause": _by_cause(before, after), "culprits": _culprits(before, after),
+            "processes": _processes(before, after), "notes": _notes(b, a)}

@@ -215,9 +215,10 @@ def top_culprits(stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str
 
 
 def top_processes(cap: Capture, stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str, Any]]:
-    """The processes the stall time went to, most first: each stall's ``breakdown`` (its largest parts,
-    by cause, process and object) summed by process. A DataLoader's stalls on many shard files are one
-    worker's; the GPU process's own time (``gpu_process``) is there too. ``unknown`` names no process."""
+    """The processes the stall time went to, most first: each stall's whole ``breakdown`` (the largest
+    parts by cause, process and object, the rest by cause and process) summed by process. A DataLoader's
+    stalls on many shard files are one worker's; the GPU process's own time (``gpu_process``) is there
+    too. ``unknown`` names no process."""
     total = sum(s["duration_ns"] for s in stalls)
     gpu_pids = {s.get("device_pid") for s in stalls}
     acc: dict[int, tuple[Counter[str], set[int]]] = {}

@@ -16,7 +16,8 @@ EXAMPLES = """\
   gputrace compare before.gputrace after.gputrace --json   the gputrace.compare/1 JSON on stdout
 
 Runs differ in length, so times are compared as shares of each run's GPU window. Files, peers and
-collectives are matched by name; processes get new pids in every run and are listed per run.
+collectives are matched by name; processes get new pids in every run: they are listed per run among
+the culprits, and summed by name (all DataLoader workers of each run) in their own table.
 """
 
 
