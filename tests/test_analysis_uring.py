@@ -161,3 +161,32 @@ def test_perfetto_draws_the_request_and_an_arrow_from_it_to_the_stall(tmp_path: 
     assert (req.ts, req.args["obj"], req.args["flags"], req.args["ring_fd"]) == (ns(9.05), PATH, "async", RING)
     linked = [a for a, b in trace.flows if trace.track_of(b).name == "stalls"]
     assert req in linked and any(a.name == "io_uring_enter" for a in linked), [a.name for a in linked]
+
+
+def test_an_fsync_whose_writes_sat_in_the_throttle(tmp_path: Path) -> None:
+    """A checkpoint's fsync: the thread itself only read some metadata (its own requests, reads); its data
+    went out later, dispatched by the throttle's kworker. Both are the fsync's wait, and the kworker's read
+    meanwhile (the other direction) is not. An fsync that wrote its own data keeps just its own requests."""
+    ckpt = "/data/ckpt-001.pt"
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "fsync", 10.5, 39.8, ckpt).offcpu(TRAINER, TRAINER, 10.6, 39.75, "D",
+                                                                  waker=(0, 0, "[irq]"))
+    b.block(TRAINER, TRAINER, 10.55, 10.65, 1024, comm="python", rwbs="RAM")
+    b.block(KWORKER, KWORKER, 20.0, 20.2, 4096, comm="kworker/1:2", rwbs="R")
+    b.block(KWORKER, KWORKER, 39.0, 39.6, 256 << 10, comm="kworker/1:2", rwbs="WS")
+    s = only_stall(run(b, tmp_path, header=MOUNTS))
+    c = s["culprit"]
+    assert (s["cause"], c["op"], c["object"], c["pid"]) == ("storage", "fsync", ckpt, TRAINER)
+    assert (c["block_requests"], c["block_bytes"], c["block_attribution"], c["dispatched_by"]) == \
+        (2, (256 << 10) + 1024, "dispatched", "kworker/1:2"), c
+    assert [e["what"] for e in s["evidence"] if e["kind"] == "block"] == ["RAM 1024 B on loop0",
+                                                                         "WS 262144 B on loop0"]
+
+    b = trainer()
+    b.syscall(TRAINER, TRAINER, "fsync", 10.5, 39.8, ckpt).offcpu(TRAINER, TRAINER, 10.6, 39.75, "D",
+                                                                  waker=(0, 0, "[irq]"))
+    b.block(TRAINER, TRAINER, 10.55, 39.6, 256 << 10, comm="python", rwbs="WS")
+    b.block(KWORKER, KWORKER, 39.0, 39.6, 4096, comm="kworker/1:2", rwbs="WS")  # another writer's
+    c = only_stall(run(b, tmp_path, header=MOUNTS))["culprit"]
+    assert (c["block_requests"], c["block_bytes"], c["block_attribution"]) == (1, 256 << 10, "submitted"), c
+    assert "dispatched_by" not in c

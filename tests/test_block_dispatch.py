@@ -187,6 +187,7 @@ def test_requests_a_kworker_dispatched_go_under_the_read(tmp_path: Path) -> None
     c = s["culprit"]
     assert s["cause"] == "storage" and (c["pid"], c["object"]) == (TRAINER, DATA)
     assert (c["block_requests"], c["block_device"], c["block_latency_ns"]) == (2, "loop3", 1_500_000)
+    assert c["block_bytes"] == 256 << 10
     assert (c["block_attribution"], c["dispatched_by"], c["block_shared"]) == ("dispatched", "kworker/u4:2", False)
     blocks = [e for e in s["evidence"] if e["kind"] == "block"]
     assert [(e["pid"], e["tid"], e["start_ns"]) for e in blocks] == [
@@ -194,7 +195,7 @@ def test_requests_a_kworker_dispatched_go_under_the_read(tmp_path: Path) -> None
         (KWORKER, KWORKER, ns(36)),
     ]
     assert KWORKER not in analyze_pids(tmp_path), "a kernel worker is not a traced process"
-    assert describe(s) == ("pid 100 (python) pread64 /data/shard-0042.bin, 2 block requests on loop3, "
+    assert describe(s) == ("pid 100 (python) pread64 /data/shard-0042.bin, 2 block requests (256 KiB) on loop3, "
                            "1.5 ms device latency (dispatched by kworker/u4:2) [ext4]")
 
 

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.analysis.report import causes_text, culprit_label, holders_text, pid_text
+from gputrace.analysis.timefmt import fmt_bytes
 
 TOP_STALLS = 10
 TOP_WAITING = 10
@@ -173,7 +174,8 @@ def describe(s: dict[str, Any]) -> str:
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):
         n = c["block_requests"]
-        text += f", {n} block request{'s' if n != 1 else ''} on {c['block_device']}, " \
+        size = f" ({fmt_bytes(c['block_bytes'])})" if c.get("block_bytes") else ""
+        text += f", {n} block request{'s' if n != 1 else ''}{size} on {c['block_device']}, " \
                 f"{ms(c['block_latency_ns'])} device latency"
         if c.get("dispatched_by"):  # throttled I/O: a kernel worker issued the requests the read waited on
             text += f" (dispatched by {c['dispatched_by']})"

@@ -28,6 +28,15 @@ WRITE_OPS = frozenset({
 })  # fmt: skip
 
 
+def _writes(sc: Syscall) -> bool:
+    return uring.writes(sc) if uring.is_request(sc) else sc.name in WRITE_OPS
+
+
+def _direction(b: BlockIO, write: bool) -> bool:
+    """A request in a call's direction: a write or flush for a write, a read for a read."""
+    return any(c in b.rwbs for c in (("W", "F") if write else ("R",)))
+
+
 @dataclass
 class Tie:
     blocks: list[BlockIO]
@@ -54,13 +63,15 @@ class BlockTies:
     def for_syscall(self, sc: Syscall) -> Tie | None:
         index = self.cap.blocks.get(sc.tid)
         own = index.starting_in(sc.start_ns, sc.end_ns) if index else []
-        if own:
+        if any(_direction(b, _writes(sc)) for b in own):
             return Tie(own, "submitted")
         dev = self.device(sc.obj)
         found = self._dispatched(sc, dev) if dev else []
-        if not found:
-            return None
-        return Tie(found, "dispatched", self._sharing(sc, dev, found))
+        if not found:  # none in its direction: a read's own requests, or an fsync's metadata reads
+            return Tie(own, "submitted") if own else None
+        # an fsync that read some metadata itself while its writes sat in blk-throttle: both are its wait
+        blocks = sorted(own + found, key=lambda b: b.issue_ns)
+        return Tie(blocks, "dispatched", self._sharing(sc, dev, found))
 
     def for_request(self, req: Syscall) -> Tie | None:
         """The block requests under an io_uring request (as ``uring.as_call`` shapes it)."""
@@ -84,11 +95,10 @@ class BlockTies:
         return self._device[path]
 
     def _dispatched(self, sc: Syscall, dev: str) -> list[BlockIO]:
-        write = uring.writes(sc) if uring.is_request(sc) else sc.name in WRITE_OPS
-        want = ("W", "F") if write else ("R",)
+        write = _writes(sc)
         traced = self.cap.kernel_pids
         return [b for b in self.cap.blocks_by_dev[dev].starting_in(sc.start_ns, sc.end_ns)
-                if b.tid != sc.tid and b.pid not in traced and any(c in b.rwbs for c in want)]  # fmt: skip
+                if b.tid != sc.tid and b.pid not in traced and _direction(b, write)]  # fmt: skip
 
     def _sharing(self, sc: Syscall, dev: str, found: list[BlockIO]) -> list[int]:
         calls = self._calls_on(dev)

@@ -418,7 +418,7 @@ class Explainer:
         ev = [evidence_syscall(sc)]
         if tie is not None:
             ev += [evidence_block(b) for b in tie.blocks[:MAX_EVIDENCE]]
-            culprit.update(self._block_fields(tie))
+            culprit.update(self._block_fields(tie, sc.tid))
         if sc.name == FAULT_OP:  # what the fault brought in is what its requests read
             culprit.update(offset=sc.arg, bytes=sum(b.nbytes for b in tie.blocks) if tie else 0)
         blocks = tie.blocks if tie else []
@@ -437,13 +437,14 @@ class Explainer:
             extra["remote_fs"] = is_remote_fs(fstype)
         return Part("storage", ns, culprit, evidence=ev, extra=extra)
 
-    def _block_fields(self, tie: Tie) -> dict[str, Any]:
+    def _block_fields(self, tie: Tie, tid: int) -> dict[str, Any]:
         blocks = tie.blocks
-        out: dict[str, Any] = {"block_requests": len(blocks), "block_device": blocks[0].dev,
+        out: dict[str, Any] = {"block_requests": len(blocks), "block_bytes": sum(b.nbytes for b in blocks),
+                               "block_device": blocks[0].dev,
                                "block_latency_ns": max(b.complete_ns - b.issue_ns for b in blocks),
                                "block_attribution": tie.how}
         if tie.how == "dispatched":
-            out["dispatched_by"] = ", ".join(sorted({b.comm for b in blocks}))
+            out["dispatched_by"] = ", ".join(sorted({b.comm for b in blocks if b.tid != tid}))
             out["block_shared"] = bool(tie.shared_with)
             if tie.shared_with:
                 out["block_shared_with"] = sorted({self.cap.pid_of(t) or t for t in tie.shared_with})

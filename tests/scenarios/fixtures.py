@@ -43,8 +43,9 @@ def make_files(directory: Path, prefix: str, count: int, size: int) -> list[str]
 
 
 @contextlib.contextmanager
-def blkio_cgroups(devnum: str, read_bps: list[int]) -> Iterator[list[str]]:
-    """One cgroup v1 blkio group per rate, each throttling reads of ``devnum``."""
+def blkio_cgroups(devnum: str, read_bps: list[int], write_bps: int = 0) -> Iterator[list[str]]:
+    """One cgroup v1 blkio group per rate, each throttling reads of ``devnum`` (and writes, to ``write_bps``,
+    where given: an fsync's writeback is its caller's)."""
     groups = []
     try:
         for i, bps in enumerate(read_bps):
@@ -52,6 +53,8 @@ def blkio_cgroups(devnum: str, read_bps: list[int]) -> Iterator[list[str]]:
             g.mkdir()
             groups.append(g)
             (g / "blkio.throttle.read_bps_device").write_text(f"{devnum} {bps}\n")
+            if write_bps:
+                (g / "blkio.throttle.write_bps_device").write_text(f"{devnum} {write_bps}\n")
         yield [str(g) for g in groups]
     finally:
         for g in groups:

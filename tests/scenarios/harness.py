@@ -178,6 +178,13 @@ def _torch_straggler(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {**_torch_loader(w, st), "workers": 3, "steps": 15, "work_ms": 30, "warm_up": True}
 
 
+def _checkpoint(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # 4 checkpoints of 256 KiB, each written and fsynced at 1 MiB/s (~250 ms beyond blk-throttle's first slice)
+    mnt, devnum = st.enter_context(fixtures.loop_filesystem(w))
+    cgroups = st.enter_context(fixtures.blkio_cgroups(devnum, [64 << 20], write_bps=1 << 20))
+    return {"steps": 8, "dir": str(mnt), "ckpt_bytes": 256 * KIB, "cgroups": cgroups}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -198,6 +205,7 @@ SCENARIOS: dict[str, Setup] = {
     "torch_loader_pinned": lambda w, st: {**_torch_loader(w, st), "pin_memory": True},
     "torch_straggler": _torch_straggler,
     "torch_straggler_pinned": lambda w, st: {**_torch_straggler(w, st), "pin_memory": True},
+    "checkpoint": _checkpoint,
 }
 
 

@@ -101,6 +101,15 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             assert c.get("block_requests", 0) > 0 and c["block_attribution"] == "dispatched", c
             whats = [e["what"].split("(")[0] for e in s["evidence"][:2]]
             assert whats == ["io_uring_enter", "io_uring read"], s["evidence"]
+    elif name == "checkpoint":
+        # the trainer's own fsync of each checkpoint: its data sat in blk-throttle until a kworker dispatched
+        # it (the fsync itself may read some metadata first); the journal's commit is jbd2's
+        for s in stalls:
+            c = s["culprit"]
+            assert c["op"] == "fsync" and c["pid"] == s["device_pid"] and not s["via"], c
+            assert c["block_attribution"] == "dispatched" and "kworker" in c["dispatched_by"], c
+            assert c["block_bytes"] >= 256 * 1024, c
+            assert any(e["kind"] == "block" and e["what"].startswith("W") for e in s["evidence"]), s["evidence"]
     elif name == "asyncio_fetch":  # the event loop's epoll_wait names the peer's socket it found ready
         assert all(s["culprit"]["op"].startswith("epoll") for s in stalls), [s["culprit"] for s in stalls]
 

@@ -296,6 +296,34 @@ def sync_then_work(cfg: dict[str, Any]) -> None:
     s.synchronize()
 
 
+def save_checkpoint(path: str, nbytes: int) -> None:
+    """Write a checkpoint as torch.save to a file does (chunks of serialized state), then make it durable."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(nbytes // (64 << 10)):
+            os.write(fd, os.urandom(64 << 10))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint(cfg: dict[str, Any]) -> None:
+    """Every other step the trainer waits for the device, then saves a checkpoint on a filesystem whose
+    writes are throttled (its blkio cgroup) before it launches the next step: the fsync holds the GPU."""
+    join_cgroup(cfg["cgroups"][0])
+    truth = Truth(cfg["truth"])
+    s = Device(0).stream()
+    s.launch("warmup", KERNEL_MS)
+    for k in range(cfg["steps"]):
+        if k % 2:
+            s.synchronize()  # the state to save is on the host now
+            path = os.path.join(cfg["dir"], f"ckpt-{k:03d}.pt")
+            save_checkpoint(path, cfg["ckpt_bytes"])
+            truth.label("storage", path, os.getpid())
+        s.launch(f"train_step_{k}", KERNEL_MS)
+    s.synchronize()
+
+
 def contention(cfg: dict[str, Any]) -> None:
     """More busy processes than cores: the trainer shares CPU 0 with three spinning hogs."""
     hogs = []
@@ -579,7 +607,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
     "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
-    "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader,
+    "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader, "checkpoint": checkpoint,
 }  # fmt: skip
 
 if __name__ == "__main__":
