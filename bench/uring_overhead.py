@@ -8,7 +8,9 @@ against the same round's untraced run; ns/op is the best round): untraced; trace
 source with its default threshold (100 us: these requests are summed in the kernel, the io_uring_enter calls
 too); traced with threshold 0 (every request and every call is an event written to the capture); untraced
 while the source traces another process (what the io_uring programs cost everyone else: a target check at
-submission, a hash lookup at completion).
+submission, a hash lookup at completion). The traced and tracing-another modes run twice: with the io_uring
+programs on raw tracepoints (the default where BTF describes them) and on the classic ones (which
+``sched_hook="classic"`` brings: the scheduler's hooks go classic too), side by side.
 """
 
 from __future__ import annotations
@@ -47,21 +49,23 @@ void work(long n) { for (long i = 0; i < n; i++) gt_uring_pread(fd, buf, sizeof 
 
 
 @contextmanager
-def traced(pid: int, out: Path, threshold_ns: int | None = None) -> Iterator[None]:
+def traced(pid: int, out: Path, threshold_ns: int | None = None, hook: str = "auto") -> Iterator[None]:
     path = out / f"bench-{pid}.gputrace"
-    opts = {} if threshold_ns is None else {"threshold_ns": threshold_ns}
+    opts: dict[str, Any] = {"sched_hook": hook}
+    if threshold_ns is not None:
+        opts["threshold_ns"] = threshold_ns
     with source_capture(path, EbpfSource([pid], **opts), ["bench"]):
         yield
     path.unlink()
 
 
 @contextmanager
-def tracing_another(out: Path) -> Iterator[None]:
+def tracing_another(out: Path, hook: str = "auto") -> Iterator[None]:
     import subprocess
 
     other = subprocess.Popen(["sleep", "3600"])
     try:
-        with traced(other.pid, out):
+        with traced(other.pid, out, hook=hook):
             yield
     finally:
         other.kill()
@@ -92,6 +96,9 @@ def measure(loop: TimedLoop, out: Path, rounds: int) -> dict[str, list[float]]:
         ("traced (default threshold: summed)", lambda: traced(loop.pid, out)),
         ("traced, threshold 0 (every request)", lambda: traced(loop.pid, out, 0)),
         ("untraced, gputrace tracing another", lambda: tracing_another(out)),
+        ("traced, classic io_uring tracepoints", lambda: traced(loop.pid, out, hook="classic")),
+        ("traced, classic, threshold 0", lambda: traced(loop.pid, out, 0, hook="classic")),
+        ("untraced, tracing another, classic", lambda: tracing_another(out, "classic")),
     ]
     runs: dict[str, list[float]] = {}
     for _ in range(rounds):

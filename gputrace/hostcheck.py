@@ -133,13 +133,17 @@ def check_btf() -> Check:
         return Check(name, WARN, f"{path} missing", "the scheduler hooks fall back to classic tracepoints (the "
                      "kernel skips some wakeups) and page-fault waits are not named; use a kernel with "
                      "CONFIG_DEBUG_INFO_BTF")
-    from gputrace.probes.ebpf_hooks import task_pid_offset
+    from gputrace.probes.ebpf_hooks import task_pid_offset, uring_hook
+    from gputrace.probes.ebpf_host import uring_supported
 
     size = f"{path} ({path.stat().st_size // 1024} KiB)"
     if task_pid_offset() is None:
         return Check(name, WARN, f"{size}: task_struct.pid not found in it",
                      "the scheduler hooks fall back to classic tracepoints (the kernel skips some wakeups)")
-    return Check(name, OK, f"{size}, task_struct.pid found")
+    if uring_supported() and (why := uring_hook("raw")[1]):
+        return Check(name, OK, f"{size}, task_struct.pid found; io_uring hooks classic: {why}")
+    return Check(name, OK, f"{size}, task_struct.pid found" + ("; io_uring request layout found"
+                                                              if uring_supported() else ""))
 
 
 # ------------------------------------------------------------------------------------- tracepoints ----

@@ -147,6 +147,44 @@ class Btf:
         return 0
 
 
+KIND_PTR, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 8, 13
+
+
+def type_text(btf: Btf, tid: int) -> str:
+    """A C spelling of type `tid` good enough to compare prototypes: 'struct io_kiocb *', 'int', 'void *'
+    (typedefs by name, qualifiers dropped)."""
+    if tid == 0:
+        return "void"
+    if not 0 < tid < len(btf._offsets):
+        return "?"
+    name, kind, _, _, _ = btf._type(tid)
+    target = _TYPE.unpack_from(btf._data, btf._offsets[tid])[2]
+    if kind == KIND_PTR:
+        return type_text(btf, target) + " *"
+    if kind in (9, 10, 11, 18):  # volatile, const, restrict, type tag
+        return type_text(btf, target)
+    return {KIND_STRUCT: "struct ", KIND_UNION: "union ", 6: "enum "}.get(kind, "") + name
+
+
+def tracepoint_args(btf: Btf, name: str) -> list[str] | None:
+    """The argument types a raw tracepoint program gets in ctx->args for tracepoint `name`: its
+    ``btf_trace_<name>`` typedef is a pointer to a function whose first parameter (the probe's data) is
+    not passed on. None when BTF does not have it in that shape."""
+    for tid in btf.find(KIND_TYPEDEF, f"btf_trace_{name}"):
+        ptr = _TYPE.unpack_from(btf._data, btf._offsets[tid])[2]
+        if not 0 < ptr < len(btf._offsets) or btf._type(ptr)[1] != KIND_PTR:
+            continue
+        proto = _TYPE.unpack_from(btf._data, btf._offsets[ptr])[2]
+        if not 0 < proto < len(btf._offsets):
+            continue
+        _, kind, _, vlen, pos = btf._type(proto)
+        if kind != KIND_FUNC_PROTO or vlen < 1:
+            continue
+        params = [struct.unpack_from("<II", btf._data, pos + 8 * i)[1] for i in range(vlen)]
+        return [type_text(btf, t) for t in params[1:]]
+    return None
+
+
 def kernel_btf(path: Path = VMLINUX) -> Btf | None:
     """The running kernel's BTF, parsed (about a second, 15 MB while held): callers keep what they need
     from it (struct_offset), not the whole."""

@@ -173,6 +173,9 @@ class EbpfSource:
         how = "raw tracepoints sys_enter/sys_exit" if self.hook == "raw" else "classic syscall tracepoints"
         detail = f"syscalls via {how}" + (f" ({self.hook_note})" if self.hook_note else "")
         detail += f"; scheduler via {self.sched} tracepoints" + (f" ({self.sched_note})" if self.sched_note else "")
+        if uring_supported():
+            uring_hook, why = hooks.uring_hook(self.sched)
+            detail += f"; io_uring via {uring_hook} tracepoints" + (f" ({why})" if why else "")
         if self.missing:
             return "degraded", f"missing tracepoints: {', '.join(self.missing)}; {detail}"
         return "started", detail
@@ -351,6 +354,8 @@ class EbpfSource:
         names = [name for _, (name, _) in sorted(sysinfo.items())]
         self.attached, missing = hooks.attach_syscalls(self._bpf, self.hook, self.syscall_hook, names)
         self.missing += missing + hooks.attach_sched(self._bpf, self.sched, self.sched_hook)
+        if uring_supported():
+            hooks.attach_uring(self._bpf, hooks.uring_hook(self.sched)[0], self.sched_hook)
         if not tracepoint_exists("block", "block_io_start"):
             self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
         if not file_faults_supported():
@@ -374,6 +379,7 @@ class EbpfSource:
             "syscall_hook_note": self.hook_note,
             "sched_hook": self.sched,
             "sched_hook_note": self.sched_note,
+            "uring_hook": hooks.uring_hook(self.sched)[0] if uring_supported() else "",
             "missing": self.missing,
             "drop_reasons": list(events.DROP_REASONS),
             "fork_markers": True,

@@ -7,6 +7,10 @@ Two groups choose between raw and classic tracepoints (docs/probes.md "Hooks"):
   raw where BTF gives `task_struct.pid`'s offset, else classic. Classic programs share one per-CPU guard,
   so the kernel skips one that fires while another runs on the CPU; a raw program is only skipped when it
   nests in itself.
+- io_uring's request hooks (`io_uring_submit_req`, `io_uring_file_get`, `io_uring_complete`) go with the
+  scheduler's: raw where BTF gives those tracepoints' prototypes as the program reads them and the
+  `io_kiocb` / `io_ring_ctx` members it needs. A classic one fills its whole record for every request on
+  the host before the program looks at it; a raw program checks the process first.
 The other programs (process tree, file faults, block I/O) stay classic.
 """
 
@@ -16,7 +20,7 @@ import functools
 from typing import Any
 
 from gputrace.errors import UserError
-from gputrace.probes.btf import VMLINUX, kernel_btf, struct_offset
+from gputrace.probes.btf import VMLINUX, Btf, kernel_btf, struct_member, struct_offset, tracepoint_args
 from gputrace.probes.ebpf_host import tracepoint_exists
 from gputrace.probes.syscalls import (
     OTHER_TRACEPOINTS,
@@ -72,6 +76,58 @@ def _task_offsets() -> tuple[int | None, int | None]:
     return struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf)
 
 
+# The raw io_uring programs' view of the kernel: each tracepoint's arguments, and (macro, struct, member,
+# sizes it may have). io_kiocb.flags is an unsigned int before 6.10, a u64 (io_req_flags_t) since.
+URING_ARGS = {
+    "io_uring_submit_req": ["struct io_kiocb *"],
+    "io_uring_file_get": ["struct io_kiocb *", "int"],
+    "io_uring_complete": ["struct io_ring_ctx *", "void *", "struct io_uring_cqe *"],
+}
+_URING_FIELDS = (
+    ("GT_REQ_OPCODE_OFF", "io_kiocb", "opcode", (1,)),
+    ("GT_REQ_FLAGS_OFF", "io_kiocb", "flags", (4, 8)),
+    ("GT_REQ_CQE_OFF", "io_kiocb", "cqe", None),
+    ("GT_CQE_USER_DATA_OFF", "io_cqe", "user_data", (8,)),
+    ("GT_REQ_CTX_OFF", "io_kiocb", "ctx", (8,)),
+    ("GT_CTX_FLAGS_OFF", "io_ring_ctx", "flags", (4,)),
+    ("GT_UCQE_USER_DATA_OFF", "io_uring_cqe", "user_data", (8,)),
+    ("GT_UCQE_RES_OFF", "io_uring_cqe", "res", (4,)),
+    ("GT_UCQE_FLAGS_OFF", "io_uring_cqe", "flags", (4,)),
+)
+
+
+@functools.cache
+def _uring_layout() -> tuple[tuple[str, ...], str]:
+    return uring_layout(kernel_btf())
+
+
+def uring_layout(btf: Btf | None) -> tuple[tuple[str, ...], str]:
+    """(-D flags for the raw io_uring programs, "") or ((), why they cannot be built) from `btf`."""
+    if btf is None:
+        return (), f"no readable BTF at {VMLINUX}"
+    for tp, want in URING_ARGS.items():
+        got = tracepoint_args(btf, tp)
+        if got != want:
+            return (), f"{tp} passes {got or 'nothing BTF describes'}, not {want}"
+    flags = []
+    for macro, struct_name, member, sizes in _URING_FIELDS:
+        found = struct_member(struct_name, member, btf)
+        if found is None or (sizes is not None and found[1] not in sizes):
+            return (), f"{struct_name}.{member} {'not found' if found is None else f'is {found[1]} bytes'} in BTF"
+        flags.append(f"-D{macro}={found[0]}")
+        if macro == "GT_REQ_FLAGS_OFF":
+            flags.append(f"-DGT_REQ_FLAGS_SIZE={found[1]}")
+    return tuple(flags), ""
+
+
+def uring_hook(sched_hook: str) -> tuple[str, str]:
+    """("raw" or "classic", why not raw) for the io_uring programs, which follow the scheduler's hook."""
+    if sched_hook != "raw":
+        return "classic", ""
+    flags, why = _uring_layout()
+    return ("raw", "") if flags else ("classic", why)
+
+
 def task_pid_offset() -> int | None:
     return _task_offsets()[0]
 
@@ -84,6 +140,10 @@ def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     flags = [f"-DGT_RAW_SYSCALLS={int(syscall_hook == 'raw')}", f"-DGT_RAW_SCHED={int(sched_hook == 'raw')}"]
     if sched_hook == "raw":
         flags += [f"-DGT_TASK_PID_OFF={task_pid_offset()}", f"-DGT_TASK_TGID_OFF={task_tgid_offset()}"]
+    raw_uring = uring_hook(sched_hook)[0] == "raw"
+    flags.append(f"-DGT_RAW_URING={int(raw_uring)}")
+    if raw_uring:
+        flags += _uring_layout()[0]
     return flags
 
 
@@ -138,6 +198,13 @@ def attach_sched(bpf: Any, hook: str, want: str) -> list[str]:
         for category, name in present:
             bpf.attach_tracepoint(tp=f"{category}:{name}".encode(), fn_name=f"gt_{name}".encode())
     return [f"{c}:{n}" for c, n in wanted if (c, n) not in present]
+
+
+def attach_uring(bpf: Any, hook: str, want: str) -> None:
+    """The raw io_uring programs (classic ones attach themselves when the program loads). A refusal falls
+    back as the scheduler's group does: the program is loaded again with both classic."""
+    if hook == "raw":
+        _attach_raw(bpf, "sched", want, [(tp, f"gt_{tp}") for tp in URING_ARGS])
 
 
 def _attach_raw(bpf: Any, group: str, want: str, pairs: list[tuple[str, str]]) -> None:

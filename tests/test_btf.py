@@ -106,3 +106,44 @@ def test_running_kernel_task_struct() -> None:
     pid, tgid = btf.struct_offset("task_struct", "pid"), btf.struct_offset("task_struct", "tgid")
     assert pid is not None and tgid == pid + 4
     assert btf.struct_offset("pt_regs", "orig_ax") == 15 * 8  # x86_64's fixed syscall ABI layout
+
+
+def _tracepoint_blob(file_get_fd: str = "int") -> bytes:
+    """btf_trace_* typedefs as the kernel declares them: a pointer to a prototype whose first parameter is
+    the probe's data. io_uring_file_get's fd is ``file_get_fd`` ("int", or "long" for a kernel that differs)."""
+    b = Blob()
+    void_ptr = b.add(2, "", 0, 0)  # 1: void *
+    kiocb = b.struct_("io_kiocb", 8, [])  # 2
+    kiocb_ptr = b.add(2, "", 0, kiocb)  # 3
+    const_kiocb = b.add(10, "", 0, kiocb)  # 4: const struct io_kiocb
+    const_kiocb_ptr = b.add(2, "", 0, const_kiocb)  # 5
+    fd = b.int_(file_get_fd, 4 if file_get_fd == "int" else 8)  # 6
+    for name, params in (("io_uring_submit_req", [void_ptr, const_kiocb_ptr]),
+                         ("io_uring_file_get", [void_ptr, kiocb_ptr, fd])):
+        proto = b.add(13, "", len(params), 0, b"".join(struct.pack("<II", 0, t) for t in params))
+        b.add(8, f"btf_trace_{name}", 0, b.add(2, "", 0, proto))
+    b.add(8, "btf_trace_not_a_pointer", 0, fd)
+    return b.bytes()
+
+
+def test_tracepoint_arguments_from_their_btf_trace_typedef() -> None:
+    t = btf.Btf(_tracepoint_blob())
+    assert btf.tracepoint_args(t, "io_uring_submit_req") == ["struct io_kiocb *"]  # const dropped
+    assert btf.tracepoint_args(t, "io_uring_file_get") == ["struct io_kiocb *", "int"]
+    assert btf.tracepoint_args(t, "not_a_pointer") is None
+    assert btf.tracepoint_args(t, "io_uring_complete") is None
+
+
+def test_io_uring_programs_are_raw_only_with_the_layout_they_read() -> None:
+    """This kernel's BTF gives every prototype and member the raw io_uring programs read; a kernel whose
+    prototypes differ, or with no BTF, keeps the classic tracepoints and says why."""
+    from gputrace.probes import ebpf_hooks as hooks
+
+    flags, why = hooks.uring_layout(btf.kernel_btf())
+    assert why == "" and {f.split("=")[0] for f in flags} == {f"-D{m}" for m, *_ in hooks._URING_FIELDS} | {
+        "-DGT_REQ_FLAGS_SIZE"}, flags
+    assert "-DGT_UCQE_RES_OFF=8" in flags and "-DGT_UCQE_FLAGS_OFF=12" in flags  # the UAPI io_uring_cqe
+    assert hooks.uring_hook("raw") == ("raw", "") and hooks.uring_hook("classic") == ("classic", "")
+    assert hooks.uring_layout(None) == ((), f"no readable BTF at {btf.VMLINUX}")
+    flags, why = hooks.uring_layout(btf.Btf(_tracepoint_blob("long")))
+    assert flags == () and why.startswith("io_uring_file_get passes ['struct io_kiocb *', 'long'], not"), why

@@ -66,9 +66,10 @@ def test_raw_path_is_used_here_and_classic_records_the_same(tmp_path: Path) -> N
     assert raw.hook == "raw" and raw_meta["syscall_hook"] == "raw" and raw_meta["syscall_hook_note"] == ""
     assert classic.hook == "classic" and classic_meta["syscall_hook"] == "classic"
     assert of(raw_records, SourceStatus)[0].detail == ("syscalls via raw tracepoints sys_enter/sys_exit; "
-                                                       "scheduler via raw tracepoints")
+                                                       "scheduler via raw tracepoints; io_uring via raw tracepoints")
     assert of(classic_records, SourceStatus)[0].detail == ("syscalls via classic syscall tracepoints; "
-                                                           "scheduler via raw tracepoints")
+                                                           "scheduler via raw tracepoints; io_uring via raw "
+                                                           "tracepoints")
     assert raw.attached == classic.attached and len(raw.attached) == len(raw_meta["syscalls"])  # type: ignore[arg-type]
 
     calls = _calls(raw_records, data)
@@ -132,7 +133,9 @@ def test_raw_and_classic_scheduler_hooks_name_the_same_wakers(tmp_path: Path) ->
         src, records, meta, (main_tid, releaser_tid) = _handoffs(tmp_path, hook, sched_hook=hook)
         want = "raw" if hook == "auto" else "classic"
         assert src.sched == want and meta["sched_hook"] == want and meta["sched_hook_note"] == ""
-        assert of(records, SourceStatus)[0].detail.endswith(f"scheduler via {want} tracepoints")
+        assert of(records, SourceStatus)[0].detail.endswith(f"scheduler via {want} tracepoints; io_uring via {want} "
+                                                            "tracepoints")
+        assert meta["uring_hook"] == want
         waits = [w for w in _waits(records, main_tid) if w.state == "S"]  # not a page-in under memory pressure
         assert len(waits) == 5, hook
         assert {(w.waker_tid, w.waker_pid) for w in waits} == {(releaser_tid, main_tid)}, hook

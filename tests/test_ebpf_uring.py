@@ -23,6 +23,7 @@ from gputrace.capture import open_capture
 from gputrace.exporters.perfetto import PerfettoExporter
 from gputrace.exporters.perfetto_check import check_trace
 from gputrace.probes import ebpf_final as final
+from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes import events, uring
 from gputrace.probes.ebpf_host import uring_supported
 from gputrace.records import BlockIO, Drops, InProgress, IoUringRequest, OffCpu, Syscall, SyscallAgg
@@ -76,13 +77,17 @@ def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
         yield fs
 
 
-def test_io_uring_reads_are_recorded_per_request(lib: Path, loopfs: LoopFs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hook", ["raw", "classic"])
+def test_io_uring_reads_are_recorded_per_request(lib: Path, loopfs: LoopFs, tmp_path: Path, hook: str) -> None:
+    """Both kinds of tracepoint record the same: raw ones (io_kiocb's layout from BTF, which this kernel has)
+    and the classic ones, which the scheduler's classic hook brings."""
     assert uring_supported(), "io_uring tracepoints with the expected fields are missing on this kernel"
     inline, worked = write_file(loopfs.mountpoint / "inline.bin", SIZE), write_file(loopfs.mountpoint / "w.bin", SIZE)
     reader = Reader(lib)
     try:
-        with ebpf_capture(tmp_path / "u.gputrace", [reader.pid], threshold_ns=0) as src:
+        with ebpf_capture(tmp_path / "u.gputrace", [reader.pid], threshold_ns=0, sched_hook=hook) as src:
             assert not [m for m in src.missing if "io_uring" in m], src.missing
+            assert hooks.uring_hook(src.sched) == (hook, ""), hooks.uring_hook(src.sched)
             runs = {inline: reader.read(inline, DROP_CACHE), worked: reader.read(worked, DROP_CACHE | ASYNC)}
     finally:
         reader.close()

@@ -1224,39 +1224,30 @@ TRACEPOINT_PROBE(block, block_rq_complete)
 #define GT_URING_AGG_NR 0x10000   /* agg key nr of short requests: this | opcode (syscall numbers are below) */
 BPF_HASH(uring, u64, struct gt_uring_val, MAX_URING);
 
-TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
+/* The request's fields, read by whichever kind of tracepoint fires; the caller checked the process. */
+static __always_inline void uring_submit(u64 id, u64 req, u64 ctx, u64 user_data, u8 opcode, u64 flags, bool sq_thread)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (!is_target(id >> 32))
-        return 0;
-    u64 req = (u64)args->req;
-    u64 flags = args->flags;
     struct gt_uring_val v = {};
     v.ts = bpf_ktime_get_ns();
-    v.ctx = (u64)args->ctx;
-    v.user_data = args->user_data;
+    v.ctx = ctx;
+    v.user_data = user_data;
     v.pid = id >> 32;
     v.tid = (u32)id;
     v.fd = -1;
-    v.ring_fd = args->sq_thread ? -1 : uring_ring_fd(v.tid);
-    v.opcode = args->opcode;
+    v.ring_fd = sq_thread ? -1 : uring_ring_fd(v.tid);
+    v.opcode = opcode;
     v.flags = ((flags & GT_REQ_F_FIXED_FILE) ? GT_URING_FIXED : 0) | ((flags & GT_REQ_F_FORCE_ASYNC) ? GT_URING_ASYNC : 0) |
-              (args->sq_thread ? GT_URING_SQPOLL : 0) | ((flags & GT_REQ_F_CQE_SKIP) ? GT_URING_SKIP_CQE : 0);
+              (sq_thread ? GT_URING_SQPOLL : 0) | ((flags & GT_REQ_F_CQE_SKIP) ? GT_URING_SKIP_CQE : 0);
     if (uring.update(&req, &v))
         count_drop(GT_DROP_URING);
-    return 0;
 }
 
-/* Fires where the request gets its file: at issue, by the submitter or the io-wq worker (a fixed file: never). */
-TRACEPOINT_PROBE(io_uring, io_uring_file_get)
+/* Where the request gets its file: at issue, by the submitter or the io-wq worker (a fixed file: never). */
+static __always_inline void uring_file_get(u64 req, u64 ctx, u64 user_data, s32 fd)
 {
-    if (!is_target(bpf_get_current_pid_tgid() >> 32))
-        return 0;
-    u64 req = (u64)args->req;
     struct gt_uring_val *v = uring.lookup(&req);
-    if (v && v->ctx == (u64)args->ctx && v->user_data == args->user_data)
-        v->fd = args->fd;
-    return 0;
+    if (v && v->ctx == ctx && v->user_data == user_data)
+        v->fd = fd;
 }
 
 static __always_inline void uring_emit(struct gt_uring_val *v, u64 now, s32 res, u32 cflags)
@@ -1301,28 +1292,105 @@ static __always_inline void uring_agg(struct gt_uring_val *v, u64 dur)
     __sync_fetch_and_add(&a->total_ns, dur);
 }
 
-TRACEPOINT_PROBE(io_uring, io_uring_complete)
+static __always_inline void uring_complete(u64 req, u64 ctx, u64 user_data, s32 res, u32 cflags)
 {
-    u64 req = (u64)args->req;
     if (!req)
-        return 0; /* a CQE of no request (io_post_aux_cqe) */
+        return; /* a CQE of no request (io_post_aux_cqe) */
     struct gt_uring_val *v = uring.lookup(&req);
     if (!v)
-        return 0;
-    if (v->ctx != (u64)args->ctx || v->user_data != args->user_data || !is_target(v->pid)) {
+        return;
+    if (v->ctx != ctx || v->user_data != user_data || !is_target(v->pid)) {
         uring.delete(&req); /* an earlier request's entry at this address, or its process is no longer traced */
-        return 0;
+        return;
     }
     u64 now = bpf_ktime_get_ns();
-    u32 cflags = args->cflags;
     if (now - v->ts >= THRESHOLD_NS)
-        uring_emit(v, now, args->res, cflags);
+        uring_emit(v, now, res, cflags);
     else
         uring_agg(v, now - v->ts);
     if (cflags & GT_CQE_F_MORE)
         v->ts = now; /* the next completion of a multishot request covers the time from this one */
     else
         uring.delete(&req);
+}
+
+#if GT_RAW_URING
+/* Raw tracepoints (probes/ebpf_hooks.py: prototypes and member offsets from the kernel's BTF): the process
+ * is checked before anything is read, where a classic tracepoint fills its whole record for every request
+ * on the host first. ctx->args: (struct io_kiocb *req) */
+#define GT_IORING_SETUP_SQPOLL 0x2 /* io_ring_ctx.flags */
+#define GT_IORING_OP_MAX 128       /* above any opcode (IORING_OP_LAST is about 60): else the layout is wrong */
+int gt_io_uring_submit_req(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    void *req = (void *)ctx->args[0];
+    u64 ring = 0, user_data = 0, flags = 0;
+    u8 opcode = 0;
+    u32 ring_flags = 0;
+    gt_read_kernel(&ring, sizeof(ring), req + GT_REQ_CTX_OFF);
+    gt_read_kernel(&user_data, sizeof(user_data), req + GT_REQ_CQE_OFF + GT_CQE_USER_DATA_OFF);
+    gt_read_kernel(&opcode, sizeof(opcode), req + GT_REQ_OPCODE_OFF);
+    gt_read_kernel(&flags, GT_REQ_FLAGS_SIZE, req + GT_REQ_FLAGS_OFF);
+    if (!ring || opcode >= GT_IORING_OP_MAX) { /* the offsets from BTF are wrong: record nothing rather than nonsense */
+        count_drop(GT_DROP_LAYOUT);
+        return 0;
+    }
+    gt_read_kernel(&ring_flags, sizeof(ring_flags), (void *)ring + GT_CTX_FLAGS_OFF);
+    uring_submit(id, (u64)req, ring, user_data, opcode, flags, ring_flags & GT_IORING_SETUP_SQPOLL);
     return 0;
 }
+
+/* ctx->args: (struct io_kiocb *req, int fd) */
+int gt_io_uring_file_get(struct bpf_raw_tracepoint_args *ctx)
+{
+    if (!is_target(bpf_get_current_pid_tgid() >> 32))
+        return 0;
+    void *req = (void *)ctx->args[0];
+    u64 ring = 0, user_data = 0;
+    gt_read_kernel(&ring, sizeof(ring), req + GT_REQ_CTX_OFF);
+    gt_read_kernel(&user_data, sizeof(user_data), req + GT_REQ_CQE_OFF + GT_CQE_USER_DATA_OFF);
+    uring_file_get((u64)req, ring, user_data, (s32)ctx->args[1]);
+    return 0;
+}
+
+/* ctx->args: (struct io_ring_ctx *ctx, void *req, struct io_uring_cqe *cqe); the CQE's layout is the UAPI's */
+int gt_io_uring_complete(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 req = ctx->args[1];
+    if (!req || !uring.lookup(&req))
+        return 0; /* not a traced request: nothing read */
+    void *cqe = (void *)ctx->args[2];
+    u64 user_data = 0;
+    s32 res = 0;
+    u32 cflags = 0;
+    gt_read_kernel(&user_data, sizeof(user_data), cqe + GT_UCQE_USER_DATA_OFF);
+    gt_read_kernel(&res, sizeof(res), cqe + GT_UCQE_RES_OFF);
+    gt_read_kernel(&cflags, sizeof(cflags), cqe + GT_UCQE_FLAGS_OFF);
+    uring_complete(req, ctx->args[0], user_data, res, cflags);
+    return 0;
+}
+#else
+TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (is_target(id >> 32))
+        uring_submit(id, (u64)args->req, (u64)args->ctx, args->user_data, args->opcode, args->flags, args->sq_thread);
+    return 0;
+}
+
+TRACEPOINT_PROBE(io_uring, io_uring_file_get)
+{
+    if (is_target(bpf_get_current_pid_tgid() >> 32))
+        uring_file_get((u64)args->req, (u64)args->ctx, args->user_data, args->fd);
+    return 0;
+}
+
+TRACEPOINT_PROBE(io_uring, io_uring_complete)
+{
+    uring_complete((u64)args->req, (u64)args->ctx, args->user_data, args->res, args->cflags);
+    return 0;
+}
+#endif
 #endif

@@ -57,7 +57,7 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_DROP_OFFCPU 5   /* off-CPU map full */
 #define GT_DROP_TARGETS 6  /* target set full: a child is not followed */
 #define GT_DROP_FAULT 7    /* file-fault map full: a thread's wait in a page fault is not named */
-#define GT_DROP_LAYOUT 8   /* a raw scheduler program read a wrong tid (bad task_struct offset): skipped */
+#define GT_DROP_LAYOUT 8   /* a raw program read nonsense through a BTF offset (a wrong tid, no ring): skipped */
 #define GT_DROP_URING 9    /* io_uring request map full: a request's file and timing are not recorded */
 #define GT_DROP_MAX 10
 
