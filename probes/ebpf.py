@@ -169,6 +169,11 @@ class EbpfSource:
                 raise UserError(f"setting up the eBPF programs failed: {e}") from None
             raise
 
+    def named_mapping(self, pid: int, dev: str, ino: int) -> bool:
+        """Whether the file (``dev`` "MAJ:MIN", ``ino``) that ``pid`` faulted on has been named (its FileMap
+        record written): the name is read from /proc/PID/maps while the file is still mapped."""
+        return self._files.named((pid, dev, ino))
+
     def _start_status(self) -> tuple[str, str]:
         how = "raw tracepoints sys_enter/sys_exit" if self.hook == "raw" else "classic syscall tracepoints"
         detail = f"syscalls via {how}" + (f" ({self.hook_note})" if self.hook_note else "")

@@ -49,6 +49,10 @@ class MappedFiles:
         self._live: dict[int, _Seen] = {}
         self._gone: OrderedDict[int, _Seen] = OrderedDict()  # the last _GONE_KEPT exits
 
+    def named(self, key: Key) -> bool:
+        """Whether (pid, "MAJ:MIN", inode) has its FileMap record."""
+        return key in self._written
+
     def announced(self, raw: bytes) -> None:
         key = events.mapfile_key(raw)
         if key in self._written:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -122,6 +123,14 @@ def _run(out: Path, fs: LoopFs, mapped: Path, plain: Path, scratch: Path) -> tup
             tid = int(proc.stdout.readline().split()[1])
             assert proc.stdout.readline().startswith("read ")
             assert proc.stdout.readline().strip() == "synced"
+            # the mapping lives until "exit": a capture whose reader lags (a loaded machine) reads the
+            # file's name while it is still mapped; a mapping gone before that is a documented limit
+            key = (pid, fs.majmin, mapped.stat().st_ino)
+            deadline = time.monotonic() + 10
+            while not src.named_mapping(*key) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.stdin.write("exit\n")
+            proc.stdin.flush()
             assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

@@ -8,7 +8,9 @@ Prints ``ready PID``, waits for ``go``, then:
 2. reads PREAD_FILE with pread() (waits inside a syscall, not a fault), prints ``read BYTES``;
 3. dirties 8 MiB in SCRATCH_DIR, write-faults a page of a cached shared mapping (a file fault that does
    not wait) and at once calls sync() (not a traced syscall: it waits in D, but not in that fault),
-   prints ``synced`` and exits.
+   prints ``synced``;
+4. waits for ``exit`` (or the end of its input), unmaps MAPPED_FILE and exits. The mapping lives until
+   then, so a tracer busy elsewhere can still read its name in /proc/PID/maps.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def touch_mapped(path: str) -> int:
+def touch_mapped(path: str) -> tuple[mmap.mmap, int]:
     fd = os.open(path, os.O_RDONLY)
     try:
         m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
@@ -35,8 +37,7 @@ def touch_mapped(path: str) -> int:
     total = 0
     for off in range(0, len(m), PAGE):
         total += m[off]
-    m.close()
-    return total
+    return m, total
 
 
 def pread_all(path: str) -> int:
@@ -67,10 +68,13 @@ def main() -> None:
     say(f"ready {os.getpid()}")
     if sys.stdin.readline().strip() != "go":
         sys.exit(1)
-    say(f"mapped {threading.get_native_id()} {touch_mapped(mapped)}")
+    m, total = touch_mapped(mapped)
+    say(f"mapped {threading.get_native_id()} {total}")
     say(f"read {pread_all(plain)}")
     fault_then_sync(scratch)
     say("synced")
+    sys.stdin.readline()
+    m.close()
 
 
 if __name__ == "__main__":
