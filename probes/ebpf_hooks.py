@@ -68,12 +68,17 @@ def _raw_unsupported(group: str) -> str:
 
 
 @functools.cache
-def _task_offsets() -> tuple[int | None, int | None]:
-    """task_struct.pid's and .tgid's offsets in the running kernel: its BTF is parsed once and let go."""
+def _from_btf() -> tuple[int | None, int | None, tuple[tuple[str, ...], str]]:
+    """What the raw programs need from the running kernel's BTF, parsed once and let go: task_struct.pid's
+    and .tgid's offsets, and the io_uring programs' layout (uring_layout)."""
     btf = kernel_btf()
     if btf is None:
-        return None, None
-    return struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf)
+        return None, None, uring_layout(None)
+    return struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf), uring_layout(btf)
+
+
+def _task_offsets() -> tuple[int | None, int | None]:
+    return _from_btf()[:2]
 
 
 # The raw io_uring programs' view of the kernel: each tracepoint's arguments, and (macro, struct, member,
@@ -96,9 +101,8 @@ _URING_FIELDS = (
 )
 
 
-@functools.cache
 def _uring_layout() -> tuple[tuple[str, ...], str]:
-    return uring_layout(kernel_btf())
+    return _from_btf()[2]
 
 
 def uring_layout(btf: Btf | None) -> tuple[tuple[str, ...], str]:
