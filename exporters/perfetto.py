@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
+from gputrace.analysis.timefmt import size_text
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
 from gputrace.probes import uring
@@ -61,7 +62,7 @@ from gputrace.records import (
 
 from . import ExportResult
 from . import perfetto_proto as pp
-from .perfetto_args import activity_slice, header_int, size_text, stall_args, unit_of, uring_flags
+from .perfetto_args import activity_slice, header_int, stall_args, unit_of, uring_flags
 from .perfetto_canvas import Canvas
 from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
 from .perfetto_samples import CpuSamples

@@ -53,14 +53,6 @@ def stall_args(st: dict[str, Any], dur: int) -> dict[str, Any]:
     return args
 
 
-def size_text(n: int) -> str:
-    """4096 -> "4 KiB": block request names stay short."""
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
 _UNITS = (("_pct", "%"), ("_mhz", "MHz"), ("_bytes", "B"), ("_mw", "mW"), ("_bps", "B/s"), ("_c", "C"))
 
 

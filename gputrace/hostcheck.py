@@ -140,10 +140,11 @@ def check_btf() -> Check:
     if task_pid_offset() is None:
         return Check(name, WARN, f"{size}: task_struct.pid not found in it",
                      "the scheduler hooks fall back to classic tracepoints (the kernel skips some wakeups)")
-    if uring_supported() and (why := uring_hook("raw")[1]):
-        return Check(name, OK, f"{size}, task_struct.pid found; io_uring hooks classic: {why}")
-    return Check(name, OK, f"{size}, task_struct.pid found" + ("; io_uring request layout found"
-                                                              if uring_supported() else ""))
+    if not uring_supported():
+        return Check(name, OK, f"{size}, task_struct.pid found")
+    why = uring_hook("raw")[1]
+    return Check(name, OK, f"{size}, task_struct.pid found; " + (f"io_uring hooks classic: {why}" if why
+                                                                else "io_uring request layout found"))
 
 
 # ------------------------------------------------------------------------------------- tracepoints ----

@@ -16,7 +16,7 @@ MAGIC = 0xEB9F
 _HEADER = struct.Struct("<HBBIIIII")  # magic, version, flags, hdr_len, type_off, type_len, str_off, str_len
 _TYPE = struct.Struct("<III")  # name_off, info, size/type
 _MEMBER = struct.Struct("<III")  # name_off, type, offset
-KIND_STRUCT, KIND_UNION = 4, 5
+KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 4, 5, 8, 13
 # Bytes after the common part, per kind: fixed, and per vlen entry.
 _EXTRA = {1: (4, 0), 3: (12, 0), 4: (0, 12), 5: (0, 12), 6: (0, 8), 13: (0, 8), 14: (4, 0), 15: (0, 12),
           17: (4, 0), 19: (0, 12)}
@@ -124,7 +124,7 @@ class Btf:
         if not 0 < tid < len(self._offsets):
             return None
         _, kind, _, _, pos = self._type(tid)
-        size = _TYPE.unpack_from(self._data, self._offsets[tid])[2]
+        size = self._ref(tid)
         if kind in (1, KIND_STRUCT, KIND_UNION, 6, 19):
             return size
         if kind == 2:
@@ -135,54 +135,52 @@ class Btf:
             return None if inner is None else inner * count
         return None
 
+    def _ref(self, tid: int) -> int:
+        """The third word of type `tid`: the type it refers to (pointer, typedef, qualifier) or its size."""
+        return _TYPE.unpack_from(self._data, self._offsets[tid])[2]
+
+    def _valid(self, tid: int) -> bool:
+        return 0 < tid < len(self._offsets)
+
+    def type_text(self, tid: int) -> str:
+        """A C spelling of type `tid` good enough to compare prototypes: 'struct io_kiocb *', 'int', 'void *'
+        (typedefs by name, qualifiers dropped)."""
+        if tid == 0:
+            return "void"
+        if not self._valid(tid):
+            return "?"
+        name, kind, _, _, _ = self._type(tid)
+        if kind == KIND_PTR:
+            return self.type_text(self._ref(tid)) + " *"
+        if kind in (9, 10, 11, 18):  # volatile, const, restrict, type tag
+            return self.type_text(self._ref(tid))
+        return {KIND_STRUCT: "struct ", KIND_UNION: "union ", 6: "enum "}.get(kind, "") + name
+
+    def tracepoint_args(self, name: str) -> list[str] | None:
+        """The argument types a raw tracepoint program gets in ctx->args for tracepoint `name`: its
+        ``btf_trace_<name>`` typedef is a pointer to a function whose first parameter (the probe's data) is
+        not passed on. None when BTF does not have it in that shape."""
+        for tid in self.find(KIND_TYPEDEF, f"btf_trace_{name}"):
+            ptr = self._ref(tid)
+            if not self._valid(ptr) or self._type(ptr)[1] != KIND_PTR or not self._valid(proto := self._ref(ptr)):
+                continue
+            _, kind, _, vlen, pos = self._type(proto)
+            if kind != KIND_FUNC_PROTO or vlen < 1:
+                continue
+            params = [struct.unpack_from("<II", self._data, pos + 8 * i)[1] for i in range(vlen)]
+            return [self.type_text(t) for t in params[1:]]
+        return None
+
     def _resolve(self, tid: int) -> int:
         """Skip typedefs and qualifiers (const, volatile, restrict, type tags)."""
         for _ in range(32):
             _, kind, _, _, _ = self._type(tid)
             if kind not in (8, 9, 10, 11, 18):
                 return tid
-            tid = _TYPE.unpack_from(self._data, self._offsets[tid])[2]
-            if not 0 < tid < len(self._offsets):
+            tid = self._ref(tid)
+            if not self._valid(tid):
                 return 0
         return 0
-
-
-KIND_PTR, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 8, 13
-
-
-def type_text(btf: Btf, tid: int) -> str:
-    """A C spelling of type `tid` good enough to compare prototypes: 'struct io_kiocb *', 'int', 'void *'
-    (typedefs by name, qualifiers dropped)."""
-    if tid == 0:
-        return "void"
-    if not 0 < tid < len(btf._offsets):
-        return "?"
-    name, kind, _, _, _ = btf._type(tid)
-    target = _TYPE.unpack_from(btf._data, btf._offsets[tid])[2]
-    if kind == KIND_PTR:
-        return type_text(btf, target) + " *"
-    if kind in (9, 10, 11, 18):  # volatile, const, restrict, type tag
-        return type_text(btf, target)
-    return {KIND_STRUCT: "struct ", KIND_UNION: "union ", 6: "enum "}.get(kind, "") + name
-
-
-def tracepoint_args(btf: Btf, name: str) -> list[str] | None:
-    """The argument types a raw tracepoint program gets in ctx->args for tracepoint `name`: its
-    ``btf_trace_<name>`` typedef is a pointer to a function whose first parameter (the probe's data) is
-    not passed on. None when BTF does not have it in that shape."""
-    for tid in btf.find(KIND_TYPEDEF, f"btf_trace_{name}"):
-        ptr = _TYPE.unpack_from(btf._data, btf._offsets[tid])[2]
-        if not 0 < ptr < len(btf._offsets) or btf._type(ptr)[1] != KIND_PTR:
-            continue
-        proto = _TYPE.unpack_from(btf._data, btf._offsets[ptr])[2]
-        if not 0 < proto < len(btf._offsets):
-            continue
-        _, kind, _, vlen, pos = btf._type(proto)
-        if kind != KIND_FUNC_PROTO or vlen < 1:
-            continue
-        params = [struct.unpack_from("<II", btf._data, pos + 8 * i)[1] for i in range(vlen)]
-        return [type_text(btf, t) for t in params[1:]]
-    return None
 
 
 def kernel_btf(path: Path = VMLINUX) -> Btf | None:

@@ -110,9 +110,10 @@ class EbpfSource:
         self.sched_hook = sched_hook
         # What is in use once started (probes/ebpf_hooks.py): "raw" or "classic" tracepoints for the
         # syscalls (`hook`) and for the scheduler and interrupt hooks (`sched`); the notes say why raw was
-        # not taken when it was wanted.
-        self.hook = self.sched = ""
-        self.hook_note = self.sched_note = ""
+        # not taken when it was wanted; the io_uring programs' (`uring`, "" where the kernel has none) go
+        # with the scheduler's.
+        self.hook = self.sched = self.uring = ""
+        self.hook_note = self.sched_note = self.uring_note = ""
         self.events = 0
         self._bpf: Any = None
         self._sink: Sink | None = None
@@ -178,9 +179,8 @@ class EbpfSource:
         how = "raw tracepoints sys_enter/sys_exit" if self.hook == "raw" else "classic syscall tracepoints"
         detail = f"syscalls via {how}" + (f" ({self.hook_note})" if self.hook_note else "")
         detail += f"; scheduler via {self.sched} tracepoints" + (f" ({self.sched_note})" if self.sched_note else "")
-        if uring_supported():
-            uring_hook, why = hooks.uring_hook(self.sched)
-            detail += f"; io_uring via {uring_hook} tracepoints" + (f" ({why})" if why else "")
+        if self.uring:
+            detail += f"; io_uring via {self.uring} tracepoints" + (f" ({self.uring_note})" if self.uring_note else "")
         if self.missing:
             return "degraded", f"missing tracepoints: {', '.join(self.missing)}; {detail}"
         return "started", detail
@@ -359,14 +359,15 @@ class EbpfSource:
         names = [name for _, (name, _) in sorted(sysinfo.items())]
         self.attached, missing = hooks.attach_syscalls(self._bpf, self.hook, self.syscall_hook, names)
         self.missing += missing + hooks.attach_sched(self._bpf, self.sched, self.sched_hook)
-        if uring_supported():
-            hooks.attach_uring(self._bpf, hooks.uring_hook(self.sched)[0], self.sched_hook)
+        self.uring, self.uring_note = hooks.uring_hook(self.sched) if uring_supported() else ("", "")
+        if self.uring:
+            hooks.attach_uring(self._bpf, self.uring, self.sched_hook)
         if not tracepoint_exists("block", "block_io_start"):
             self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
         if not file_faults_supported():
             self.missing.append("filemap:mm_filemap_fault (needs Linux 6.11+, x86_64 and BTF: waits in page "
                                 "faults on file mappings are not named)")
-        if not uring_supported():
+        if not self.uring:
             self.missing.append("io_uring:io_uring_submit_req/file_get/complete (needs Linux 5.19+: waits in "
                                 "io_uring_enter are not named by their requests)")
 
@@ -384,7 +385,7 @@ class EbpfSource:
             "syscall_hook_note": self.hook_note,
             "sched_hook": self.sched,
             "sched_hook_note": self.sched_note,
-            "uring_hook": hooks.uring_hook(self.sched)[0] if uring_supported() else "",
+            "uring_hook": self.uring,
             "missing": self.missing,
             "drop_reasons": list(events.DROP_REASONS),
             "fork_markers": True,

@@ -20,7 +20,7 @@ import functools
 from typing import Any
 
 from gputrace.errors import UserError
-from gputrace.probes.btf import VMLINUX, Btf, kernel_btf, struct_member, struct_offset, tracepoint_args
+from gputrace.probes.btf import VMLINUX, Btf, kernel_btf, struct_member, struct_offset
 from gputrace.probes.ebpf_host import tracepoint_exists
 from gputrace.probes.syscalls import (
     OTHER_TRACEPOINTS,
@@ -110,7 +110,7 @@ def uring_layout(btf: Btf | None) -> tuple[tuple[str, ...], str]:
     if btf is None:
         return (), f"no readable BTF at {VMLINUX}"
     for tp, want in URING_ARGS.items():
-        got = tracepoint_args(btf, tp)
+        got = btf.tracepoint_args(tp)
         if got != want:
             return (), f"{tp} passes {got or 'nothing BTF describes'}, not {want}"
     flags = []

@@ -128,10 +128,10 @@ def _tracepoint_blob(file_get_fd: str = "int") -> bytes:
 
 def test_tracepoint_arguments_from_their_btf_trace_typedef() -> None:
     t = btf.Btf(_tracepoint_blob())
-    assert btf.tracepoint_args(t, "io_uring_submit_req") == ["struct io_kiocb *"]  # const dropped
-    assert btf.tracepoint_args(t, "io_uring_file_get") == ["struct io_kiocb *", "int"]
-    assert btf.tracepoint_args(t, "not_a_pointer") is None
-    assert btf.tracepoint_args(t, "io_uring_complete") is None
+    assert t.tracepoint_args("io_uring_submit_req") == ["struct io_kiocb *"]  # const dropped
+    assert t.tracepoint_args("io_uring_file_get") == ["struct io_kiocb *", "int"]
+    assert t.tracepoint_args("not_a_pointer") is None
+    assert t.tracepoint_args("io_uring_complete") is None
 
 
 def test_io_uring_programs_are_raw_only_with_the_layout_they_read() -> None:

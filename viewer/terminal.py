@@ -14,7 +14,7 @@ from rich.text import Text
 
 from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.analysis.report import causes_text, culprit_label, holders_text, pid_text
-from gputrace.analysis.timefmt import fmt_bytes
+from gputrace.analysis.timefmt import size_text
 
 TOP_STALLS = 10
 TOP_WAITING = 10
@@ -174,7 +174,7 @@ def describe(s: dict[str, Any]) -> str:
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):
         n = c["block_requests"]
-        size = f" ({fmt_bytes(c['block_bytes'])})" if c.get("block_bytes") else ""
+        size = f" ({size_text(c['block_bytes'])})" if c.get("block_bytes") else ""
         text += f", {n} block request{'s' if n != 1 else ''}{size} on {c['block_device']}, " \
                 f"{ms(c['block_latency_ns'])} device latency"
         if c.get("dispatched_by"):  # throttled I/O: a kernel worker issued the requests the read waited on
@@ -225,6 +225,11 @@ def _points(x: float | None) -> str:
     return f"{x:+.1f} pts" if abs(x) >= 0.05 else "same"
 
 
+def _share(row: dict[str, Any], side: str) -> str:
+    """A compare row's share of one run's window, "-" where that run had none of it."""
+    return f"{row[side + '_pct']:.1f}%" if row[side + "_ns"] else "-"
+
+
 def render_compare(doc: dict[str, Any], console: Console, before: str, after: str) -> None:
     """`gputrace compare`: the two runs' GPU busy share, stall budget by cause and culprits side by side."""
     b, a = doc["before"], doc["after"]
@@ -256,8 +261,7 @@ def render_compare(doc: dict[str, Any], console: Console, before: str, after: st
         for col in ("kind", "culprit", "before", "after"):
             t.add_column(col, justify="right" if col in ("before", "after") else "left")
         for r in doc["culprits"]:
-            t.add_row(*_cells(r["kind"], shown(r["culprit"]), f"{r['before_pct']:.1f}%" if r["before_ns"] else "-",
-                              f"{r['after_pct']:.1f}%" if r["after_ns"] else "-"))
+            t.add_row(*_cells(r["kind"], shown(r["culprit"]), _share(r, "before"), _share(r, "after")))
         console.print(t)
     if doc.get("processes"):
         t = Table(title="Stall time by process name (% of GPU window; processes of one name summed)",
@@ -266,7 +270,6 @@ def render_compare(doc: dict[str, Any], console: Console, before: str, after: st
             t.add_column(col, justify="left" if col == "process" else "right")
         for r in doc["processes"]:
             name = f"{r['comm']} (GPU process)" if r["gpu_process"] else r["comm"]
-            t.add_row(*_cells(shown(name), f"{r['before_processes']} → {r['after_processes']}",
-                              f"{r['before_pct']:.1f}%" if r["before_ns"] else "-",
-                              f"{r['after_pct']:.1f}%" if r["after_ns"] else "-", _points(r["change_points"])))
+            t.add_row(*_cells(shown(name), f"{r['before_processes']} → {r['after_processes']}", _share(r, "before"),
+                              _share(r, "after"), _points(r["change_points"])))
         console.print(t)

@@ -63,7 +63,8 @@ class BlockTies:
     def for_syscall(self, sc: Syscall) -> Tie | None:
         index = self.cap.blocks.get(sc.tid)
         own = index.starting_in(sc.start_ns, sc.end_ns) if index else []
-        if any(_direction(b, _writes(sc)) for b in own):
+        write = _writes(sc)
+        if any(_direction(b, write) for b in own):
             return Tie(own, "submitted")
         dev = self.device(sc.obj)
         found = self._dispatched(sc, dev) if dev else []

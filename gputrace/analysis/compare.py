@@ -66,9 +66,14 @@ def _culprits(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, A
         for s in report["stalls"]:
             acc.setdefault(culprit_label(s), [0, 0])[i] += int(s["duration_ns"])
     wb, wa = before["summary"]["window_ns"], after["summary"]["window_ns"]
-    top = sorted(acc.items(), key=lambda kv: -max(_pct(kv[1][0], wb), _pct(kv[1][1], wa)))[:TOP_CULPRITS]
     return [{"kind": kind, "culprit": label, "before_ns": b, "after_ns": a, "before_pct": _pct(b, wb),
-             "after_pct": _pct(a, wa)} for (kind, label), (b, a) in top]
+             "after_pct": _pct(a, wa)} for (kind, label), (b, a) in _largest(acc, wb, wa)]
+
+
+def _largest(acc: dict[Any, list[int]], wb: int, wa: int) -> list[tuple[Any, list[int]]]:
+    """The ``TOP_CULPRITS`` rows of ``acc`` (key -> [before ns, after ns, ...]) with the largest share of either
+    run's window."""
+    return sorted(acc.items(), key=lambda kv: -max(_pct(kv[1][0], wb), _pct(kv[1][1], wa)))[:TOP_CULPRITS]
 
 
 def _processes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
@@ -81,10 +86,9 @@ def _processes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, 
             row[i] += int(p["stall_ns"])
             row[2 + i] += 1
     wb, wa = before["summary"]["window_ns"], after["summary"]["window_ns"]
-    top = sorted(acc.items(), key=lambda kv: -max(_pct(kv[1][0], wb), _pct(kv[1][1], wa)))[:TOP_CULPRITS]
     return [{"comm": comm, "gpu_process": gpu, "before_processes": nb, "after_processes": na,
              "before_ns": b, "after_ns": a, "before_pct": _pct(b, wb), "after_pct": _pct(a, wa),
-             "change_points": _change(b, wb, a, wa)} for (comm, gpu), (b, a, nb, na) in top]
+             "change_points": _change(b, wb, a, wa)} for (comm, gpu), (b, a, nb, na) in _largest(acc, wb, wa)]
 
 
 def _notes(b: dict[str, Any], a: dict[str, Any]) -> list[str]:

@@ -1292,13 +1292,9 @@ static __always_inline void uring_agg(struct gt_uring_val *v, u64 dur)
     __sync_fetch_and_add(&a->total_ns, dur);
 }
 
-static __always_inline void uring_complete(u64 req, u64 ctx, u64 user_data, s32 res, u32 cflags)
+/* `v`: the entry of request `req`, which the caller looked up (a CQE of no request, io_post_aux_cqe, has none). */
+static __always_inline void uring_complete(u64 req, struct gt_uring_val *v, u64 ctx, u64 user_data, s32 res, u32 cflags)
 {
-    if (!req)
-        return; /* a CQE of no request (io_post_aux_cqe) */
-    struct gt_uring_val *v = uring.lookup(&req);
-    if (!v)
-        return;
     if (v->ctx != ctx || v->user_data != user_data || !is_target(v->pid)) {
         uring.delete(&req); /* an earlier request's entry at this address, or its process is no longer traced */
         return;
@@ -1359,7 +1355,8 @@ int gt_io_uring_file_get(struct bpf_raw_tracepoint_args *ctx)
 int gt_io_uring_complete(struct bpf_raw_tracepoint_args *ctx)
 {
     u64 req = ctx->args[1];
-    if (!req || !uring.lookup(&req))
+    struct gt_uring_val *v = req ? uring.lookup(&req) : NULL;
+    if (!v)
         return 0; /* not a traced request: nothing read */
     void *cqe = (void *)ctx->args[2];
     u64 user_data = 0;
@@ -1368,7 +1365,7 @@ int gt_io_uring_complete(struct bpf_raw_tracepoint_args *ctx)
     gt_read_kernel(&user_data, sizeof(user_data), cqe + GT_UCQE_USER_DATA_OFF);
     gt_read_kernel(&res, sizeof(res), cqe + GT_UCQE_RES_OFF);
     gt_read_kernel(&cflags, sizeof(cflags), cqe + GT_UCQE_FLAGS_OFF);
-    uring_complete(req, ctx->args[0], user_data, res, cflags);
+    uring_complete(req, v, ctx->args[0], user_data, res, cflags);
     return 0;
 }
 #else
@@ -1389,7 +1386,10 @@ TRACEPOINT_PROBE(io_uring, io_uring_file_get)
 
 TRACEPOINT_PROBE(io_uring, io_uring_complete)
 {
-    uring_complete((u64)args->req, (u64)args->ctx, args->user_data, args->res, args->cflags);
+    u64 req = (u64)args->req;
+    struct gt_uring_val *v = req ? uring.lookup(&req) : NULL;
+    if (v)
+        uring_complete(req, v, (u64)args->ctx, args->user_data, args->res, args->cflags);
     return 0;
 }
 #endif
