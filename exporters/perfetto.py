@@ -37,6 +37,7 @@ from gputrace.records import (
     BlockIO,
     Collective,
     CudaApi,
+    DirtyPause,
     Drops,
     GpuDevice,
     GpuKernel,
@@ -133,6 +134,7 @@ class _Run(Canvas):
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
             PageFault: self.page_fault, InProgress: self.in_progress, IoUringRequest: self.uring_request,
+            DirtyPause: self.dirty_pause,
             GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
@@ -234,6 +236,15 @@ class _Run(Canvas):
         # the report names a fault's wait as offcpu evidence starting where the fault does
         flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
         self.slice(lane.uuid, s, e, "page fault", _CAT["syscall"], args, flows)
+
+    def dirty_pause(self, r: DirtyPause) -> None:
+        """On the thread's "dirty pages" track: the pause the kernel set (its sleep is on the off-CPU track)."""
+        s, e = self.span(r.ts, r.ts + r.pause_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "dirty pages").place(s, e)
+        args = {"dev": r.dev, "pause_ns": r.pause_ns, "wb_dirty": r.wb_dirty, "wb_setpoint": r.wb_setpoint,
+                "dirty": r.dirty, "limit": r.limit, "ratelimit_bps": r.ratelimit}
+        flows = self.stall_links.take(evidence_key("dirty", r.pid, r.tid, r.ts))
+        self.slice(lane.uuid, s, e, f"paused for dirty pages on {r.dev}", _CAT["syscall"], args, flows)
 
     def uring_request(self, r: IoUringRequest) -> None:
         """On the submitting thread's "io_uring" track: requests overlap each other and the thread's calls."""

@@ -99,7 +99,8 @@ class LaunchMatcher:
             yield pending.popitem(last=False)[1], 0
 
 
-EVIDENCE_KINDS = {"syscall": "syscall", "block": "block", "offcpu": "offcpu", "wakeup": "offcpu", "gpu": "gpu"}
+EVIDENCE_KINDS = {"syscall": "syscall", "block": "block", "offcpu": "offcpu", "wakeup": "offcpu", "gpu": "gpu",
+                  "dirty": "dirty"}
 
 
 def evidence_key(kind: str, pid: int, tid: int, start_ns: int) -> tuple[str, int, int, int]:

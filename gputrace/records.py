@@ -230,6 +230,28 @@ class IoUringRequest(NamedTuple):
     user_data: int
 
 
+class DirtyPause(NamedTuple):
+    """The kernel paused a traced thread for dirtying page cache faster than its device's writeback cleaned
+    it (balance_dirty_pages): a timed sleep from just after ``ts``, inside the write() or page fault that
+    dirtied the pages. ``pause_ns``: how long the kernel set it for (whole milliseconds). ``dev``: the device
+    (its block device's name, else the kernel's name for it, "MAJ:MIN"). In bytes of page cache:
+    ``wb_dirty`` dirty or under writeback for that device and ``wb_setpoint`` the level the kernel steers it
+    to; ``dirty`` and ``limit`` of the whole dirty domain (the host, or the writer's memory cgroup).
+    ``ratelimit``: bytes/s the kernel let the thread dirty at that point.
+    """
+
+    pid: int
+    tid: int
+    ts: int
+    pause_ns: int
+    dev: str
+    wb_dirty: int
+    wb_setpoint: int
+    dirty: int
+    limit: int
+    ratelimit: int
+
+
 class FileMap(NamedTuple):
     """The path of a file mapped by ``pid``, read from /proc/PID/maps when one of its pages was waited for."""
 
@@ -385,7 +407,7 @@ RECORD_TYPES: dict[str, type[Any]] = {
     cls.__name__: cls
     for cls in (
         ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo, EpollEntry,
-        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress, IoUringRequest,
+        Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress, IoUringRequest, DirtyPause,
         GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
         AgentInfo, SourceStatus, Drops,
     )

@@ -25,6 +25,7 @@ from gputrace.probes.ebpf_hooks import wanted_tracepoints
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
     check_host,
+    dirty_throttle_layout,
     file_faults_supported,
     final_status,
     program_skips,
@@ -370,6 +371,8 @@ class EbpfSource:
         if not self.uring:
             self.missing.append("io_uring:io_uring_submit_req/file_get/complete (needs Linux 5.19+: waits in "
                                 "io_uring_enter are not named by their requests)")
+        if not dirty_throttle_layout():
+            self.missing.append("writeback:balance_dirty_pages (pauses of writers for dirty pages are not named)")
 
     def _meta(self, sysinfo: dict[int, tuple[str, int]]) -> dict[str, Any]:
         return {

@@ -12,6 +12,7 @@ from gputrace.probes import ebpf_hooks as hooks
 from gputrace.probes.ebpf_host import (
     BPF_DIR,
     compile_bpf,
+    dirty_throttle_layout,
     file_faults_supported,
     format_has,
     tracepoint_exists,
@@ -38,6 +39,9 @@ def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid:
         flags.append("-DHAVE_FILEMAP_FAULT")
     if uring_supported():
         flags.append("-DHAVE_IO_URING")
+    dirty = dirty_throttle_layout()
+    if dirty:
+        flags += ["-DHAVE_DIRTY_THROTTLE", f"-DGT_DIRTY_WB={int(dirty == 'wb')}"]
     if platform.machine() != "x86_64":  # only x86_64 packs struct epoll_event
         flags.append("-DGT_EPOLL_DATA_OFF=8")
     return flags

@@ -146,6 +146,15 @@ def file_faults_supported() -> bool:
             and tracepoint_exists("filemap", "mm_filemap_fault"))
 
 
+def dirty_throttle_layout() -> str:
+    """The prefix of the device's counts in writeback:balance_dirty_pages ("wb", "bdi" on older kernels), ""
+    where the tracepoint or those fields are missing: then pauses for dirty pages are not recorded."""
+    for prefix in ("wb", "bdi"):
+        if format_has("writeback", "balance_dirty_pages", f"{prefix}_dirty"):
+            return prefix
+    return ""
+
+
 def uring_supported() -> bool:
     """The io_uring request tracepoints exist with the fields the program reads (their layout changed in 5.19)."""
     from gputrace.probes.syscalls import URING_FIELDS

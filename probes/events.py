@@ -20,6 +20,7 @@ from gputrace.probes.fdtable import FdTable
 from gputrace.probes.uring import XFER, uring_op
 from gputrace.records import (
     BlockIO,
+    DirtyPause,
     EpollEntry,
     FdInfo,
     FileMap,
@@ -31,8 +32,9 @@ from gputrace.records import (
     Syscall,
 )
 
-LAYOUT = 5
-KNOWN_LAYOUTS = (1, 2, 3, 4, 5)  # 2 added EV_FAULT, 3 EV_FDRECV, 4 EV_OFFCPU2 (in place of EV_OFFCPU), 5 EV_URING
+LAYOUT = 6
+KNOWN_LAYOUTS = (1, 2, 3, 4, 5, 6)  # 2 added EV_FAULT, 3 EV_FDRECV, 4 EV_OFFCPU2 (in place of EV_OFFCPU), 5 EV_URING,
+# 6 EV_DIRTY
 AT_FDCWD = -100
 PATH_MAX_DATA = 255  # GT_DATA_LEN - 1: a path event's string of this length may have been cut short
 
@@ -77,6 +79,8 @@ FDRECV = struct.Struct(f"<IIIIQ{FDRECV_MAX}i")  # gt_fdrecv_event (both rings)
 EV_FDRECV = 11
 URING = struct.Struct("<IIIIQQiiiIQII")  # gt_uring_event
 EV_URING = 13
+DIRTY = struct.Struct("<IIIIQqQQQQQ32s")  # gt_dirty_event
+EV_DIRTY = 14
 # Written by the reader at stop, not the kernel: a call in flight and/or an off-CPU span not yet ended, in
 # the gt_sys_event layout (nr NO_CALL when in no syscall; ret: the off-CPU state bits, -1 when on CPU; a1: 1
 # when the call was under way before it was first seen).
@@ -85,7 +89,8 @@ NO_CALL = 0xFFFFFFFF
 
 SIZES = {EV_SYS: SYS.size, EV_PATH: PATH.size, EV_BLOCK: BLOCK.size, EV_OFFCPU: OFFCPU.size,
          EV_FORK: PROC.size, EV_EXEC: PROC.size, EV_EXIT: PROC.size, EV_FAULT: FAULT.size,
-         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size, EV_OFFCPU2: OFFCPU2.size, EV_URING: URING.size}  # fmt: skip
+         EV_UNFINISHED: SYS.size, EV_FDRECV: FDRECV.size, EV_OFFCPU2: OFFCPU2.size, EV_URING: URING.size,
+         EV_DIRTY: DIRTY.size}  # fmt: skip
 
 
 # sched_switch prev_state: bit i set -> the i-th letter after "R" (TASK_REPORT order).
@@ -267,6 +272,8 @@ class KernelDecoder:
             return None
         if etype == EV_URING:
             return self._uring(URING.unpack_from(blob, off))
+        if etype == EV_DIRTY:
+            return self._dirty(DIRTY.unpack_from(blob, off))
         self._proc(PROC.unpack_from(blob, off))
         return None
 
@@ -390,6 +397,12 @@ class KernelDecoder:
         if held and held[1]:  # not the idle task: a task held the CPU until this one got it back
             rec = rec._replace(held_pid=held[0], held_tid=held[1], held_comm=cstr(held[2]))
         return rec
+
+    def _dirty(self, f: tuple[Any, ...]) -> DirtyPause:
+        _, _pad, pid, tid, ts, pause_ms, wb_dirty, wb_setpoint, dirty, limit, ratelimit_kb, bdi = f
+        page, name = self.page_size, cstr(bdi)
+        return DirtyPause(pid, tid, ts, max(pause_ms, 0) * 1_000_000, self._devices.get(name, name), wb_dirty * page,
+                          wb_setpoint * page, dirty * page, limit * page, ratelimit_kb * 1024)
 
     def _fault(self, f: tuple[Any, ...]) -> PageFault:
         _, dev, pid, tid, fault_ns, start, end, ino, index = f

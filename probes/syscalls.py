@@ -132,6 +132,7 @@ OTHER_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (
     ("block", "block_io_start", "block requests, in the submitter's context (else block_rq_issue)"),
     ("block", "block_rq_complete", "block request completion"),
     ("filemap", "mm_filemap_fault", "waits in page faults on file mappings (mmap'd datasets; Linux 6.11+)"),
+    ("writeback", "balance_dirty_pages", "writers paused for dirtying pages faster than their device writes back"),
     *URING_TRACEPOINTS,
 )
 SCHED_TRACEPOINTS: tuple[tuple[str, str, str], ...] = (

@@ -13,7 +13,7 @@ from gputrace.probes import events, procfs
 from gputrace.probes.epolls import EVENTPOLL
 from gputrace.probes.events import KernelDecoder, sockaddr_str, task_state
 from gputrace.probes.syscalls import SPECS
-from gputrace.records import EpollEntry, FdInfo, FileMap, PageFault, ProcFork
+from gputrace.records import DirtyPause, EpollEntry, FdInfo, FileMap, PageFault, ProcFork
 
 META = {"layout": events.LAYOUT, "threshold_ns": 0, "syscalls": {0: "read", 42: "connect"},
         "sysflags": {0: events.F_FD | events.F_XFER, 42: events.F_FD | events.F_SOCKADDR | events.F_FDTABLE},
@@ -90,6 +90,17 @@ def test_fault_event_names_its_file_from_the_mapping_record() -> None:
     assert named == PageFault(9, 10, 100, 400, 250, "/data/shard.bin", 5 * 4096, "7:3", 12)
     assert (other.obj, other.ino, other.dev) == ("", 13, "7:3")  # no mapping record: unnamed, not guessed
     assert events.fault_key(_fault(9)) == (9, "7:3", 12)
+
+
+def test_a_dirty_pause_is_in_bytes_and_names_its_block_device() -> None:
+    """Pages and KB/s as the tracepoint gives them become bytes and bytes/s; a bdi that is no block device (a
+    FUSE or NFS mount's "0:52") keeps the kernel's name."""
+    d = KernelDecoder({**META, "page_size": 4096})
+    loop = events.DIRTY.pack(events.EV_DIRTY, 0, 9, 10, 500, 200, 64, 54, 103, 1000, 8, b"7:3")
+    fuse = events.DIRTY.pack(events.EV_DIRTY, 0, 9, 10, 900, 12, 1, 1, 1, 1, 0, b"0:52")
+    a, b = d.decode(loop + fuse)
+    assert a == DirtyPause(9, 10, 500, 200_000_000, "loop3", 64 * 4096, 54 * 4096, 103 * 4096, 1000 * 4096, 8 * 1024)
+    assert (b.dev, b.pause_ns) == ("0:52", 12_000_000)
 
 
 def test_a_layout_1_capture_still_decodes() -> None:
@@ -327,5 +338,5 @@ def test_io_uring_request_of_an_unknown_process_names_nothing() -> None:
     assert (r.obj, r.nbytes) == ("", 4096)
     with pytest.raises(ValueError):  # cut short
         list(KernelDecoder(_URING_META).decode(_uring(9, 5, 4096, 30, 60)[:40]))
-    with pytest.raises(ValueError, match="layout"):  # a reader of layout 5 knows layout 5 and before
-        KernelDecoder({**_URING_META, "layout": 6})
+    with pytest.raises(ValueError, match="layout"):  # a reader of layout 6 knows layout 6 and before
+        KernelDecoder({**_URING_META, "layout": 7})

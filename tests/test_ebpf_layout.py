@@ -39,6 +39,8 @@ def bpf() -> Any:
         ("layout_mapfile", events.MAPFILE, ["type", "dev", "pid", "tid", "ts", "ino"]),
         ("layout_uring", events.URING, ["type", "opcode", "pid", "tid", "start_ns", "end_ns", "fd", "res",
                                         "ring_fd", "flags", "user_data", "cflags", "pad"]),
+        ("layout_dirty", events.DIRTY, ["type", "pad", "pid", "tid", "ts", "pause_ms", "wb_dirty", "wb_setpoint",
+                                        "dirty", "limit", "task_ratelimit", "bdi"]),
     ],
 )  # fmt: skip
 def test_struct_layout_matches(bpf: Any, table: str, fmt: Any, first_fields: list[str]) -> None:
@@ -58,7 +60,7 @@ def test_path_event_layout(bpf: Any) -> None:
 
 def test_every_event_type_has_a_size() -> None:
     assert set(events.SIZES) == {1, 2, 3, 4, 5, 6, 7, 8, events.EV_UNFINISHED, events.EV_FDRECV, events.EV_OFFCPU2,
-                                 events.EV_URING}
+                                 events.EV_URING, events.EV_DIRTY}
     assert events.SIZES[events.EV_SYS] == 64 and events.SIZES[events.EV_PATH] == 328
     # the live reader picks fault and fd-receive events out by size alone, in both rings
     assert [t for t, n in events.SIZES.items() if n == events.FAULT.size] == [events.EV_FAULT]
@@ -66,6 +68,7 @@ def test_every_event_type_has_a_size() -> None:
     assert events.FDRECV.size not in (events.PROC.size, events.MAPFILE.size)
     # an io_uring request's event is told apart by its type: its size must not pass for either of those
     assert events.URING.size not in (events.FAULT.size, events.FDRECV.size, events.PROC.size, events.MAPFILE.size)
+    assert events.DIRTY.size not in (events.FAULT.size, events.FDRECV.size, events.PROC.size, events.MAPFILE.size)
 
 
 def test_fdrecv_event_layout(bpf: Any) -> None:

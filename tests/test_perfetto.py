@@ -414,6 +414,30 @@ def test_page_fault_slice_is_the_evidence_of_its_stall(tmp_path: Path) -> None:
     assert "page fault" in {src.name for src, _ in check.flows_into(stalls)}
 
 
+def test_a_pause_for_dirty_pages_is_drawn_and_points_at_its_stall(tmp_path: Path) -> None:
+    from gputrace.analysis import analyze
+    from gputrace.analysis.synth import Builder
+
+    b = Builder().proc(100, "trainer").device(100)
+    b.op(100, 100, 0.0, 0.0, 10.0, "fwd")
+    b.op(100, 100, 39.9, 40.0, 50.0, "bwd")
+    b.syscall(100, 100, "write", 10.1, 39.8, "/data/state.bin", 64 << 10).dirty(100, 100, 10.2, 29.5)
+    cap = b.write(tmp_path / "d.gputrace")
+    with CaptureReader(cap) as reader:
+        report = analyze(reader)
+    assert report["stalls"][0]["culprit"]["dirty_pauses"] == 1
+    out = tmp_path / "d.pftrace"
+    with CaptureReader(cap) as reader:
+        result = PerfettoExporter(out, report=report).write(reader)
+    check = check_trace(out)
+    assert check.problems == [] and result.items == check.packets
+    [pause] = [s for s in check.all_slices() if s.name == "paused for dirty pages on loop0"]
+    assert check.track_of(pause).name == "dirty pages" and pause.dur == 29_500_000
+    assert (pause.args["wb_dirty"], pause.args["wb_setpoint"]) == (256 << 10, 216 << 10)
+    stalls = check.track("stalls", parent="GPU 0: sim-gpu (simulated)")
+    assert "paused for dirty pages on loop0" in {src.name for src, _ in check.flows_into(stalls)}
+
+
 def test_waits_still_open_at_stop_are_drawn_to_the_stop(tmp_path: Path) -> None:
     from gputrace.records import InProgress
 

@@ -181,6 +181,11 @@ def describe(s: dict[str, Any]) -> str:
             text += f" (dispatched by {c['dispatched_by']})"
         if c.get("block_shared"):
             text += ", shared with pids " + ", ".join(str(p) for p in c.get("block_shared_with", []))
+    if c.get("dirty_pauses"):  # the kernel held the writer back: its device's writeback lagged its writes
+        n, calls = c["dirty_pauses"], c.get("dirty_calls", 1)
+        text += f", paused {n}× ({ms(c['dirty_paused_ns'])}" + (f" in {calls} calls" if calls > 1 else "") + \
+                f") for dirty pages on {c['dirty_device']} ({size_text(c['dirty_bytes'])} dirty, " \
+                f"setpoint {size_text(c['dirty_setpoint_bytes'])})"
     if c.get("filesystem"):
         text += f" [{c['filesystem']}]"
     if c.get("cpu_held_by"):

@@ -122,6 +122,25 @@ def _cpu_held_by(parts: list[Part], best: Part) -> dict[str, Any]:
     return {"cpu_held_by": top} if top else {}
 
 
+def _dirty_pauses(parts: list[Part], best: Part) -> dict[str, Any]:
+    """The pauses for dirty pages in every call of ``best``'s thread on ``best``'s object in this stall (a save
+    is many write()s, paused in turn): how many, their time, and in how many calls; the device and its dirty
+    pages as of the last. Each call counts once, however many parts hold it."""
+    tid = best.culprit.get("tid")
+    calls: dict[int, dict[str, Any]] = {}
+    for p in parts:
+        c = p.culprit
+        if p.key() == best.key() and c.get("tid") == tid and c.get("dirty_pauses") and p.evidence:
+            calls[int(p.evidence[0]["start_ns"])] = c
+    if not calls:
+        return {}
+    last = calls[max(calls)]
+    return {"dirty_pauses": sum(c["dirty_pauses"] for c in calls.values()),
+            "dirty_paused_ns": sum(c["dirty_paused_ns"] for c in calls.values()), "dirty_calls": len(calls),
+            "dirty_device": last["dirty_device"], "dirty_bytes": last["dirty_bytes"],
+            "dirty_setpoint_bytes": last["dirty_setpoint_bytes"]}
+
+
 def _breakdown(parts: list[Part]) -> list[dict[str, Any]]:
     """The parts summed by (cause, pid, object), the largest ``MAX_BREAKDOWN`` first; the rest is folded by
     (cause, pid) with an empty object and ``objects`` (how many it holds), so the entries always add up to
@@ -148,6 +167,8 @@ def _from_parts(parts: list[Part], gpu_ev: list[dict[str, Any]]) -> dict[str, An
     culprit = best.culprit if best.cause != "unknown" else empty_culprit()
     if best.cause == "cpu.runqueue":
         culprit = {**culprit, **_cpu_held_by(parts, best)}
+    elif best.cause == "storage":
+        culprit = {**culprit, **_dirty_pauses(parts, best)}
     out = _verdict(best.cause, culprit, best.via, (best.evidence + gpu_ev)[:24])
     out["breakdown"] = _breakdown(parts)
     out.update({k: v for k, v in best.extra.items() if k not in out})

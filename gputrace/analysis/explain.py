@@ -14,14 +14,17 @@ from typing import Any
 
 from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
-from gputrace.analysis.load import FAULT_OP, Capture
+from gputrace.analysis.load import DIRTY_OP, FAULT_OP, Capture
 from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
-from gputrace.records import BlockIO, IoUringRequest, OffCpu, Syscall
+from gputrace.analysis.timefmt import size_text
+from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
 MAX_DEPTH = 8
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
+MAX_DIRTY_EVIDENCE = 4  # pauses for dirty pages named in a storage stall's evidence
+PAUSE_SLEEP_NS = 1_000_000  # a pause is slept right after its tracepoint: the off-CPU span that starts this soon
 
 
 @dataclass
@@ -73,6 +76,12 @@ def hottest_frames(cap: Capture, tid: int, a: int, b: int) -> dict[str, Any]:
 def evidence_block(b: BlockIO) -> dict[str, Any]:
     return {"pid": b.pid, "tid": b.tid, "kind": "block", "what": f"{b.rwbs} {b.nbytes} B on {b.dev}",
             "start_ns": b.issue_ns, "end_ns": b.complete_ns}
+
+
+def evidence_dirty(p: DirtyPause, end_ns: int) -> dict[str, Any]:
+    what = (f"paused {(end_ns - p.ts) / 1e6:.1f} ms for dirty pages on {p.dev}: {size_text(p.wb_dirty)} dirty or "
+            f"in writeback, setpoint {size_text(p.wb_setpoint)}")
+    return {"pid": p.pid, "tid": p.tid, "kind": "dirty", "what": what, "start_ns": p.ts, "end_ns": end_ns}
 
 
 def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
@@ -297,8 +306,22 @@ class Explainer:
                 parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)],
                                   held=_cpu_holders([(o, x, y)])))
             else:  # blocked outside any recorded syscall (a page fault, a short call under the threshold)
-                parts.append(Part("unknown", ns, empty_culprit(), evidence=[evidence_offcpu(o)]))
+                parts.append(self._dirty_sleep(o, ns) or Part("unknown", ns, empty_culprit(),
+                                                               evidence=[evidence_offcpu(o)]))
         return total
+
+    def _dirty_sleep(self, o: OffCpu, ns: int) -> Part | None:
+        """A sleep outside any recorded call that a pause for dirty pages began (a store to a shared file
+        mapping dirtied the page in a fault): ``storage`` on the device, named by the pause."""
+        index = self.cap.dirty.get(o.tid)
+        pauses: list[DirtyPause] = index.starting_in(o.start_ns - PAUSE_SLEEP_NS, o.start_ns) if index else []
+        if not pauses:
+            return None
+        p = pauses[-1]
+        culprit = self.culprit(o.tid, DIRTY_OP, p.dev, 0, o.end_ns - p.ts)
+        culprit.update(dirty_pauses=1, dirty_paused_ns=o.end_ns - p.ts, dirty_device=p.dev, dirty_bytes=p.wb_dirty,
+                       dirty_setpoint_bytes=p.wb_setpoint)
+        return Part("storage", ns, culprit, evidence=[evidence_dirty(p, o.end_ns), evidence_offcpu(o)])
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
         kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
@@ -416,6 +439,10 @@ class Explainer:
         tie = self.ties.for_request(sc) if uring.is_request(sc) else self.ties.for_syscall(sc)
         culprit = self.culprit(sc.tid, sc.name, sc.obj, sc.nbytes, sc.end_ns - sc.start_ns)
         ev = [evidence_syscall(sc)]
+        dirty, paused = self._dirty_pauses(sc, blocked)
+        if dirty:
+            culprit.update(dirty)
+            ev += paused[:MAX_DIRTY_EVIDENCE]
         if tie is not None:
             ev += [evidence_block(b) for b in tie.blocks[:MAX_EVIDENCE]]
             culprit.update(self._block_fields(tie, sc.tid))
@@ -436,6 +463,25 @@ class Explainer:
             culprit["filesystem"] = fstype
             extra["remote_fs"] = is_remote_fs(fstype)
         return Part("storage", ns, culprit, evidence=ev, extra=extra)
+
+    def _dirty_pauses(self, sc: Syscall, blocked: list[OffCpu]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The pauses the kernel put ``sc``'s thread in for dirtying page cache faster than its device writes it
+        back (balance_dirty_pages), inside the call: culprit fields and evidence. Each pause's time is the
+        off-CPU span it began (the kernel's own figure where none was recorded), up to the call's end; the
+        device and its dirty pages are the last pause's."""
+        index = self.cap.dirty.get(sc.tid)
+        pauses: list[DirtyPause] = index.starting_in(sc.start_ns, sc.end_ns) if index else []
+        if not pauses:
+            return {}, []
+        total, ev = 0, []
+        for p in pauses:
+            o = next((o for o in blocked if p.ts <= o.start_ns <= p.ts + PAUSE_SLEEP_NS), None)
+            end = min(o.end_ns if o else p.ts + p.pause_ns, sc.end_ns)
+            total += end - p.ts
+            ev.append(evidence_dirty(p, end))
+        last = pauses[-1]
+        return {"dirty_pauses": len(pauses), "dirty_paused_ns": total, "dirty_device": last.dev,
+                "dirty_bytes": last.wb_dirty, "dirty_setpoint_bytes": last.wb_setpoint}, ev
 
     def _block_fields(self, tie: Tie, tid: int) -> dict[str, Any]:
         blocks = tie.blocks

@@ -20,6 +20,7 @@ from gputrace.records import (
     BlockIO,
     Collective,
     CudaApi,
+    DirtyPause,
     Drops,
     GpuDevice,
     GpuKernel,
@@ -42,6 +43,7 @@ from gputrace.records import (
 
 GpuOp = GpuKernel | GpuMemcpy | GpuMemset
 FAULT_OP = "page_fault"  # the name a PageFault takes among a thread's blocking calls
+DIRTY_OP = "balance_dirty_pages"  # the op of a sleep a pause for dirty pages began outside any recorded call
 # An interpreter with a global lock: its executable's name, or the agent's hello ("cpython 3.11.2 /usr/bin/python3")
 _GIL_EXE = re.compile(r"^(python|pypy)[0-9.]*$")
 _GIL_AGENT = ("cpython ", "pypy ")
@@ -100,6 +102,7 @@ class Capture:
     blocks_by_dev: dict[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
     block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta
     syncs: dict[int, Intervals] = field(default_factory=dict)
+    dirty: dict[int, Intervals] = field(default_factory=dict)  # pauses for dirty pages by tid, by start (ts)
     uring: dict[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
     in_progress: list[InProgress] = field(default_factory=list)  # threads caught waiting at stop
     samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
@@ -145,7 +148,7 @@ class Capture:
 class _Loader:
     def __init__(self, header: dict[str, Any]) -> None:
         self.cap = Capture(header=header)
-        self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}}
+        self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}, "dirty": {}}
         self.by_dev: dict[str, list[BlockIO]] = {}
         self.gpu_devices: dict[tuple[int, int], GpuDevice] = {}
         self.faults: dict[tuple[int, int], PageFault] = {}  # (tid, start_ns) -> the fault, its last wait's end
@@ -230,6 +233,7 @@ class _Loader:
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
         cap.blocks_by_dev = {d: Intervals(v, "issue_ns", "complete_ns") for d, v in self.by_dev.items()}
         cap.syncs = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sync"].items()}
+        cap.dirty = {t: Intervals(v, "ts", "ts") for t, v in raw["dirty"].items()}  # searched by start only
         cap.samples = {t: Samples(v) for t, v in self.samples.items()}
         cap.uring = {p: Completions(v) for p, v in self.uring.items()}
         for made in cap.created.values():
@@ -358,6 +362,7 @@ _HANDLERS: dict[str, Any] = {
     "BlockIO": _block,
     "PageFault": _Loader.fault,
     "IoUringRequest": _Loader.request,
+    "DirtyPause": lambda ld, r: ld.per_tid("dirty", r, r.ts, r.ts),
     "GpuSync": lambda ld, r: ld.per_tid("sync", r, r.start_ns, r.end_ns),
     "ProcInfo": _proc,
     "ThreadInfo": _threadinfo,
@@ -390,6 +395,7 @@ _SHAPES = {
     "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs comm"),
     "PageFault": _shape(PageFault, "pid tid start_ns end_ns offset ino", "obj dev"),
     "IoUringRequest": _shape(IoUringRequest, "pid tid start_ns end_ns res fd nbytes ring_fd flags opcode", "op obj"),
+    "DirtyPause": _shape(DirtyPause, "pid tid ts pause_ns wb_dirty wb_setpoint dirty limit ratelimit", "dev"),
     "GpuSync": _shape(GpuSync, "pid tid start_ns end_ns"),
     "Drops": _shape(Drops, "ts count", "source what"),
     "ProcInfo": _shape(ProcInfo, "pid", "comm"),
@@ -418,7 +424,7 @@ def load(reader: CaptureReader) -> Capture:
     cap.unknown_kinds = dict(reader.unknown_kinds)
     cap.trailer = dict(reader.trailer or {})
     cap.tracing_ns = _tracing_ns(cap.trailer, reader.meta.get("session"))
-    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest")
+    kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest", "DirtyPause")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
     return cap
 

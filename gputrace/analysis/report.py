@@ -7,7 +7,7 @@ from typing import Any
 
 from gputrace.analysis import uring
 from gputrace.analysis.attribute import Attributor
-from gputrace.analysis.load import Capture
+from gputrace.analysis.load import DIRTY_OP, Capture
 from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
 
 SCHEMA = "gputrace.report/1"
@@ -191,6 +191,8 @@ def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
     c, cause = s["culprit"], s["cause"]
     if cause == "unknown":
         return "unknown", "(unexplained)"
+    if cause == "storage" and c.get("op") == DIRTY_OP:  # a store to a mapping: the device, no file named
+        return "device", c["object"]
     if cause == "storage" and c.get("object"):
         return "file", c["object"]
     if cause == "network" and c.get("object"):

@@ -15,6 +15,7 @@ from gputrace.records import (
     BlockIO,
     Collective,
     CudaApi,
+    DirtyPause,
     Drops,
     EpollEntry,
     FdInfo,
@@ -148,6 +149,13 @@ class Builder:
         self.records.append(PageFault(pid, tid, ns(start_ms), ns(end_ms), ns(end_ms) - ns(wait_from_ms), obj, offset,
                                       dev, ino))  # fmt: skip
         return self.offcpu(pid, tid, wait_from_ms, end_ms, "D", waker=(0, 0, "[irq]"))
+
+    def dirty(self, pid: int, tid: int, at_ms: float, pause_ms: float, dev: str = "loop0", dirty: int = 256 << 10,
+              setpoint: int = 216 << 10) -> Builder:
+        """A pause for dirty pages set at ``at_ms``, with the killable sleep it is (off CPU in D, timer-woken)."""
+        self.records.append(DirtyPause(pid, tid, ns(at_ms), round(pause_ms * 1_000_000), dev, dirty, setpoint, dirty,
+                                       1 << 30, 0))
+        return self.offcpu(pid, tid, at_ms + 0.005, at_ms + pause_ms, "D", waker=(0, 0, "[timer]"))
 
     def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
                wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, ""),

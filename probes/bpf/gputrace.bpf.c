@@ -89,6 +89,7 @@ BPF_ARRAY(layout_fault, struct gt_fault_event, 1);
 BPF_ARRAY(layout_mapfile, struct gt_mapfile_event, 1);
 BPF_ARRAY(layout_fdrecv, struct gt_fdrecv_event, 1);
 BPF_ARRAY(layout_uring, struct gt_uring_event, 1);
+BPF_ARRAY(layout_dirty, struct gt_dirty_event, 1);
 
 static __always_inline void count_drop(u32 reason)
 {
@@ -1202,6 +1203,51 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     blk.delete(&k);
     return 0;
 }
+
+/* --------------------------------------------------------------------- dirty-page throttling ---- */
+
+#ifdef HAVE_DIRTY_THROTTLE
+/* A task that dirties page cache faster than its device's writeback cleans it is paused in
+ * balance_dirty_pages, inside its write() or page fault: no block request of its own, no wakeup by anyone
+ * (the pause is a timed sleep). The tracepoint fires, in the task, each time the kernel works out the pause;
+ * a positive one is slept right after it. The device's counts are `wb_*` (`bdi_*` on older kernels: GT_DIRTY_WB=0). */
+#ifndef GT_DIRTY_WB
+#define GT_DIRTY_WB 1
+#endif
+TRACEPOINT_PROBE(writeback, balance_dirty_pages)
+{
+    if (args->pause <= 0)
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32))
+        return 0;
+    struct gt_dirty_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return 0;
+    }
+    e->type = GT_EV_DIRTY;
+    e->pad = 0;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->ts = bpf_ktime_get_ns();
+    e->pause_ms = args->pause;
+#if GT_DIRTY_WB
+    e->wb_dirty = args->wb_dirty;
+    e->wb_setpoint = args->wb_setpoint;
+#else
+    e->wb_dirty = args->bdi_dirty;
+    e->wb_setpoint = args->bdi_setpoint;
+#endif
+    e->dirty = args->dirty;
+    e->limit = args->limit;
+    e->task_ratelimit = args->task_ratelimit;
+    gt_read_kernel(e->bdi, sizeof(e->bdi), args->bdi);
+    e->bdi[sizeof(e->bdi) - 1] = 0;
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+#endif
 
 /* --------------------------------------------------------------------------------- io_uring ---- */
 

@@ -14,8 +14,8 @@ static int (*gt_read_kernel)(void *dst, __u32 size, const void *src) = (void *)B
 static int (*gt_read_user)(void *dst, __u32 size, const void *src) = (void *)BPF_FUNC_probe_read_user;
 static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *)BPF_FUNC_probe_read_user_str;
 
-#define GT_LAYOUT 5 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
-                      * 5: adds GT_EV_URING; the other events are as in 1 */
+#define GT_LAYOUT 6 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
+                      * 5: adds GT_EV_URING; 6: adds GT_EV_DIRTY; the other events are as in 1 */
 #define GT_COMM_LEN 16
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
@@ -43,6 +43,7 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_EV_FDRECV 11 /* struct gt_fdrecv_event, in both rings */
 #define GT_EV_OFFCPU2 12 /* struct gt_offcpu2_event */
 #define GT_EV_URING 13   /* struct gt_uring_event */
+#define GT_EV_DIRTY 14   /* struct gt_dirty_event */
 
 /* gt_proc_event.flags of a GT_EV_EXEC event: the exec gave the task privileges the capture's owner lacks, and
  * the process was left out of the trace from there on (see gt_task_foreign). */
@@ -251,6 +252,25 @@ struct gt_fault_event { /* 56 bytes */
     u64 end_ns;
     u64 ino;
     u64 index; /* page index in the file */
+};
+
+/* The kernel paused a traced thread for dirtying page cache faster than its device's writeback cleans it
+ * (balance_dirty_pages, writeback:balance_dirty_pages with pause > 0): it sleeps `pause_ms` next, inside
+ * whatever call dirtied the pages (a write(), a fault on a shared mapping). The counts are pages, as the
+ * tracepoint gives them: the device's writeback (`wb_*`) and its whole dirty domain. */
+struct gt_dirty_event { /* 104 bytes: not 56 nor 88 */
+    u32 type;
+    u32 pad;
+    u32 pid;
+    u32 tid;
+    u64 ts;
+    s64 pause_ms;       /* how long the kernel set the pause for */
+    u64 wb_dirty;       /* dirty + writeback pages of the device's writeback */
+    u64 wb_setpoint;    /* the level it steers those to */
+    u64 dirty;          /* dirty pages of the domain (global, or the cgroup's) */
+    u64 limit;          /* the domain's dirty limit */
+    u64 task_ratelimit; /* KB/s the thread was allowed to dirty */
+    char bdi[32];       /* the device: "MAJ:MIN" for a block device */
 };
 
 /* A traced process's first fault on a file mapping: user space reads the file's path from /proc/PID/maps

@@ -185,6 +185,14 @@ def _checkpoint(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 8, "dir": str(mnt), "ckpt_bytes": 256 * KIB, "cgroups": cgroups}
 
 
+def _dirty_writes(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # 4 saves of 2 MiB written (no fsync) to a device allowed 256 KiB of dirty pages, written back at 4 MiB/s:
+    # the kernel's dirty throttling (balance_dirty_pages) pauses the writer several times in most saves
+    mnt, devnum = st.enter_context(fixtures.loop_filesystem(w))
+    st.enter_context(fixtures.loopdev.dirty_limit(devnum, 256 * KIB, 4 << 20))
+    return {"steps": 8, "dir": str(mnt), "save_bytes": 2048 * KIB}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -206,6 +214,7 @@ SCENARIOS: dict[str, Setup] = {
     "torch_straggler": _torch_straggler,
     "torch_straggler_pinned": lambda w, st: {**_torch_straggler(w, st), "pin_memory": True},
     "checkpoint": _checkpoint,
+    "dirty_writes": _dirty_writes,
 }
 
 

@@ -110,6 +110,17 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             assert c["block_attribution"] == "dispatched" and "kworker" in c["dispatched_by"], c
             assert c["block_bytes"] >= 256 * 1024, c
             assert any(e["kind"] == "block" and e["what"].startswith("W") for e in s["evidence"]), s["evidence"]
+    elif name == "dirty_writes":
+        # the trainer's own write()s of a save, paused by the kernel for dirty pages on the loop device: the
+        # pauses are the stall (the first save is always paused; later ones as the kernel's estimates go)
+        saves = [s for s in stalls if s["cause"] == "storage"]
+        assert saves, [s["culprit"] for s in stalls]
+        for s in saves:
+            c = s["culprit"]
+            assert c["op"] == "write" and c["pid"] == s["device_pid"] and not s["via"], c
+            assert c["dirty_pauses"] >= 1 and c["dirty_device"].startswith("loop"), c
+            assert c["dirty_paused_ns"] >= 0.8 * s["duration_ns"], (c, s["duration_ns"])
+            assert any(e["kind"] == "dirty" for e in s["evidence"]), s["evidence"]
     elif name == "asyncio_fetch":  # the event loop's epoll_wait names the peer's socket it found ready
         assert all(s["culprit"]["op"].startswith("epoll") for s in stalls), [s["culprit"] for s in stalls]
 

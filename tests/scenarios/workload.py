@@ -324,6 +324,35 @@ def checkpoint(cfg: dict[str, Any]) -> None:
     s.synchronize()
 
 
+def dirty_writes(cfg: dict[str, Any]) -> None:
+    """Every other step the trainer waits for the device, then saves its state to a new file with write() and
+    no fsync, on a device allowed few dirty pages and slow to write them back: the kernel pauses the writer
+    (balance_dirty_pages) until writeback catches up, and the GPU waits for that write(). Whether a save is
+    paused depends on the kernel's estimates: one whose writes all returned at once labels the time the
+    trainer's own (copying into the page cache)."""
+    truth = Truth(cfg["truth"])
+    s = Device(0).stream()
+    chunk = os.urandom(64 << 10)
+    s.launch("warmup", KERNEL_MS)
+    for k in range(cfg["steps"]):
+        if k % 2:
+            s.synchronize()
+            path = os.path.join(cfg["dir"], f"state-{k:03d}.bin")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            longest = 0
+            for _ in range(cfg["save_bytes"] // len(chunk)):
+                t0 = now()
+                os.write(fd, chunk)
+                longest = max(longest, now() - t0)
+            os.close(fd)
+            if longest >= 20_000_000:
+                truth.label("storage", path, os.getpid())
+            else:
+                truth.label("cpu", "", os.getpid())
+        s.launch(f"train_step_{k}", KERNEL_MS)
+    s.synchronize()
+
+
 def contention(cfg: dict[str, Any]) -> None:
     """More busy processes than cores: the trainer shares CPU 0 with three spinning hogs."""
     hogs = []
@@ -608,6 +637,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
     "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
     "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader, "checkpoint": checkpoint,
+    "dirty_writes": dirty_writes,
 }  # fmt: skip
 
 if __name__ == "__main__":

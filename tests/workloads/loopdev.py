@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,7 @@ def loop_filesystem(workdir: Path, size_mib: int = 64) -> Iterator[LoopFs]:
         try:
             name = Path(device).name
             majmin = Path(f"/sys/class/block/{name}/dev").read_text().strip()
+            default_limits(majmin)  # whatever an earlier user of this loop device set
             yield LoopFs(mnt, device, name, majmin)
         finally:
             subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
@@ -89,3 +90,30 @@ def small_tmpfs(path: Path, size: str = "64k") -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+@contextmanager
+def dirty_limit(devnum: str, max_bytes: int, writeback_bps: int) -> Iterator[None]:
+    """Let the device's writers keep at most ``max_bytes`` of dirty pages (its bdi's strict limit) and write
+    them back at ``writeback_bps`` (a throttle on the root blkio group, where the flusher's writeback is
+    accounted): a writer that dirties more is paused in balance_dirty_pages until writeback catches up."""
+    bdi = Path("/sys/class/bdi") / devnum
+    root = Path("/sys/fs/cgroup/blkio") / "blkio.throttle.write_bps_device"
+    try:
+        (bdi / "strict_limit").write_text("1")
+        (bdi / "max_bytes").write_text(str(max_bytes))
+        root.write_text(f"{devnum} {writeback_bps}\n")
+        yield
+    finally:
+        with suppress(OSError):
+            root.write_text(f"{devnum} 0\n")  # 0 removes the rule
+        default_limits(devnum)
+
+
+def default_limits(devnum: str) -> None:
+    """The kernel's defaults for the device's dirty pages (no strict limit, up to the whole dirty limit). A
+    loop device keeps its settings from one attachment to the next."""
+    bdi = Path("/sys/class/bdi") / devnum
+    for k, v in (("strict_limit", "0"), ("max_ratio", "100")):
+        with suppress(OSError):  # the loop device may be gone already
+            (bdi / k).write_text(v)

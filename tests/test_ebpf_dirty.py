@@ -1,0 +1,133 @@
+"""Writers the kernel pauses for dirty pages (balance_dirty_pages), recorded by the real eBPF source: a traced
+writer and an untraced one save 2 MiB each to a loop device allowed 256 KiB of dirty pages and written back
+at 4 MiB/s. The traced one's pauses are recorded, inside its write() calls and followed by its sleep; the
+other's are not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.loopdev import LoopFs, dirty_limit, loop_filesystem
+
+from gputrace.probes.ebpf_host import dirty_throttle_layout
+from gputrace.records import DirtyPause, OffCpu, Syscall
+
+WRITER = """
+import os, sys, time
+sys.stdin.readline()
+chunk = os.urandom(64 << 10)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+longest = 0
+for _ in range(32):
+    t = time.monotonic_ns()
+    os.write(fd, chunk)
+    longest = max(longest, time.monotonic_ns() - t)
+os.close(fd)
+print(longest)
+"""
+
+pytestmark = pytest.mark.skipif(not dirty_throttle_layout(), reason="no writeback:balance_dirty_pages here")
+
+
+@pytest.fixture
+def throttled(tmp_path: Path) -> Iterator[LoopFs]:
+    with loop_filesystem(tmp_path) as fs, dirty_limit(fs.majmin, 256 << 10, 4 << 20):
+        yield fs
+
+
+def _writer(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_pauses_of_a_traced_writer_are_recorded_in_its_writes(throttled: LoopFs, tmp_path: Path) -> None:
+    traced, other = _writer(throttled.mountpoint / "traced.bin"), _writer(throttled.mountpoint / "other.bin")
+    out = tmp_path / "dirty.gputrace"
+    try:
+        with ebpf_capture(out, [traced.pid]):
+            for p in (traced, other):
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            longest = [int(p.communicate(timeout=60)[0]) for p in (traced, other)]
+            assert traced.returncode == 0 and other.returncode == 0
+    finally:
+        for p in (traced, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    records, _ = read_capture(out)
+    pauses = of(records, DirtyPause)
+    assert pauses and {p.pid for p in pauses} == {traced.pid}, pauses  # the untraced writer's are not recorded
+    assert min(longest) >= 20_000_000, longest  # both were paused
+    writes = [s for s in of(records, Syscall) if s.pid == traced.pid and s.name == "write"]
+    offs = [o for o in of(records, OffCpu) if o.pid == traced.pid]
+    for p in pauses:
+        assert p.dev == throttled.name and p.pause_ns > 0 and p.wb_setpoint > 0, p
+        # inside a write() of the saved file, and slept right after (killable: D), about as long as set
+        call = next((s for s in writes if s.start_ns <= p.ts <= s.end_ns), None)
+        assert call is not None and call.obj == str(throttled.mountpoint / "traced.bin"), (p, writes)
+        sleep = next((o for o in offs if p.ts <= o.start_ns <= p.ts + 1_000_000), None)
+        assert sleep is not None and sleep.state == "D", (p, offs)
+        assert 0.5 * p.pause_ns <= sleep.end_ns - sleep.start_ns <= 2 * p.pause_ns + 20_000_000, (p, sleep)
+
+
+STORES = """
+import mmap, os, sys
+sys.stdin.readline()
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+os.ftruncate(fd, 2 << 20)
+m = mmap.mmap(fd, 2 << 20, mmap.MAP_SHARED)
+if sys.argv[2] == "read first":  # pages mapped read-only: each store takes a write-protect fault, no file fault
+    sum(m[i] for i in range(0, 2 << 20, 4096))
+for i in range(0, 2 << 20, 4096):
+    m[i] = 1
+"""
+
+
+@pytest.mark.parametrize(("order", "op"), [("store", "page_fault"), ("read first", "balance_dirty_pages")])
+def test_a_writer_through_a_shared_mapping_is_paused_outside_any_call(throttled: LoopFs, tmp_path: Path, order: str,
+                                                                      op: str) -> None:
+    """Stores to a shared file mapping dirty the pages in faults, with no write(): the pauses come there. The
+    analysis names the sleeps they began as storage with the pauses: in the file's page fault where the
+    fault probe saw one (the mapping's file named: a store to a page not mapped yet), else on the device (a
+    store to a page mapped read-only by an earlier read: a write-protect fault, which reads no file); never
+    unknown."""
+    from gputrace.analysis.explain import Explainer
+    from gputrace.analysis.load import load
+    from gputrace.capture import CaptureReader
+
+    proc = subprocess.Popen([sys.executable, "-c", STORES, str(throttled.mountpoint / "m.bin"), order],
+                            stdin=subprocess.PIPE, text=True)
+    out = tmp_path / "stores.gputrace"
+    try:
+        with ebpf_capture(out, [proc.pid]):
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    records, _ = read_capture(out)
+    pauses = [p for p in of(records, DirtyPause) if p.pid == proc.pid]
+    assert pauses and all(p.dev == throttled.name for p in pauses), pauses
+    calls = [s for s in of(records, Syscall) if s.pid == proc.pid]
+    assert not [p for p in pauses if any(s.start_ns <= p.ts <= s.end_ns for s in calls)], calls
+    with CaptureReader(out) as reader:
+        cap = load(reader)
+    a, b = pauses[0].ts - 1_000_000, pauses[-1].ts + pauses[-1].pause_ns
+    parts = Explainer(cap).explain(proc.pid, a, min(b, cap.last_ns))
+    mapped = str(throttled.mountpoint / "m.bin")
+    named = sum(p.ns for p in parts if p.cause == "storage" and p.culprit.get("dirty_pauses")
+                and p.culprit["object"] in (mapped, throttled.name) and p.culprit["dirty_device"] == throttled.name)
+    paused = sum(min(p.pause_ns, b - p.ts) for p in pauses)
+    assert named >= 0.7 * paused, ([(p.cause, p.ns, p.culprit.get("op")) for p in parts], paused)
+    assert sum(p.ns for p in parts if p.culprit.get("op") == op) >= 0.7 * paused, [p.culprit for p in parts]
+    assert not [p for p in parts if p.cause == "unknown" and p.ns > 5_000_000], parts
