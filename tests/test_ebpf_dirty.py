@@ -45,22 +45,29 @@ def _writer(path: Path) -> subprocess.Popen[str]:
                             text=True)
 
 
-def test_pauses_of_a_traced_writer_are_recorded_in_its_writes(throttled: LoopFs, tmp_path: Path) -> None:
-    traced, other = _writer(throttled.mountpoint / "traced.bin"), _writer(throttled.mountpoint / "other.bin")
-    out = tmp_path / "dirty.gputrace"
+def _run(out: Path, traced: subprocess.Popen[str], *others: subprocess.Popen[str]) -> list[str]:
+    """Capture ``traced`` while it and ``others`` are told to go and run to the end; their outputs."""
+    procs = (traced, *others)
     try:
         with ebpf_capture(out, [traced.pid]):
-            for p in (traced, other):
+            for p in procs:
                 assert p.stdin is not None
                 p.stdin.write("go\n")
                 p.stdin.flush()
-            longest = [int(p.communicate(timeout=60)[0]) for p in (traced, other)]
-            assert traced.returncode == 0 and other.returncode == 0
+            outputs = [p.communicate(timeout=60)[0] for p in procs]
+            assert [p.returncode for p in procs] == [0] * len(procs)
+            return outputs
     finally:
-        for p in (traced, other):
+        for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_pauses_of_a_traced_writer_are_recorded_in_its_writes(throttled: LoopFs, tmp_path: Path) -> None:
+    traced, other = _writer(throttled.mountpoint / "traced.bin"), _writer(throttled.mountpoint / "other.bin")
+    out = tmp_path / "dirty.gputrace"
+    longest = [int(x) for x in _run(out, traced, other)]
     records, _ = read_capture(out)
     pauses = of(records, DirtyPause)
     assert pauses and {p.pid for p in pauses} == {traced.pid}, pauses  # the untraced writer's are not recorded
@@ -105,16 +112,7 @@ def test_a_writer_through_a_shared_mapping_is_paused_outside_any_call(throttled:
     proc = subprocess.Popen([sys.executable, "-c", STORES, str(throttled.mountpoint / "m.bin"), order],
                             stdin=subprocess.PIPE, text=True)
     out = tmp_path / "stores.gputrace"
-    try:
-        with ebpf_capture(out, [proc.pid]):
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    _run(out, proc)
     records, _ = read_capture(out)
     pauses = [p for p in of(records, DirtyPause) if p.pid == proc.pid]
     assert pauses and all(p.dev == throttled.name for p in pauses), pauses

@@ -390,23 +390,30 @@ def test_records_with_broken_fields_are_skipped_whole(tmp_path: Path) -> None:
     assert check.process(1).name == "x"
 
 
-def test_page_fault_slice_is_the_evidence_of_its_stall(tmp_path: Path) -> None:
+def _stall_trace(tmp_path: Path, add: Any) -> tuple[dict[str, Any], TraceCheck]:
+    """A trainer's stall [10, 40) ms made by ``add(builder)``: the report, and the trace exported with it."""
     from gputrace.analysis import analyze
     from gputrace.analysis.synth import Builder
 
     b = Builder().proc(100, "trainer").device(100)
     b.op(100, 100, 0.0, 0.0, 10.0, "fwd")
     b.op(100, 100, 39.9, 40.0, 50.0, "bwd")
-    b.fault(100, 100, 10.5, 10.6, 39.5, "/data/shard.bin", offset=4096)
-    cap = b.write(tmp_path / "f.gputrace")
+    add(b)
+    cap = b.write(tmp_path / "s.gputrace")
     with CaptureReader(cap) as reader:
         report = analyze(reader)
-    assert report["stalls"][0]["culprit"]["op"] == "page_fault"
-    out = tmp_path / "f.pftrace"
+    out = tmp_path / "s.pftrace"
     with CaptureReader(cap) as reader:
         result = PerfettoExporter(out, report=report).write(reader)
     check = check_trace(out)
     assert check.problems == [] and result.items == check.packets
+    return report, check
+
+
+def test_page_fault_slice_is_the_evidence_of_its_stall(tmp_path: Path) -> None:
+    report, check = _stall_trace(tmp_path, lambda b: b.fault(100, 100, 10.5, 10.6, 39.5, "/data/shard.bin",
+                                                             offset=4096))
+    assert report["stalls"][0]["culprit"]["op"] == "page_fault"
     [fault] = [s for s in check.all_slices() if s.name == "page fault"]
     assert check.track_of(fault).name == "trainer"
     assert (fault.args["obj"], fault.args["offset"]) == ("/data/shard.bin", 4096)
@@ -415,22 +422,9 @@ def test_page_fault_slice_is_the_evidence_of_its_stall(tmp_path: Path) -> None:
 
 
 def test_a_pause_for_dirty_pages_is_drawn_and_points_at_its_stall(tmp_path: Path) -> None:
-    from gputrace.analysis import analyze
-    from gputrace.analysis.synth import Builder
-
-    b = Builder().proc(100, "trainer").device(100)
-    b.op(100, 100, 0.0, 0.0, 10.0, "fwd")
-    b.op(100, 100, 39.9, 40.0, 50.0, "bwd")
-    b.syscall(100, 100, "write", 10.1, 39.8, "/data/state.bin", 64 << 10).dirty(100, 100, 10.2, 29.5)
-    cap = b.write(tmp_path / "d.gputrace")
-    with CaptureReader(cap) as reader:
-        report = analyze(reader)
+    report, check = _stall_trace(tmp_path, lambda b: b.syscall(100, 100, "write", 10.1, 39.8, "/data/state.bin",
+                                                               64 << 10).dirty(100, 100, 10.2, 29.5))
     assert report["stalls"][0]["culprit"]["dirty_pauses"] == 1
-    out = tmp_path / "d.pftrace"
-    with CaptureReader(cap) as reader:
-        result = PerfettoExporter(out, report=report).write(reader)
-    check = check_trace(out)
-    assert check.problems == [] and result.items == check.packets
     [pause] = [s for s in check.all_slices() if s.name == "paused for dirty pages on loop0"]
     assert check.track_of(pause).name == "dirty pages" and pause.dur == 29_500_000
     assert (pause.args["wb_dirty"], pause.args["wb_setpoint"]) == (256 << 10, 216 << 10)

@@ -1210,7 +1210,8 @@ TRACEPOINT_PROBE(block, block_rq_complete)
 /* A task that dirties page cache faster than its device's writeback cleans it is paused in
  * balance_dirty_pages, inside its write() or page fault: no block request of its own, no wakeup by anyone
  * (the pause is a timed sleep). The tracepoint fires, in the task, each time the kernel works out the pause;
- * a positive one is slept right after it. The device's counts are `wb_*` (`bdi_*` on older kernels: GT_DIRTY_WB=0). */
+ * a positive one is slept right after it. The device's counts are `wb_*` (`bdi_*` on older kernels:
+ * GT_DIRTY_WB=0). */
 #ifndef GT_DIRTY_WB
 #define GT_DIRTY_WB 1
 #endif
