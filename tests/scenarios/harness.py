@@ -33,6 +33,9 @@ OBJECT_CAUSES = ("storage", "network")  # their culprit is an object (path, peer
 # in 14 (one with two of its four storage stalls), and 22 runs in a row with none. CI allows two.
 TARGET_CORRECT_PCT, TARGET_UNKNOWN_PCT = {"*": 95.0, "contention": 80.0, "timed_waits": 50.0}, 5.0
 UNKNOWN_ALLOWED_PCT = {"timed_waits": 50.0}
+# A third: on the 2-core VM the trainer, its batch ready, sometimes waits for a CPU the workers and the capture
+# hold, and the report says so (`cpu.runqueue` of the trainer, up to 7 ms) where the truth names the batch's
+# worker: scored a miss, never a wrong culprit (``score``). Seen in cpu_worker and both torch_straggler ones.
 
 
 @dataclass
@@ -98,7 +101,10 @@ def score(name: str, report: dict[str, Any], truth: dict[int, list[dict[str, Any
             sc.correct_ns += ns
             continue
         named = bool(s["culprit"]["pid"] or s["culprit"]["object"])
-        if named and ns >= WRONG_CULPRIT_MIN_NS and (t is None or not same_culprit(s, t)):
+        # the GPU process itself waiting for a CPU blames no one else: a miss (the workloads cannot label the
+        # machine's load), not a wrong culprit
+        own_runqueue = s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == s.get("device_pid")
+        if named and not own_runqueue and ns >= WRONG_CULPRIT_MIN_NS and (t is None or not same_culprit(s, t)):
             sc.wrong_culprits.append(s)
         sc.misses.append(f"{ns / 1e6:.1f} ms {s['cause']} {s['culprit']['object'] or s['culprit']['pid']} "
                          f"(truth: {t and (t['cause'], t['object'] or t['culprit_pid'])})")

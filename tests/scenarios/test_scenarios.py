@@ -154,3 +154,8 @@ def test_scoring_counts_a_wrong_culprit_and_unknown() -> None:
     sc = harness.score("t", report, truth)
     assert (sc.stalls, sc.correct_ns, sc.unknown_ns) == (3, 2_000_000, 2_000_000)
     assert len(sc.wrong_culprits) == 1 and not sc.passed()
+    # the trainer waiting 6 ms for a CPU: a miss, not a wrong culprit; another process named: wrong
+    runq = {"device_pid": 7, "start_ns": 0, "end_ns": 1_000, "duration_ns": 6_000_000, "cause": "cpu.runqueue",
+            "culprit": {**culprit, "pid": 7, "tid": 7, "object": ""}}
+    sc = harness.score("t", {"stalls": [runq, {**runq, "culprit": {**runq["culprit"], "pid": 9}}]}, truth)
+    assert (sc.correct_ns, len(sc.misses), [w["culprit"]["pid"] for w in sc.wrong_culprits]) == (0, 2, [9])
