@@ -4,6 +4,7 @@ source asks of the host: its program text, which tracepoints exist, and unloadin
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import platform
 import subprocess
@@ -146,9 +147,11 @@ def file_faults_supported() -> bool:
             and tracepoint_exists("filemap", "mm_filemap_fault"))
 
 
+@functools.cache
 def dirty_throttle_layout() -> str:
     """The prefix of the device's counts in writeback:balance_dirty_pages ("wb", "bdi" on older kernels), ""
-    where the tracepoint or those fields are missing: then pauses for dirty pages are not recorded."""
+    where the tracepoint or those fields are missing: then pauses for dirty pages are not recorded. Read
+    once: the build and the source's status ask for each capture."""
     for prefix in ("wb", "bdi"):
         if format_has("writeback", "balance_dirty_pages", f"{prefix}_dirty"):
             return prefix

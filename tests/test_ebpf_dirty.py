@@ -14,7 +14,6 @@ import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, dirty_limit, loop_filesystem
 
-from gputrace.probes.ebpf_host import dirty_throttle_layout
 from gputrace.records import DirtyPause, OffCpu, Syscall
 
 WRITER = """
@@ -31,7 +30,6 @@ os.close(fd)
 print(longest)
 """
 
-pytestmark = pytest.mark.skipif(not dirty_throttle_layout(), reason="no writeback:balance_dirty_pages here")
 
 
 @pytest.fixture

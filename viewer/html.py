@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.analysis.notes import caveats, waiting_lines
-from gputrace.analysis.report import causes_text, pid_text
 from gputrace.capture import check_output_path
 from gputrace.errors import UserError
-from gputrace.viewer.terminal import describe, ended, input_bound_text, ms, pct, shown
+from gputrace.viewer.terminal import PROCESS_COLUMNS, describe, ended, input_bound_text, ms, pct, process_row, shown
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
@@ -68,9 +67,7 @@ def page(report: dict[str, Any], title: str) -> str:
          for c in report.get("top_culprits", [])]))
     if report.get("top_processes"):
         parts.append("<h2>Stall time by process</h2>" + table(
-            ["process", "runs a GPU", "stall time", "share", "stalls", "causes"],
-            [[e(pid_text(p)), "yes" if p["gpu_process"] else "", e(ms(p["stall_ns"])), e(f"{p['share_pct']}%"),
-              p["stalls"], e(causes_text(p["by_cause"]))] for p in report["top_processes"]]))
+            list(PROCESS_COLUMNS), [[e(str(x)) for x in process_row(p)] for p in report["top_processes"]]))
     ib = summ.get("input_bound", {})
     if ib:
         parts.append(f"<p>{e(input_bound_text(ib))}</p>")

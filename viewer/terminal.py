@@ -17,6 +17,7 @@ from gputrace.analysis.report import causes_text, culprit_label, holders_text, p
 from gputrace.analysis.timefmt import size_text
 
 TOP_STALLS = 10
+PROCESS_COLUMNS = ("process", "runs a GPU", "stall time", "share", "stalls", "causes")
 TOP_WAITING = 10
 
 
@@ -154,12 +155,17 @@ def _culprits(report: dict[str, Any]) -> Table:
 
 def _processes(report: dict[str, Any]) -> Table:
     t = Table(title="Stall time by process", title_justify="left")
-    for col in ("process", "runs a GPU", "stall time", "share", "stalls", "causes"):
+    for col in PROCESS_COLUMNS:
         t.add_column(col, justify="right" if col in ("stall time", "share", "stalls") else "left")
     for p in report["top_processes"]:
-        t.add_row(*_cells(pid_text(p), "yes" if p["gpu_process"] else "", ms(p["stall_ns"]),
-                          f"{p['share_pct']:.1f}%", p["stalls"], causes_text(p["by_cause"])))
+        t.add_row(*_cells(*process_row(p)))
     return t
+
+
+def process_row(p: dict[str, Any]) -> list[Any]:
+    """A ``top_processes`` entry as the terminal and HTML tables show it (PROCESS_COLUMNS)."""
+    return [pid_text(p), "yes" if p["gpu_process"] else "", ms(p["stall_ns"]), f"{p['share_pct']:.1f}%",
+            p["stalls"], causes_text(p["by_cause"])]
 
 
 def describe(s: dict[str, Any]) -> str:

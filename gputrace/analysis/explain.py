@@ -117,6 +117,21 @@ def _on_pipe_or_socket(sc: Syscall) -> bool:
     return sc.fd >= 0 and bool(sc.obj) and classify(sc) == "wait"
 
 
+def _paused(pauses: list[DirtyPause], sleeps: list[OffCpu], end_ns: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Culprit fields and evidence of ``pauses`` for dirty pages: each lasts from its tracepoint to the end of
+    the sleep among ``sleeps`` that began within PAUSE_SLEEP_NS of it (the kernel's own figure where none
+    did), cut at ``end_ns``; the device and its dirty pages are the last pause's."""
+    total, ev = 0, []
+    for p in pauses:
+        o = next((o for o in sleeps if p.ts <= o.start_ns <= p.ts + PAUSE_SLEEP_NS), None)
+        end = min(o.end_ns if o else p.ts + p.pause_ns, end_ns)
+        total += end - p.ts
+        ev.append(evidence_dirty(p, end))
+    last = pauses[-1]
+    return {"dirty_pauses": len(pauses), "dirty_paused_ns": total, "dirty_device": last.dev,
+            "dirty_bytes": last.wb_dirty, "dirty_setpoint_bytes": last.wb_setpoint}, ev
+
+
 def _cpu_holders(waits: list[tuple[OffCpu, int, int]]) -> Counter[tuple[int, int, str]]:
     """Who had the CPU each off-CPU span waited for within its window [a, b) (a preemption, or the time from
     a wakeup on): (pid, tid, comm) with the time of that window."""
@@ -318,10 +333,9 @@ class Explainer:
         if not pauses:
             return None
         p = pauses[-1]
-        culprit = self.culprit(o.tid, DIRTY_OP, p.dev, 0, o.end_ns - p.ts)
-        culprit.update(dirty_pauses=1, dirty_paused_ns=o.end_ns - p.ts, dirty_device=p.dev, dirty_bytes=p.wb_dirty,
-                       dirty_setpoint_bytes=p.wb_setpoint)
-        return Part("storage", ns, culprit, evidence=[evidence_dirty(p, o.end_ns), evidence_offcpu(o)])
+        fields, paused = _paused([p], [o], o.end_ns)
+        culprit = {**self.culprit(o.tid, DIRTY_OP, p.dev, 0, o.end_ns - p.ts), **fields}
+        return Part("storage", ns, culprit, evidence=[*paused, evidence_offcpu(o)])
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
         kind = "sync" if self._in_gpu_sync(sc.tid, x, y) else classify(sc)
@@ -471,17 +485,7 @@ class Explainer:
         device and its dirty pages are the last pause's."""
         index = self.cap.dirty.get(sc.tid)
         pauses: list[DirtyPause] = index.starting_in(sc.start_ns, sc.end_ns) if index else []
-        if not pauses:
-            return {}, []
-        total, ev = 0, []
-        for p in pauses:
-            o = next((o for o in blocked if p.ts <= o.start_ns <= p.ts + PAUSE_SLEEP_NS), None)
-            end = min(o.end_ns if o else p.ts + p.pause_ns, sc.end_ns)
-            total += end - p.ts
-            ev.append(evidence_dirty(p, end))
-        last = pauses[-1]
-        return {"dirty_pauses": len(pauses), "dirty_paused_ns": total, "dirty_device": last.dev,
-                "dirty_bytes": last.wb_dirty, "dirty_setpoint_bytes": last.wb_setpoint}, ev
+        return _paused(pauses, blocked, sc.end_ns) if pauses else ({}, [])
 
     def _block_fields(self, tie: Tie, tid: int) -> dict[str, Any]:
         blocks = tie.blocks
