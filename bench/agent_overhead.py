@@ -27,6 +27,8 @@ from pathlib import Path
 from gputrace.probes.cupti import real_gpu_missing
 
 # ------------------------------------------------------------------------------------------- child ---
+KERNELS_PER_OP = 3  # x @ w, relu, * 0.5
+
 
 
 def child(args: argparse.Namespace) -> None:
@@ -78,15 +80,21 @@ def run_child(args: argparse.Namespace, state: str) -> dict:
         sys.exit(f"agent_overhead: {state} run failed:\n{run.stderr[-2000:]}")
     result = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
     if args.mode == "capture" and state == "on":
-        result["kernels"] = count_kernels(out)
+        result.update(capture_facts(out))
     return result
 
 
-def count_kernels(path: Path) -> int:
+def capture_facts(path: Path) -> dict:
+    """Kernels the capture holds, what it lost (as drop_* keys) and what its sources said went wrong."""
     from gputrace.capture import CaptureReader
-    from gputrace.records import GpuKernel
+    from gputrace.records import GpuKernel, SourceStatus
 
-    return sum(type(r) is GpuKernel for r in CaptureReader(path).records())
+    reader = CaptureReader(path)
+    records = list(reader.records())
+    bad = [f"{r.source} {r.status}: {r.detail}" for r in records
+           if type(r) is SourceStatus and r.status not in ("started", "missing")]  # fmt: skip
+    return {"kernels": sum(type(r) is GpuKernel for r in records), "statuses": bad,
+            **{f"drop_{k}": v for k, v in reader.drops.items() if v}}
 
 
 def main() -> int:
@@ -120,15 +128,18 @@ def main() -> int:
 def report(args: argparse.Namespace, off: list[dict], on: list[dict]) -> None:
     t_off = statistics.median(statistics.median(r["step_s"]) for r in off)
     t_on = statistics.median(statistics.median(r["step_s"]) for r in on)
-    per_step = statistics.median(r["kernels"] for r in on) / (args.warmup + args.steps)
+    traced = statistics.median(r["kernels"] for r in on) / (args.warmup + args.steps)
+    launched = KERNELS_PER_OP * args.ops
     print(f"mode {args.mode}: {args.steps} steps × {args.ops} ops, {args.size}², median of {args.repeat} runs each")
     print(f"  step time   without agent {t_off * 1e3:9.3f} ms   with agent {t_on * 1e3:9.3f} ms   "
           f"overhead {100 * (t_on - t_off) / t_off:+.1f} %")  # fmt: skip
-    print(f"  kernels     {per_step:.1f} per step traced, {per_step / t_off:,.0f} kernels/s without agent")
-    if per_step:
-        print(f"  agent cost  {(t_on - t_off) * 1e6 / per_step:+.2f} µs per kernel")
+    print(f"  kernels     {launched} per step launched, {launched / t_off:,.0f} kernels/s without agent; "
+          f"{traced:.1f} per step traced")  # fmt: skip
+    print(f"  agent cost  {(t_on - t_off) * 1e6 / launched:+.2f} µs per kernel")
     drops = {k: v for r in on for k, v in r.items() if k.startswith("drop_") and v}
     print(f"  drops       {drops or 'none'}")
+    for line in sorted({line for r in on for line in r.get("statuses", [])}):
+        print(f"  status      {line}")
 
 
 if __name__ == "__main__":

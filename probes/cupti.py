@@ -11,6 +11,8 @@ may change what the target does: every error inside a callback is counted, never
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import importlib
 import importlib.util
@@ -19,12 +21,14 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gputrace.clock import RealtimeConverter, monotonic_ns
 from gputrace.probes.cupti_convert import (
+    ALL_APIS_ENV,
     KIND_CONCURRENT_KERNEL,
     KIND_CONTEXT,
     KIND_DEVICE,
@@ -36,6 +40,7 @@ from gputrace.probes.cupti_convert import (
     KIND_SYNCHRONIZATION,
     ActivityConverter,
     dump_activity,
+    quiet_api,
 )
 
 Emit = Callable[[Sequence[tuple[Any, ...]]], None]
@@ -56,6 +61,62 @@ _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/
 
 
 RECORD_ENV = "GPUTRACE_CUPTI_RECORD"
+CONVERT_SLICE = 256  # records converted between two looks at the clock
+YIELD_AFTER_NS = 2_000_000  # converting this long hands the GIL to a waiting thread (Python's own switch: 5 ms)
+STOP_SETTLE_S = 0.02
+_STARTED: list[CuptiBackend] = []  # backends started in this process, for the exit-time flush
+
+
+def native_flush_all(maps: str = "/proc/self/maps") -> Callable[[int], None] | None:
+    """cuptiActivityFlushAll of the libcupti this process loaded, called through ctypes (which releases the
+    GIL for the call); None when no libcupti is mapped or it lacks the symbol."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            path = next((line.split()[-1] for line in f if "/libcupti.so" in line), None)
+        if path is None:
+            return None
+        fn = ctypes.CDLL(path).cuptiActivityFlushAll
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_uint32], ctypes.c_int
+
+    def activity_flush_all(flag: int) -> None:
+        status = fn(flag)
+        if status:
+            raise RuntimeError(f"cuptiActivityFlushAll: CUPTI error {status}")
+
+    return activity_flush_all
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """While Python still runs, hand back any buffer CUPTI kept after a backend stopped: CUPTI's own exit
+    flush would call into a finalized interpreter. (A running backend is stopped by the agent at exit.)"""
+    for backend in _STARTED:
+        if backend._cupti is None:
+            with contextlib.suppress(Exception):
+                backend._flush_all(FLUSH_FORCED)
+
+
+def quiet_in_cupti(cupti: Any) -> int:
+    """Turn off CUPTI's records of the quiet lookups (cupti_convert.QUIET_APIS); how many APIs it took.
+
+    Needs CUPTI 12.6 or later (cuptiActivityEnableRuntimeApi/DriverApi); an older one records them and the
+    converter drops them instead."""
+    n = 0
+    for enum_name, enable_name in (("RuntimeApiTraceCbid", "activity_enable_runtime_api"),
+                                   ("DriverApiTraceCbid", "activity_enable_driver_api")):  # fmt: skip
+        enum, enable = getattr(cupti, enum_name, None), getattr(cupti, enable_name, None)
+        if enum is None or enable is None:
+            continue
+        for name, member in enum.__members__.items():
+            if quiet_api(name):
+                try:
+                    enable(int(member), 0)
+                except Exception:  # noqa: BLE001 - not supported here: the converter filters instead
+                    break
+                n += 1
+    return n
 
 
 class BatchRecorder:
@@ -162,11 +223,16 @@ class CuptiBackend:
     """GpuBackend (gputrace.agent.backend) recording CUPTI activity of this process."""
 
     name = "cupti"
+    native_flush = True  # flush through ctypes when libcupti is mapped (tests of stand-ins turn it off)
 
     def __init__(
         self, *, flush_period_s: float = 0.25, resample_period_s: float = 1.0, buffer_bytes: int = 8 << 20,
-        record_path: str | None = None,
+        record_path: str | None = None, all_apis: bool | None = None, yield_after_ns: int = YIELD_AFTER_NS,
     ) -> None:  # fmt: skip
+        self._all_apis = os.environ.get(ALL_APIS_ENV) == "1" if all_apis is None else all_apis
+        self._yield_ns = yield_after_ns
+        self._flush_all: Callable[[int], Any] = lambda flag: None
+        self.quieted = 0  # quiet lookup APIs CUPTI was told not to record
         # Raw batches as JSON lines, for replay tests (tests/data/cupti); RECORD_ENV arms it in a target.
         self._record_path = record_path if record_path is not None else os.environ.get(RECORD_ENV) or None
         self._recorder: BatchRecorder | None = None
@@ -205,7 +271,8 @@ class CuptiBackend:
             raise CuptiUnavailable(f"cupti-python does not load: {e}") from None
         self._cupti, self._emit = cupti, emit
         self._clock = RealtimeConverter(self._resample_period)
-        self._conv = ActivityConverter(os.getpid(), self._clock.to_monotonic, cupti.get_callback_name)
+        self._conv = ActivityConverter(os.getpid(), self._clock.to_monotonic, cupti.get_callback_name,
+                                       all_apis=self._all_apis)  # fmt: skip
         if self._record_path:
             self._recorder = BatchRecorder(self._record_path, os.getpid(), self._clock.offset_ns, self._conv.api_name)
         try:
@@ -216,6 +283,10 @@ class CuptiBackend:
                 self._recorder.close()
             raise CuptiUnavailable(_explain(e)) from None
         self._measure_skew(cupti)
+        # cupti-python keeps the GIL through cuptiActivityFlushAll, which can block for hundreds of ms: the
+        # target's threads would wait all that time (seen on an H100). ctypes lets the GIL go during the call.
+        self._flush_all = (self.native_flush and native_flush_all()) or cupti.activity_flush_all
+        _STARTED.append(self)
         self._thread = threading.Thread(target=self._flush_loop, name="gputrace-cupti-flush", daemon=True)
         self._thread.start()
 
@@ -230,6 +301,8 @@ class CuptiBackend:
         for kind in TRACED_KINDS:
             if kind != KIND_CONCURRENT_KERNEL:
                 self._call(cupti.activity_enable, kind)
+        if not self._all_apis:
+            self.quieted = quiet_in_cupti(cupti)
 
     def _measure_skew(self, cupti: Any) -> None:
         """How far CUPTI's clock, read as CLOCK_REALTIME, is from the capture clock now (should be ~0)."""
@@ -250,9 +323,14 @@ class CuptiBackend:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._call(cupti.activity_flush_all, FLUSH_FORCED)
+        # Disable first, then flush: a target that goes on launching after a capture (one attached to by pid)
+        # would otherwise fill a buffer CUPTI keeps, and hand it to a finalized interpreter at exit (a crash,
+        # seen on an H100). A call that was under way at the disable may still land: flushed once more.
         for kind in TRACED_KINDS + DUMPED_KINDS:
             self._call(cupti.activity_disable, kind)
+        self._call(self._flush_all, FLUSH_FORCED)
+        time.sleep(STOP_SETTLE_S)
+        self._call(self._flush_all, FLUSH_FORCED)
         self._read_dropped()
         with self._lock:
             assert self._conv is not None
@@ -291,15 +369,26 @@ class CuptiBackend:
         return self._buffer_bytes, 0  # 0: as many records as fit
 
     def _buffer_completed(self, activities: list[Any]) -> None:
+        """Converts a buffer in slices, handing the GIL to any waiting thread between them: converting is
+        Python under the target's GIL, and a training loop's main thread must not wait behind it."""
+        records: list[tuple[Any, ...]] = []
+        done = 0
         try:
-            with self._lock:
-                assert self._conv is not None
-                if self._recorder is not None:
+            if not isinstance(activities, list):
+                activities = list(activities)
+            if self._recorder is not None:
+                with self._lock:
                     self._recorder.write(activities)
-                records = self._conv.convert(activities)
+            last = time.perf_counter_ns()
+            for done in range(0, len(activities), CONVERT_SLICE):
+                if done and time.perf_counter_ns() - last >= self._yield_ns and not self._stop.is_set():
+                    time.sleep(0)
+                    last = time.perf_counter_ns()
+                with self._lock:
+                    assert self._conv is not None
+                    records += self._conv.convert(activities[done : done + CONVERT_SLICE])
         except Exception as e:  # noqa: BLE001 - never raise into CUPTI's thread
-            self._count("convert", len(activities), e)
-            return
+            self._count("convert", len(activities) - done, e)
         self._deliver(records)
 
     def _deliver(self, records: list[tuple[Any, ...]]) -> None:
@@ -313,7 +402,7 @@ class CuptiBackend:
     def _flush_loop(self) -> None:
         assert self._clock is not None
         while not self._stop.wait(self._flush_period):
-            self._call(self._cupti.activity_flush_all, 0)
+            self._call(self._flush_all, 0)
             self._clock.maybe_resample()
             self._read_dropped()
 

@@ -6,7 +6,9 @@ asked. Instantaneous readings (clock, memory, power, PCIe) are stamped when read
 rates between two reads; GPM's SM activity is computed from two GPM samples, on GPUs that support it.
 
 pynvml (nvidia-ml-py) is imported in start(); a host without the NVIDIA driver gets a SourceStatus saying
-so and the capture goes on. A metric a device does not support is dropped for that device once, and named.
+so and the capture goes on. A metric a device does not support is dropped for that device once, and named;
+a read that fails costs that tick's sample of its metric group only, is counted (the `nvml.errors` drop)
+and named with its last error at the end.
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ class _Device:
         self.nvlink_prev: dict[str, tuple[int, float]] = {}
         self.gpm_prev: Any = None
         self.gpm_samples: list[Any] = []
+        self.failures: dict[str, tuple[int, str]] = {}  # metric group → (failed reads, the last error)
 
     def sample(self, to_mono: ToMonotonic) -> list[NvmlSample]:
+        """This tick's records; a group of metrics whose read fails costs that group's sample only."""
         out: list[NvmlSample] = []
         for metric, read in (("util", self._utilization), ("scalars", self._scalars),
                              ("nvlink", self._nvlink), ("gpm_sm_util_pct", self._gpm)):  # fmt: skip
@@ -93,17 +97,29 @@ class _Device:
         try:
             return read(to_mono)
         except self.nv.NVMLError as e:
-            if not _not_supported(self.nv, e):
-                raise  # counted by the sampler
-            self.unsupported.add(metric)
-            return []
+            if _not_supported(self.nv, e):
+                self.unsupported.add(metric)
+                return []
+            self._failed(metric, e)
+        except Exception as e:  # noqa: BLE001 - a failing read (GPU fell off the bus) costs that sample only
+            self._failed(metric, e)
+        return []
+
+    def _failed(self, metric: str, e: Exception) -> None:
+        n, _ = self.failures.get(metric, (0, ""))
+        self.failures[metric] = (n + 1, f"{type(e).__name__}: {e}"[:120])
 
     def _utilization(self, to_mono: ToMonotonic) -> list[NvmlSample]:
         nv, out = self.nv, []
         try:
             for metric, kind in (("gpu_util_pct", nv.NVML_GPU_UTILIZATION_SAMPLES),
                                  ("mem_util_pct", nv.NVML_MEMORY_UTILIZATION_SAMPLES)):  # fmt: skip
-                vtype, samples = nv.nvmlDeviceGetSamples(self.handle, kind, self.since[metric])
+                try:
+                    vtype, samples = nv.nvmlDeviceGetSamples(self.handle, kind, self.since[metric])
+                except nv.NVMLError as e:
+                    if getattr(e, "value", None) == nv.NVML_ERROR_NOT_FOUND:
+                        continue  # no sample newer than the last one seen: the driver samples every ~1/6 s
+                    raise
                 recs, self.since[metric] = util_records(self.index, metric, vtype, samples, self.since[metric], to_mono)
                 out += recs
             return out
@@ -132,6 +148,8 @@ class _Device:
             except nv.NVMLError as e:
                 if _not_supported(nv, e):
                     self.unsupported.add(metric)
+                else:
+                    self._failed(metric, e)  # this metric's sample only; the others of the group stand
         now = clock.monotonic_ns()
         return [NvmlSample(now, self.index, m, v) for m, v in values.items()]
 
@@ -233,6 +251,10 @@ class NvmlSource:
         gaps = {f"{d.index}": sorted(d.unsupported) for d in self.devices if d.unsupported}
         if gaps:
             self._status("degraded", "not supported: " + "; ".join(f"gpu{i}: {', '.join(m)}" for i, m in gaps.items()))
+        failed = [f"gpu{d.index}: {metric} {n} failed reads (last: {why})"
+                  for d in self.devices for metric, (n, why) in sorted(d.failures.items())]  # fmt: skip
+        if failed:
+            self._status("degraded", "read errors: " + "; ".join(failed))
         for d in self.devices:
             d.close()
         with contextlib.suppress(Exception):
@@ -250,10 +272,8 @@ class NvmlSource:
         self._clock.maybe_resample()
         records: list[NvmlSample] = []
         for d in self.devices:
-            try:
-                records += d.sample(self._clock.to_monotonic)
-            except Exception:  # noqa: BLE001 - a failing read (GPU fell off the bus) costs that sample only
-                self.errors += 1
+            records += d.sample(self._clock.to_monotonic)
+        self.errors = sum(n for d in self.devices for n, _ in d.failures.values())
         if records:
             self._sink.emit(records)
 

@@ -92,6 +92,8 @@ API_NAMES = {
     (2, 131): "cudaStreamSynchronize_v3020",
     (2, 51): "cudaMemsetAsync_v3020",
     (1, 307): "cuLaunchKernel",
+    (2, 17): "cudaGetDevice_v3020",
+    (1, 1101): "cuDevicePrimaryCtxGetState",
 }
 
 

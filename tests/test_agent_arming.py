@@ -255,6 +255,46 @@ if __name__ == "__main__":
     assert h.server.stats["ended_early"] == 0, h.server.rejections
 
 
+
+def test_a_forked_worker_does_not_claim_the_gpu_backend_that_ran_in_its_parent(tmp_path: Path) -> None:
+    # CUPTI runs in a trainer; its DataLoader workers are forked from it, where CUDA cannot run. At the
+    # trainer's exit multiprocessing terminates daemonic workers (SIGTERM: no bye). Such a worker never had
+    # GPU work to lose, so the session must not say its records may be lost (seen on an H100).
+    h = Harness(tmp_path)
+    p = h.spawn("""
+import multiprocessing as mp, time
+from gputrace.agent import arming
+
+class Gpu:  # runs in this process and is not fork-safe, as CuptiBackend
+    name = "fakegpu"
+    def start(self, emit): pass
+    def stop(self): pass
+    def drops(self): return {}
+    def info(self): return {"cuda_version": "13.0", "driver_version": "580.159.04"}
+
+def work():
+    time.sleep(60)
+
+if __name__ == "__main__":
+    arming.register_backend(Gpu())
+    q = mp.get_context("fork").Process(target=work, daemon=True)
+    q.start()
+    time.sleep(1.5)  # its own agent connects and says hello
+    q.terminate()
+    q.join()
+    print(q.pid, flush=True)
+""")
+    h.allowed.update(range(p.pid, p.pid + 2000))
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    recs = h.finish()
+    worker = int(out)
+    assert {(a.pid, a.source) for a in of(recs, "AgentInfo")} == {(p.pid, "fakegpu")}
+    peers = {s["pid"]: s for s in h.reader.meta["agent"]["peers"]}  # type: ignore[union-attr]
+    assert peers[worker]["backends"] == [] and "forked from a process" in peers[worker]["unavailable"]["fakegpu"]
+    assert h.server.stats["ended_early"] == 0, h.server.rejections
+
+
 # A target's own sitecustomize (run after gputrace's, so the agent's thread has started) whose import of
 # logging takes a second: what torch, asyncio or concurrent.futures importing logging on the main thread
 # looks like to the agent's thread, which finds a half-made module (no getLogger yet) in sys.modules.

@@ -10,6 +10,7 @@ counts read through the pointer CUPTI writes, and no exception ever raised back 
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def test_backend_satisfies_the_agent_protocol() -> None:
     assert CuptiBackend.name == "cupti"
 
 
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="an NVIDIA driver is here: the refusal needs none")
 def test_unavailable_here_says_why_and_start_refuses() -> None:
     loaded = "cupti.cupti" in sys.modules
     ok, why = CuptiBackend.available()
@@ -125,6 +127,7 @@ class CuptiStandIn(types.ModuleType):
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(CuptiBackend, "available", classmethod(lambda cls: (True, "stand-in")))
+    monkeypatch.setattr(CuptiBackend, "native_flush", False)  # the stand-in's flush, not a real libcupti's
     package = types.ModuleType("cupti")
 
     def install(batches: list[list], dropped: int = 0) -> CuptiStandIn:
@@ -153,7 +156,9 @@ def test_lifecycle_flushes_converts_counts_drops(stand_in) -> None:  # type: ign
     assert {k for op, k in kinds if op == "enable"} == {10, 1, 2, 5, 4, 38, 12}
     assert {k for op, k in kinds if op == "enable_and_dump"} == {9, 8}
     flushes = [c[1] for c in mod.calls if c[0] == "flush"]
-    assert flushes[-1] == 1 and set(flushes[:-1]) == {0} and len(flushes) >= 4
+    assert flushes[-2:] == [1, 1] and set(flushes[:-2]) == {0} and len(flushes) >= 5
+    first_disable = next(i for i, c in enumerate(mod.calls) if c[0] == "disable")
+    assert ("flush", 1) not in mod.calls[:first_disable]  # disabled before the forced flushes, not after
     assert len([r for r in got if type(r) is GpuKernel]) == 1
     assert [r.tid for r in got if type(r) is GpuSync] == [4243]
     assert {r.tid for r in got if type(r) is CudaApi} == {4243}
@@ -220,3 +225,103 @@ def test_cuda_version_read_only_from_an_already_loaded_driver(tmp_path: Path) ->
     )
     out = subprocess.run([sys.executable, "-c", probe, str(lib)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["''", "'13.2'"]
+
+
+class QuietCbids(enum.IntEnum):
+    cudaGetDevice_v3020 = 17  # noqa: N815 - CUPTI's names
+    cudaLaunchKernel_v7000 = 211  # noqa: N815
+    cudaGetDeviceCount_v3020 = 16  # noqa: N815 - not a quiet one: only cudaGetDevice_* is
+
+
+class QuietDriverCbids(enum.IntEnum):
+    cuDevicePrimaryCtxGetState = 1101  # noqa: N815
+    cuCtxGetDevice = 60  # noqa: N815
+    cuCtxGetDevice_v2 = 770  # noqa: N815
+    cuLaunchKernel = 307  # noqa: N815
+
+
+def with_api_switches(mod: CuptiStandIn) -> list[tuple[str, int, int]]:
+    calls: list[tuple[str, int, int]] = []
+    mod.RuntimeApiTraceCbid = QuietCbids  # type: ignore[attr-defined]
+    mod.DriverApiTraceCbid = QuietDriverCbids  # type: ignore[attr-defined]
+    mod.activity_enable_runtime_api = lambda cbid, on: calls.append(("runtime", cbid, on))  # type: ignore[attr-defined]
+    mod.activity_enable_driver_api = lambda cbid, on: calls.append(("driver", cbid, on))  # type: ignore[attr-defined]
+    return calls
+
+
+def test_quiet_lookups_are_turned_off_in_cupti(stand_in, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    calls = with_api_switches(stand_in([]))
+    backend = CuptiBackend(flush_period_s=3600)
+    backend.start(lambda records: None)
+    backend.stop()
+    assert sorted(calls) == [("driver", 60, 0), ("driver", 770, 0), ("driver", 1101, 0), ("runtime", 17, 0)]
+    assert backend.quieted == 4
+    calls.clear()
+    monkeypatch.setenv("GPUTRACE_CUPTI_ALL_APIS", "1")
+    everything = CuptiBackend(flush_period_s=3600)
+    everything.start(lambda records: None)
+    everything.stop()
+    assert calls == [] and everything.quieted == 0
+
+
+def test_a_cupti_without_per_api_switches_still_drops_the_quiet_lookups(stand_in) -> None:  # type: ignore[no-untyped-def]
+    clock = cupti_probe.RealtimeConverter(3600)
+    t0 = monotonic_ns()
+    r = lambda ms: clock.to_realtime(t0 + int(ms * 1e6))  # noqa: E731
+    batch = [shapes.api(r(0.1), r(0.2), 1, 17), shapes.api(r(0.3), r(0.4), 2, 1101, driver=True),
+             shapes.api(r(0.5), r(0.6), 3, 211)]  # fmt: skip
+    stand_in([batch])
+    got: list = []
+    backend = CuptiBackend(flush_period_s=3600)
+    backend.start(got.extend)
+    backend.stop()
+    assert [r.name for r in got if type(r) is CudaApi] == ["cudaLaunchKernel_v7000"]
+    assert backend.notes() == {"quiet_api": 2} and backend.drops()["convert"] == 0
+
+
+def test_a_big_buffer_is_converted_in_slices_handing_the_gil_over(stand_in, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    clock = cupti_probe.RealtimeConverter(3600)
+    t0 = monotonic_ns()
+    r = lambda us: clock.to_realtime(t0 + us * 1000)  # noqa: E731
+    n = 2 * cupti_probe.CONVERT_SLICE + 10
+    batch = [shapes.api(r(10 * i), r(10 * i + 5), i + 1, 211) for i in range(n)]
+    stand_in([batch])
+    yields: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(cupti_probe.time, "sleep", lambda s: yields.append(s) if s == 0 else real_sleep(s))
+    got: list = []
+    backend = CuptiBackend(flush_period_s=3600, yield_after_ns=0)  # hand over after every slice
+    backend.start(got.extend)
+    mod_flush(backend)
+    backend.stop()
+    assert [a.correlation_id for a in got if type(a) is CudaApi] == list(range(1, n + 1))
+    assert yields == [0, 0]  # between the three slices, not before the first
+
+
+def mod_flush(backend: CuptiBackend) -> None:
+    """A flush while the backend runs: one a stop makes hands nothing over (the target is waiting anyway)."""
+    backend._flush_all(0)
+
+
+def test_native_flush_is_found_only_where_libcupti_is_mapped(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert cupti_probe.native_flush_all(str(maps)) is None
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /nonexistent/libcupti.so.13\n")
+    assert cupti_probe.native_flush_all(str(maps)) is None  # mapped by name, but not loadable: no native flush
+
+
+def test_native_flush_calls_the_mapped_libcupti_and_reports_its_errors(tmp_path: Path) -> None:
+    # The real libcupti (the dev install's nvidia-cuda-cupti, or wherever NVTX injection would find it), called
+    # through ctypes; with no driver CUPTI answers with an error, which must come back as an exception.
+    found = cupti_probe.nvtx_injection_path()
+    assert found, "cupti-python's libcupti (nvidia-cuda-cupti) is part of the dev install"
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f0000000000-7f0000001000 r-xp 00000000 08:01 42 {found}\n")
+    flush = cupti_probe.native_flush_all(str(maps))
+    assert flush is not None
+    if Path("/dev/nvidiactl").exists():
+        assert flush(0) is None  # a driver answers: nothing to flush, no error
+    else:
+        with pytest.raises(RuntimeError, match="cuptiActivityFlushAll: CUPTI error"):
+            flush(0)

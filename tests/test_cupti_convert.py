@@ -231,3 +231,14 @@ def test_every_kind_on_real_cupti_python_records_directly_and_through_a_recordin
     assert (nvtx.tid, nvtx.name, nvtx.end_ns - nvtx.start_ns) == (4250, "data_wait", 90)
     [api] = of(out, CudaApi)
     assert api.name == "cudaStreamSynchronize_v3020" and api.tid == 4250
+
+
+def test_quiet_lookups_are_dropped_and_counted_unless_all_apis_are_asked_for() -> None:
+    batch = [shapes.api(100, 200, 1, 17), shapes.api(300, 400, 2, 1101, driver=True), shapes.api(500, 600, 3, 211)]
+    conv = ActivityConverter(4242, lambda t: t, shapes.api_name)
+    assert [r.name for r in conv.convert(batch)] == ["cudaLaunchKernel_v7000"]
+    assert conv.skipped == {"quiet_api": 2}
+    everything = ActivityConverter(4242, lambda t: t, shapes.api_name, all_apis=True)
+    assert [r.name for r in everything.convert(batch)] == [
+        "cudaGetDevice_v3020", "cuDevicePrimaryCtxGetState", "cudaLaunchKernel_v7000"]
+    assert everything.skipped == {}

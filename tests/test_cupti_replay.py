@@ -13,10 +13,11 @@ import pytest
 
 from gputrace.clock import RealtimeConverter, monotonic_ns
 from gputrace.probes.cupti import BatchRecorder
-from gputrace.probes.cupti_convert import ActivityConverter, replay
-from gputrace.records import CudaApi, GpuKernel, GpuMemcpy
+from gputrace.probes.cupti_convert import ActivityConverter, load_recording, replay
+from gputrace.records import CudaApi, GpuDevice, GpuKernel, GpuMemcpy, GpuSync, NvtxRange
 
-RECORDINGS = [pytest.param(p, id=p.name) for p in sorted((Path(__file__).parent / "data" / "cupti").glob("*.jsonl"))]
+DATA = Path(__file__).parent / "data" / "cupti"
+RECORDINGS = [pytest.param(p, id=p.name) for p in sorted(DATA.glob("*.jsonl*"))]
 NO_RECORDING = pytest.param(None, marks=pytest.mark.skip(
     reason="no CUPTI batches recorded on a real GPU yet (tests/data/cupti/README.md says how)"))  # fmt: skip
 
@@ -48,3 +49,35 @@ def test_recorded_gpu_batches_convert(path: Path) -> None:
     assert sum(k.correlation_id in launches for k in kernels) >= 0.95 * len(kernels)
     assert any(type(r) is GpuMemcpy for r in records)
     assert conv.skipped.get("incomplete", 0) == 0
+
+
+def test_the_h100_torch_loop_replays_as_the_loop_ran() -> None:
+    """tests/test_gpu_real.py's loop on an H100 (README.md here): 20 steps, each an NVTX range holding two 4 MiB
+    H2D copies (pageable, pinned), matmuls of three sizes and a synchronize on the loop's thread."""
+    records, conv = replay(str(DATA / "h100-torch-loop.jsonl.gz"))
+    meta, _ = load_recording(str(DATA / "h100-torch-loop.jsonl.gz"))
+    of = lambda cls: [r for r in records if type(r) is cls]  # noqa: E731
+    (dev,) = of(GpuDevice)
+    assert dev.name == "NVIDIA H100 80GB HBM3" and dev.uuid.startswith("GPU-") and not dev.simulated
+    steps = [r for r in of(NvtxRange) if r.name == "step"]
+    assert len(steps) == 20 and len({r.tid for r in steps}) == 1
+    loop_tid = steps[0].tid
+    h2d = [(c.memory, c.nbytes) for c in of(GpuMemcpy) if c.kind == "h2d" and c.nbytes == 4 << 20]
+    assert h2d.count(("pageable", 4 << 20)) >= 20 and h2d.count(("pinned", 4 << 20)) >= 20
+    kernels = of(GpuKernel)
+    assert len(kernels) >= 20 * 5 and all(k.device == 0 for k in kernels)
+    by_stream: dict[int, list[GpuKernel]] = {}
+    for k in kernels:
+        by_stream.setdefault(k.stream, []).append(k)
+    for ks in by_stream.values():  # one stream runs one kernel at a time
+        ks.sort(key=lambda k: k.start_ns)
+        assert all(a.end_ns <= b.start_ns for a, b in zip(ks, ks[1:], strict=False))
+    in_steps = [k for k in kernels if any(s.start_ns <= k.start_ns <= s.end_ns + 50_000_000 for s in steps)]
+    assert len(in_steps) >= 0.9 * len(kernels) - 10  # the rest: torch's own warm-up before the first step
+    syncs = [s for s in of(GpuSync) if s.tid == loop_tid]
+    assert len(syncs) >= 20
+    apis = of(CudaApi)
+    assert {a.tid for a in apis if a.name.startswith("cudaLaunchKernel")} == {loop_tid}
+    assert not [a for a in apis if a.name.startswith("cudaGetDevice_")]  # recorded, then dropped as quiet
+    assert conv.skipped.get("quiet_api", 0) > len(apis)  # they outnumbered all other API records
+    assert meta["driver_version"] == "580.159.04" and meta["cupti_python"] == "13.4.0"

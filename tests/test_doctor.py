@@ -8,7 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gputrace.hostcheck import FAIL, INFO, OK, WARN, check_attach, check_socket_dir, check_tracepoints, failed_required
+from gputrace.cli.doctor import verdict
+from gputrace.hostcheck import (
+    FAIL,
+    INFO,
+    OK,
+    WARN,
+    Check,
+    check_attach,
+    check_socket_dir,
+    check_tracepoints,
+    failed_required,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -112,3 +123,18 @@ def test_attach_line_follows_the_yama_scope(tmp_path: Path) -> None:
         c = check_attach(str(yama))
         assert (c.status, says in c.detail) == (status, True), c
         assert c.status == OK or "gputrace env" in c.fix
+
+
+def test_verdict_on_a_gpu_host_without_ebpf_says_what_a_capture_still_records() -> None:
+    # As on an H100 machine with no bcc and tracefs unmounted: the capture runs, GPU side only.
+    checks = [Check("privileges", OK, "root", required=True), Check("tracefs", FAIL, "not mounted", required=True),
+              Check("bcc (python3-bpfcc)", FAIL, "cannot import bcc", required=True),
+              Check("CUDA driver", OK, "libcuda.so.1 loads"), Check("cupti-python", OK, "importable"),
+              Check("NVML", OK, "1 device(s)"), Check("unix socket dir", OK, "/tmp", required=True)]  # fmt: skip
+    text = verdict(failed_required(checks), checks)
+    assert text.startswith("gputrace capture runs here without eBPF: GPU activity only (cupti-python, NVML)")
+    assert text.endswith("For causes, fix tracefs, bcc (python3-bpfcc) (see above).")
+    checks[-1] = Check("unix socket dir", FAIL, "cannot bind", required=True)  # then no agent can report either
+    assert verdict(failed_required(checks), checks).startswith("gputrace capture cannot run here: fix tracefs")
+    no_gpu = [c for c in checks if c.name not in ("cupti-python", "NVML")]
+    assert verdict(failed_required(no_gpu), no_gpu).startswith("gputrace capture cannot run here")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -33,6 +34,7 @@ class ListSink:
         self.meta[source] = meta
 
 
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="an NVIDIA driver is here: the missing path needs none")
 def test_no_driver_here_says_missing_and_capture_goes_on() -> None:
     sink = ListSink()
     src = NvmlSource()
@@ -157,3 +159,70 @@ def test_source_samples_at_its_period_from_its_own_thread(monkeypatch: pytest.Mo
     assert statuses[0] == ("started", "2 device(s), every 20 ms")
     assert statuses[-1][0] == "degraded" and "power_mw" in statuses[-1][1]
     assert [d["index"] for d in sink.meta["nvml"]["devices"]] == [0, 1]
+
+
+class FlakyH100(H100):
+    """An H100 whose sample ring has nothing new on every other read and whose clock read fails at times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = {"samples": 0, "clock": 0}
+
+    def nvmlDeviceGetSamples(self, h: str, kind: int, since: int) -> tuple[int, list[Any]]:  # noqa: N802
+        self.calls["samples"] += 1
+        if self.calls["samples"] % 4 in (3, 0):  # both metrics of every second tick
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return super().nvmlDeviceGetSamples(h, kind, since)
+
+    def nvmlDeviceGetClockInfo(self, h: str, which: int) -> int:  # noqa: N802
+        self.calls["clock"] += 1
+        if self.calls["clock"] == 2:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return 1980
+
+
+def test_no_new_samples_is_not_an_error_and_a_failed_read_costs_its_group_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nv = FlakyH100()
+    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
+    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
+    sink = ListSink()
+    src = NvmlSource(period_s=3600)  # ticks driven by hand below
+    src.start(sink)
+    for _ in range(4):
+        src._tick()
+    src.stop()  # a fifth tick
+    samples = [r for r in sink.records if type(r) is NvmlSample]
+    util = [r for r in samples if r.metric == "gpu_util_pct"]
+    assert len(util) == 2 * 3  # ticks 1, 3 and 5 had new samples, two new ones each
+    assert len([r for r in samples if r.metric == "pcie_rx_bps"]) == 5  # every tick, the failed clock read's too
+    assert len([r for r in samples if r.metric == "sm_clock_mhz"]) == 4
+    assert src.drops() == {"errors": 1}  # the one failed clock read; "nothing new" is not a loss
+    (status,) = [r for r in sink.records if type(r) is SourceStatus and r.detail.startswith("read errors")]
+    assert status.detail == "read errors: gpu0: sm_clock_mhz 1 failed reads (last: NVMLError_Unknown: Unknown Error)"
+
+
+def test_a_failing_group_is_counted_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    nv = H100()
+
+    def broken(h: str, ids: list[Any]) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    nv.nvmlDeviceGetFieldValues = broken  # type: ignore[method-assign]
+    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
+    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
+    sink = ListSink()
+    src = NvmlSource(period_s=3600)
+    src.start(sink)
+    for _ in range(2):
+        src._tick()
+    src.stop()
+    assert src.drops() == {"errors": 3}
+    assert len([r for r in sink.records if type(r) is NvmlSample and r.metric == "sm_clock_mhz"]) == 3
+    statuses = [r.detail for r in sink.records if type(r) is SourceStatus and r.status == "degraded"]
+    assert any(d.startswith("read errors: gpu0: nvlink 3 failed reads") and "GPU is lost" in d for d in statuses)

@@ -146,3 +146,14 @@ def test_json_cut_by_a_full_disk_is_told(tmp_path: Path, unbuffered: str) -> Non
                            env={"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": unbuffered})
     assert r.returncode == 1, r.stderr
     assert r.stderr == "gputrace: error: writing the output: No space left on device; it is incomplete\n"
+
+
+def test_pid_text_without_a_process_name() -> None:
+    # A capture without eBPF has no process records, so a culprit may have no name (seen on an H100 host).
+    from gputrace.analysis.report import pid_text
+
+    assert pid_text({"pid": 651, "comm": "python3"}) == "pid 651 (python3)"
+    assert pid_text({"pid": 651, "comm": ""}) == "pid 651"
+    assert pid_text({"pid": 651, "pid_in_namespace": 3}) == "pid 651 (pid 3 in its namespace)"
+    both = {"pid": 651, "comm": "python3", "pid_in_namespace": 3}
+    assert pid_text(both) == "pid 651 (python3; pid 3 in its namespace)"

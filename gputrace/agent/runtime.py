@@ -29,6 +29,8 @@ FLUSH_RECORDS = 4096  # or sooner, when this many are waiting
 ROWS_PER_FRAME = 512
 SEND_TIMEOUT_S = 5.0
 EXIT_BUDGET_S = 2.0
+FORKED_AFTER_START = ("forked from a process where it was running: CUDA cannot run in a child forked after it "
+                      "started (start workers with the spawn method to trace their GPU work)")
 
 
 class RecordQueue:
@@ -337,6 +339,12 @@ class Agent:
         self._done = threading.Event()
         self.started = self.eager
         self._hello_sent = False
+        # A backend that ran in the parent stays with the parent unless it declares itself fork-safe: CUDA
+        # cannot run in a child forked after it started (a DataLoader worker), and this child's hello must
+        # not claim GPU tracing it does not do. One never started here may still start in the child.
+        for b in [b for b in self.backends if id(b) in self._running and not getattr(b, "fork_safe", False)]:
+            self.backends.remove(b)
+            self.unavailable[b.name] = FORKED_AFTER_START
         self._running = set()
         if self.eager:
             # Only backends that declare it may run again in a forked child (CUDA itself may not).

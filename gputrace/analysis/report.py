@@ -53,7 +53,8 @@ def _namespaced(cap: Capture, culprit: dict[str, Any]) -> None:
 def pid_text(c: dict[str, Any]) -> str:
     """'pid 4242 (python)', or 'pid 4242 (python; pid 3 in its namespace)' for a process in a container."""
     inside = f"; pid {c['pid_in_namespace']} in its namespace" if c.get("pid_in_namespace") else ""
-    return f"pid {c['pid']} ({c.get('comm', '')}{inside})"
+    detail = f"{c.get('comm', '')}{inside}".lstrip("; ")  # no name without eBPF's process records
+    return f"pid {c['pid']} ({detail})" if detail else f"pid {c['pid']}"
 
 
 def holders_text(held: list[dict[str, Any]]) -> str:

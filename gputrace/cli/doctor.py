@@ -8,6 +8,8 @@ import json
 from gputrace import __version__
 from gputrace.hostcheck import OK, Check, failed_required, run_checks
 
+GPU_SOURCES = ("cupti-python", "NVML")  # what a capture without eBPF still records
+EBPF_SIDE = ("bpf() syscall", "tracefs", "bcc (python3-bpfcc)", "kernel headers", "bcc program load")
 HELP = "check what works on this host (eBPF, bcc, headers, tracepoints, CUPTI, NVML, permissions)"
 ORDER = 60
 EXAMPLES = """\
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         for line in table(checks, verbose=args.verbose):
             print(line)
         print()
-        print(verdict(failed))
+        print(verdict(failed, checks))
     return 1 if failed else 0
 
 
@@ -68,7 +70,12 @@ def _collapse_tracepoints(checks: list[Check]) -> list[Check]:
     return out
 
 
-def verdict(failed: list[Check]) -> str:
+def verdict(failed: list[Check], checks: list[Check]) -> str:
     if not failed:
         return "gputrace capture can run on this host."
-    return f"gputrace capture cannot run here: fix {', '.join(c.name for c in failed)} (see above)."
+    fix = f"fix {', '.join(c.name for c in failed)} (see above)"
+    gpu = [c.name for c in checks if c.name in GPU_SOURCES and c.status == OK]
+    if gpu and all(c.name in EBPF_SIDE for c in failed):  # a capture without eBPF still records the GPU
+        return (f"gputrace capture runs here without eBPF: GPU activity only ({', '.join(gpu)}), so no stall "
+                f"gets a host-side cause. For causes, {fix}.")
+    return f"gputrace capture cannot run here: {fix}."

@@ -1,0 +1,34 @@
+"""examples/train_torch.py, the real-GPU example, runs its whole loop on the CPU here (no GPU on CI): the
+DataLoader workers, the reads (cold ones too) and the slow worker, so the example cannot rot unseen."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_torch.py"
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(EXAMPLE), "--device", "cpu", "--hidden", "64", "--layers", "1",
+                           "--files", "2", "--data", str(tmp_path / "d"), *args],
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+def test_the_torch_example_trains_on_the_cpu_with_a_slow_worker_and_cold_reads(tmp_path: Path) -> None:
+    r = run(tmp_path, "--steps", "4", "--batch", "16", "--slow-worker", "1", "--slow-ms", "40", "--cold")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "slow worker: worker 1 (+40 ms CPU per batch)" in r.stdout
+    workers = set(re.findall(r"loader worker (\d): pid (\d+)", r.stdout))
+    assert {w for w, _ in workers} == {"0", "1"}
+    done = re.search(r"4 steps \(0\.5 epochs\) in ([\d.]+) s, ([\d.]+) ms per step", r.stdout)
+    assert done, r.stdout
+    assert float(done.group(2)) >= 40 / 2  # worker 1 makes every second batch, 40 ms of CPU each
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["shard-0000.bin", "shard-0001.bin"]
+
+
+def test_the_torch_example_refuses_a_slow_worker_it_does_not_have(tmp_path: Path) -> None:
+    r = run(tmp_path, "--workers", "2", "--slow-worker", "2")
+    assert r.returncode == 2 and "--slow-worker must name one of the --workers" in r.stderr
