@@ -128,6 +128,20 @@ class H100:
         return types.SimpleNamespace(isSupportedDevice=0)
 
 
+def started(
+    monkeypatch: pytest.MonkeyPatch, nv: H100, devices: int = 1, period_s: float = 3600
+) -> tuple[NvmlSource, ListSink]:
+    """An NvmlSource started on ``nv`` as its pynvml (a long period: the test drives the ticks)."""
+    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetCount = lambda: devices  # type: ignore[attr-defined]
+    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
+    sink = ListSink()
+    src = NvmlSource(period_s=period_s)
+    src.start(sink)
+    return src, sink
+
+
 def test_device_sampling_drops_unsupported_metrics_once() -> None:
     nv, clock = H100(), RealtimeConverter(3600)
     dev = _Device(nv, 0, since_us=5_000_000)
@@ -143,14 +157,7 @@ def test_device_sampling_drops_unsupported_metrics_once() -> None:
 
 
 def test_source_samples_at_its_period_from_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    nv = H100()
-    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
-    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetCount = lambda: 2  # type: ignore[attr-defined]
-    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
-    sink = ListSink()
-    src = NvmlSource(period_s=0.02)
-    src.start(sink)
+    src, sink = started(monkeypatch, H100(), devices=2, period_s=0.02)
     time.sleep(0.2)
     src.stop()
     clocks = [r for r in sink.records if type(r) is NvmlSample and r.metric == "sm_clock_mhz"]
@@ -184,14 +191,7 @@ class FlakyH100(H100):
 def test_no_new_samples_is_not_an_error_and_a_failed_read_costs_its_group_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    nv = FlakyH100()
-    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
-    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
-    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
-    sink = ListSink()
-    src = NvmlSource(period_s=3600)  # ticks driven by hand below
-    src.start(sink)
+    src, sink = started(monkeypatch, FlakyH100())
     for _ in range(4):
         src._tick()
     src.stop()  # a fifth tick
@@ -212,13 +212,7 @@ def test_a_failing_group_is_counted_and_named(monkeypatch: pytest.MonkeyPatch) -
         raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
 
     nv.nvmlDeviceGetFieldValues = broken  # type: ignore[method-assign]
-    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
-    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
-    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
-    sink = ListSink()
-    src = NvmlSource(period_s=3600)
-    src.start(sink)
+    src, sink = started(monkeypatch, nv)
     for _ in range(2):
         src._tick()
     src.stop()
