@@ -6,6 +6,7 @@ number of events.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO
@@ -27,35 +28,61 @@ class PacketSink:
         self.count += 1
 
 
+EVICT = 256  # slices a full sequential lane forgets at once
+
+
 class Lane:
     """One track's placed slices: enough to decide whether a new slice nests or follows cleanly.
 
     Perfetto replays begin/end events per track in time order (ties in file order), so a slice may go on a
-    lane only if it is disjoint from, or strictly nested with, everything already there. The last few
-    slices are kept exactly; older ones only as the latest end among them (``floor``).
+    lane only if it is disjoint from, or strictly nested with, everything already there. Records need not
+    arrive in time order: an agent's batch holds a stream's kernels, then its copies, then its memsets
+    (hundreds apart on an H100). A nesting lane keeps its last few slices exactly; a sequential one keeps
+    its last ``KEEP_SEQUENTIAL`` sorted by start, so a late slice that overlaps none of them still fits.
+    Older ones are kept only as the latest end among them (``floor``): nothing may start before it.
     """
 
-    __slots__ = ("uuid", "nest", "maxend", "floor", "recent")
+    __slots__ = ("uuid", "nest", "maxend", "floor", "recent", "starts", "ends")
     KEEP = 8
+    KEEP_SEQUENTIAL = 1024
 
     def __init__(self, uuid: int, nest: bool) -> None:
         self.uuid = uuid
         self.nest = nest
         self.maxend = -1
         self.floor = -1
-        self.recent: deque[tuple[int, int]] = deque()
+        self.recent: deque[tuple[int, int]] = deque()  # nesting lanes: in the order placed
+        self.starts: list[int] = []  # sequential lanes: disjoint slices, sorted
+        self.ends: list[int] = []
 
     def fits(self, s: int, e: int) -> bool:
         if s >= self.maxend:
             return True
-        if not self.nest or s < self.floor:
+        if s < self.floor:
             return False
-        return all(_compatible(s, e, ys, ye) for ys, ye in self.recent)
+        if self.nest:
+            return all(_compatible(s, e, ys, ye) for ys, ye in self.recent)
+        i = bisect.bisect_left(self.starts, s)  # the lane's slices are disjoint: only the neighbours can clash
+        if i and self.ends[i - 1] > s:
+            return False
+        return i == len(self.starts) or e < self.starts[i]
 
     def add(self, s: int, e: int) -> None:
-        self.recent.append((s, e))
-        if len(self.recent) > self.KEEP:
-            self.floor = max(self.floor, self.recent.popleft()[1])
+        if self.nest:
+            self.recent.append((s, e))
+            if len(self.recent) > self.KEEP:
+                self.floor = max(self.floor, self.recent.popleft()[1])
+        else:
+            if not self.starts or s >= self.starts[-1]:
+                self.starts.append(s)  # the common case: in time order
+                self.ends.append(e)
+            else:
+                i = bisect.bisect_left(self.starts, s)
+                self.starts.insert(i, s)
+                self.ends.insert(i, e)
+            if len(self.starts) > self.KEEP_SEQUENTIAL + EVICT:  # forget the oldest in chunks: cheap per slice
+                self.floor = max(self.floor, *self.ends[:EVICT])
+                del self.starts[:EVICT], self.ends[:EVICT]
         if e > self.maxend:
             self.maxend = e
 

@@ -15,6 +15,7 @@ from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.exporters import ExportResult
 from gputrace.exporters.perfetto import PerfettoExporter
 from gputrace.exporters.perfetto_check import TraceCheck, check_trace
+from gputrace.exporters.perfetto_tracks import EVICT, Lane
 from gputrace.records import (
     BlockIO,
     CudaApi,
@@ -562,3 +563,34 @@ def test_sample_state_is_bounded_by_stacks_not_samples(tmp_path: Path) -> None:
     check = check_trace(tmp_path / "60000.pftrace")
     assert check.problems == [] and len(check.samples) == 60_000
     assert _interned(tmp_path / "60000.pftrace")["callstacks"] == 50
+
+
+def test_a_streams_work_arriving_grouped_by_kind_stays_on_one_track(tmp_path: Path) -> None:
+    # As an agent's batch arrives (seen on an H100): a stream's kernels, then its copies, then its memsets, each
+    # group in time order but hundreds of slices behind the last kernel. Nothing overlaps: one track. A copy
+    # that does overlap a kernel (a broken clock, say) still gets a lane of its own.
+    recs = _proc(200, "python", (201, "python")) + [GpuDevice(0, "NVIDIA H100 80GB HBM3", False, H100_UUID, 200)]
+    n = 300  # the memsets arrive 600 slices behind (582 was the most seen), within Lane.KEEP_SEQUENTIAL
+    at = [T0 + i * MS for i in range(n)]
+    recs += [GpuKernel(200, 0, 1, 7, t, t + 300_000, 10_000 + i, f"k{i}", (1, 1, 1), (32, 1, 1))
+             for i, t in enumerate(at)]  # fmt: skip
+    recs += [GpuMemcpy(200, 0, 1, 7, t + 400_000, t + 500_000, 20_000 + i, 4096, "h2d", "pageable")
+             for i, t in enumerate(at)]  # fmt: skip
+    recs += [GpuMemset(200, 0, 1, 7, t + 600_000, t + 700_000, 30_000 + i, 512) for i, t in enumerate(at)]
+    check, _ = _export(tmp_path, recs)
+    dev = check.track("GPU 0: NVIDIA H100 80GB HBM3")
+    assert [t.name for t in check.children(dev)] == ["stream 7"]
+    assert len(check.slices_on(check.track("stream 7"))) == 3 * n
+    clash = GpuMemcpy(200, 0, 1, 7, at[5] + 100_000, at[5] + 200_000, 40_000, 4096, "h2d", "pageable")
+    (tmp_path / "clash").mkdir()
+    check, _ = _export(tmp_path / "clash", [*recs, clash])
+    assert sorted(t.name for t in check.children(dev)) == ["stream 7", "stream 7 #2"]
+    # further behind than the lane remembers (more than KEEP_SEQUENTIAL slices): a lane of its own, though it
+    # overlaps nothing, never a broken track
+    many = [GpuKernel(200, 0, 1, 7, T0 + i * MS, T0 + i * MS + 1000, 60_000 + i, "k", (1, 1, 1), (32, 1, 1))
+            for i in range(Lane.KEEP_SEQUENTIAL + EVICT + 1)]  # fmt: skip
+    early = GpuKernel(200, 0, 1, 7, T0 - MS, T0 - MS + 1000, 70_000, "early", (1, 1, 1), (32, 1, 1))
+    (tmp_path / "late").mkdir()
+    check, _ = _export(tmp_path / "late", [*recs[: len(recs) - 3 * n], *many, early])
+    assert sorted(t.name for t in check.children(dev)) == ["stream 7", "stream 7 #2"]
+    assert [sl.name for sl in check.slices_on(check.track("stream 7 #2"))] == ["early"]
