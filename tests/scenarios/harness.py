@@ -106,8 +106,9 @@ def score(name: str, report: dict[str, Any], truth: dict[int, list[dict[str, Any
         own_runqueue = s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == s.get("device_pid")
         if named and not own_runqueue and ns >= WRONG_CULPRIT_MIN_NS and (t is None or not same_culprit(s, t)):
             sc.wrong_culprits.append(s)
+        why = f", why: {s['why']}" if s.get("why") else ""  # an unknown stall's reason, for a CI log to show
         sc.misses.append(f"{ns / 1e6:.1f} ms {s['cause']} {s['culprit']['object'] or s['culprit']['pid']} "
-                         f"(truth: {t and (t['cause'], t['object'] or t['culprit_pid'])})")
+                         f"(truth: {t and (t['cause'], t['object'] or t['culprit_pid'])}{why})")
     return sc
 
 

@@ -128,10 +128,10 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
 @pytest.mark.parametrize("name", list(harness.SCENARIOS))
 def test_scenario_meets_the_accuracy_targets(name: str, tmp_path: Path) -> None:
     score, report = harness.run(name, tmp_path)
-    detail = f"{name}: {score.stalls} stalls, {score.correct_pct:.1f}% right, {score.unknown_pct:.1f}% unknown; " \
-             f"misses: {score.misses[:5]}"
-    assert score.stalls >= 3, detail
     cap = report["capture"]
+    detail = f"{name}: {score.stalls} stalls, {score.correct_pct:.1f}% right, {score.unknown_pct:.1f}% unknown; " \
+             f"misses: {score.misses[:5]}; skipped probe runs: {cap.get('skipped_probes')}; pids: {cap.get('pids')}"
+    assert score.stalls >= 3, detail
     assert cap["complete"], (cap.get("problem"), {k: v for k, v in cap["drops"].items() if v})
     assert score.correct_pct >= harness.TARGET_CORRECT_PCT.get(name, harness.TARGET_CORRECT_PCT["*"]), detail
     assert score.unknown_pct <= harness.UNKNOWN_ALLOWED_PCT.get(name, harness.TARGET_UNKNOWN_PCT), detail
