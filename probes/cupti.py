@@ -286,7 +286,8 @@ class CuptiBackend:
         # cupti-python keeps the GIL through cuptiActivityFlushAll, which can block for hundreds of ms: the
         # target's threads would wait all that time (seen on an H100). ctypes lets the GIL go during the call.
         self._flush_all = (self.native_flush and native_flush_all()) or cupti.activity_flush_all
-        _STARTED.append(self)
+        if self not in _STARTED:  # a dormant service's backend starts again at each capture
+            _STARTED.append(self)
         self._thread = threading.Thread(target=self._flush_loop, name="gputrace-cupti-flush", daemon=True)
         self._thread.start()
 
@@ -369,8 +370,8 @@ class CuptiBackend:
         return self._buffer_bytes, 0  # 0: as many records as fit
 
     def _buffer_completed(self, activities: list[Any]) -> None:
-        """Converts a buffer in slices, handing the GIL to any waiting thread between them: converting is
-        Python under the target's GIL, and a training loop's main thread must not wait behind it."""
+        """Converts a buffer, handing the GIL to any waiting thread after each ``yield_after_ns`` of it:
+        converting is Python under the target's GIL, and a training loop's main thread must not wait behind it."""
         records: list[tuple[Any, ...]] = []
         done = 0
         try:
