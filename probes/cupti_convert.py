@@ -159,7 +159,9 @@ class ActivityConverter:
         self._max_pending = max_pending
         self._all_apis = all_apis
         self._names: dict[tuple[int, int], str] = {}
-        self._quiet: dict[tuple[int, int], bool] = {}
+        # per API: (name, a quiet lookup left out, a call that can own a synchronization record), worked out
+        # once, since every API record of a buffer asks
+        self._apis: dict[tuple[int, int], tuple[str, bool, bool]] = {}
         self._ctx_device: dict[int, int] = {}
         self._sync_threads: dict[int, tuple[int, int]] = {}  # correlation id → (pid, tid)
         self._open_markers: dict[int, tuple[int, int, str, str, int]] = {}
@@ -225,17 +227,19 @@ class ActivityConverter:
 
     def _api(self, a: Any, kind: int) -> CudaApi | None:
         key = (DOMAIN_DRIVER if kind == KIND_DRIVER else DOMAIN_RUNTIME, a.cbid)
-        quiet = self._quiet.get(key)
-        if quiet is None:
-            quiet = self._quiet[key] = not self._all_apis and quiet_api(self.api_name(*key))
+        known = self._apis.get(key)
+        if known is None:
+            name = self.api_name(*key)
+            known = self._apis[key] = (name, not self._all_apis and quiet_api(name),
+                                       any(w in name for w in _SYNC_API_WORDS))  # fmt: skip
+        name, quiet, sync = known
         if quiet:
             self._skip("quiet_api", 1)
             return None
         if not has_valid_times(a):
             self._skip("incomplete", 1)
             return None
-        name = self.api_name(*key)
-        if any(w in name for w in _SYNC_API_WORDS):
+        if sync:
             self._remember_sync_thread(a.correlation_id, a.process_id, a.thread_id)
         return api_record(a, name, self._to_mono)
 
