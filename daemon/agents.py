@@ -239,6 +239,16 @@ class AgentServer:
         return out
 
     # ------------------------------------------------------------------------------ event loop ---
+    def cpu_ns(self) -> dict[int, int]:
+        """Each agent's own CPU time in its process this session, as it said (agents that said nothing: absent)."""
+        with self._lock:
+            peers = list(self._peers.values()) + self._gone
+        out: dict[int, int] = {}
+        for p in peers:
+            if p.cpu_ns:
+                out[p.pid] = out.get(p.pid, 0) + p.cpu_ns
+        return out
+
     def heard_from(self) -> set[int]:
         """The pids whose agents said hello, at any time in this session."""
         with self._lock:
@@ -374,6 +384,8 @@ class AgentServer:
             self._batch(peer, msg)
         elif kind == "drops":
             peer.drops = validate.drop_counts(msg)
+        elif kind == "cost":
+            peer.cpu_ns = validate.cpu_ns(msg)
         elif kind == "bye":
             peer.said_bye = True
         else:

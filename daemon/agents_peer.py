@@ -27,6 +27,7 @@ class Peer:
         self.sent_stop = False
         self.records = 0
         self.drops: dict[str, int] = {}
+        self.cpu_ns = 0  # the agent's own CPU time this session, as it last said
         self.end = ""
         self.ids: PeerIds | None = None  # its ids as it sees them, read at hello
 

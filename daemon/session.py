@@ -27,6 +27,7 @@ from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
 
+from .cost import CostMeter
 from .launch import HeldChild
 from .session_targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
 from .writer import QueueSink
@@ -100,6 +101,7 @@ class _Session:
         self.statuses: list[SourceStatus] = []
         self.started_ns = 0  # when tracing began: the capture's start (the header's start_ns is earlier)
         self.cut_off = ""  # why the capture file was cut off, when writing it failed part way
+        self.cost: CostMeter | None = None
         self._uncatch: Callable[[], None] = _nothing  # puts back the signal handlers the session replaced
 
     # ---------------------------------------------------------------------------------- lifecycle ---
@@ -139,6 +141,8 @@ class _Session:
         self.writer = CaptureWriter(self.output, header, force=self.opts.force)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
+        self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)
+        self.cost.start()
         # Before the command runs and tracing is announced: from then on, Ctrl-C or SIGTERM must end the
         # capture and write it, not unwind and throw away the capture of a command already running.
         self._uncatch = _catch_signals(self.stop, self._pass_on)
@@ -302,6 +306,8 @@ class _Session:
                 if reason:
                     return reason
                 progress.tick(self)
+                if self.cost is not None:
+                    self.cost.tick()
                 self.stop.wait(0.05)
         finally:
             progress.done()
@@ -328,6 +334,8 @@ class _Session:
     def _finish(self, reason: str) -> Path:
         assert self.sink is not None and self.writer is not None
         self._stop_sources()
+        if self.cost is not None:
+            self.cost.final()
         self._agents_never_heard()
         if self.offers_failed:
             self._status("agent", "degraded", f"{self.offers_failed} armed child process(es) were not offered the "
@@ -346,6 +354,8 @@ class _Session:
             "sources": {s.source: [s.status, s.detail] for s in self.statuses},
             "skipped": self._skipped(),
         }
+        if self.cost is not None:
+            trailer["overhead"] = self.cost.summary(self._source_counts("events"), self._source_counts("wakeups"))
         self.drops = drops
         try:
             return self.writer.close(trailer)
@@ -383,6 +393,15 @@ class _Session:
             drops.update({f"{source.name}.{k}": int(v) for k, v in source.drops().items()})
         return drops
 
+    def _source_counts(self, attr: str) -> dict[str, int]:
+        """An integer attribute (events, wakeups) of every source that keeps one, by source."""
+        out: dict[str, int] = {}
+        for source in self.sources + self.stopped:
+            n = getattr(source, attr, None)
+            if type(n) is int:
+                out[source.name] = n
+        return out
+
     def _skipped(self) -> dict[str, int]:
         """Kernel programs the kernel did not run (nested in another tracing program): their events may be
         missing, for any task. Kept apart from drops, which are this capture's own records lost."""
@@ -406,6 +425,8 @@ class _Session:
                 self.log(f"gputrace: {name}: stopping failed: {e}")
 
     def _abort(self) -> None:
+        if self.cost is not None:
+            self.cost.stats.close()
         try:
             self._stop_sources()
         except Exception as e:  # noqa: BLE001 - already failing; report and go on

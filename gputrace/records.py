@@ -462,3 +462,19 @@ class ProcLeftOut(NamedTuple):
 
 
 RECORD_TYPES[ProcLeftOut.__name__] = ProcLeftOut
+
+
+class TracingCost(NamedTuple):
+    """What tracing has cost the host so far in this capture: CPU time (ns) since tracing began, summed.
+    ``source``: ``ebpf``, ``sampler``, ``uprobe`` (their kernel programs' run time; ``runs``: how many times
+    they ran), ``session`` (the capturing process), ``agent`` (the agent's own threads and work in traced
+    process ``pid``)."""
+
+    ts: int
+    source: str
+    cpu_ns: int
+    runs: int = 0
+    pid: int = 0
+
+
+RECORD_TYPES[TracingCost.__name__] = TracingCost

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gputrace.agent.threads import CPU
 from gputrace.clock import RealtimeConverter, monotonic_ns
 from gputrace.probes.cupti_convert import (
     ALL_APIS_ENV,
@@ -247,6 +248,7 @@ class CuptiBackend:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._counts = {"cupti": 0, "convert": 0, "emit": 0}
+        self._flusher = 0  # the flusher thread's ident once it runs
         self._errors: list[str] = []
         self._skew_us = ""
 
@@ -374,6 +376,7 @@ class CuptiBackend:
         converting is Python under the target's GIL, and a training loop's main thread must not wait behind it."""
         records: list[tuple[Any, ...]] = []
         done = 0
+        cpu = time.thread_time_ns()
         try:
             if not isinstance(activities, list):
                 activities = list(activities)
@@ -391,6 +394,8 @@ class CuptiBackend:
         except Exception as e:  # noqa: BLE001 - never raise into CUPTI's thread
             self._count("convert", len(activities) - done, e)
         self._deliver(records)
+        if threading.get_ident() != self._flusher:  # the flusher's own thread is counted whole
+            CPU.since(cpu)
 
     def _deliver(self, records: list[tuple[Any, ...]]) -> None:
         if not records or self._emit is None:
@@ -402,10 +407,13 @@ class CuptiBackend:
 
     def _flush_loop(self) -> None:
         assert self._clock is not None
+        self._flusher = threading.get_ident()
+        cpu = time.thread_time_ns()  # flushing, and the conversions CUPTI calls back into from here
         while not self._stop.wait(self._flush_period):
             self._call(self._flush_all, 0)
             self._clock.maybe_resample()
             self._read_dropped()
+            cpu = CPU.since(cpu)
 
     def _read_dropped(self) -> None:
         """Add CUPTI's count of records lost for want of buffer space (global queue; it resets on read)."""

@@ -28,6 +28,7 @@ from gputrace.probes.ebpf_host import (
     dirty_throttle_layout,
     file_faults_supported,
     final_status,
+    program_runs,
     program_skips,
     program_text,
     tracepoint_exists,
@@ -125,6 +126,8 @@ class EbpfSource:
         self._nr_names: dict[int, str] = {}
         self._final_drops: dict[str, int] | None = None
         self._final_skips: dict[str, int] | None = None
+        self._final_runs: dict[str, tuple[int, int]] | None = None
+        self.wakeups = 0  # ring-buffer polls that found events
         self._on_proc_errors = 0
         self._poll_error = ""
         self._files = MappedFiles(self._emit_in_order, self._forget_file)
@@ -217,6 +220,7 @@ class EbpfSource:
         self._final_left_out = self.left_out()
         self._final_drops = self.drops()
         self._final_skips = program_skips(self._bpf)
+        self._final_runs = program_runs(self._bpf)
         records += [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
         records.append(self._final_status(now))
         self._sink.emit(records)
@@ -246,6 +250,10 @@ class EbpfSource:
     def skipped(self) -> dict[str, int]:
         """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
         return program_skips(self._bpf, final=self._final_skips)
+
+    def program_runs(self) -> dict[str, tuple[int, int]]:
+        """(run count, run time ns) of each of this source's kernel programs (see ebpf_host.program_runs)."""
+        return program_runs(self._bpf, final=self._final_runs)
 
     def left_out(self) -> int:
         """Processes left out because they gained privileges the owner lacks, as the capture holds them: the
@@ -399,7 +407,9 @@ class EbpfSource:
     def _poll(self) -> None:
         try:
             while not self._stop.is_set():
-                self._bpf.ring_buffer_poll(_POLL_MS)
+                self._bpf.ring_buffer_poll(_POLL_MS)  # woken by process events; `events` never wakes it
+                self._bpf.ring_buffer_consume()
+                self.wakeups += 1
                 self._flush()
         except Exception as e:  # noqa: BLE001 - reported as the source ending early; the kernel counts the rest
             self._poll_error = f"{type(e).__name__}: {e}"

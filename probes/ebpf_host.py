@@ -192,6 +192,16 @@ def program_skips(bpf: Any, *, final: dict[str, int] | None = None) -> dict[str,
     return out
 
 
+def program_runs(bpf: Any, *, final: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """(run count, run time ns) of each loaded program while the kernel's BPF statistics are on
+    (probes/bpfstats.py), by the tracepoint it serves; ``final``: as read at stop."""
+    if final is not None:
+        return dict(final)
+    from gputrace.probes.bpfstats import program_runs as runs
+
+    return runs(bpf, _program_short_name)
+
+
 def parse_recursion_misses(fdinfo: str) -> int:
     """``recursion_misses`` of a BPF program's fdinfo text (0 on kernels that do not report it)."""
     for line in fdinfo.splitlines():

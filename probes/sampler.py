@@ -21,7 +21,16 @@ from typing import Any
 from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import elfsyms
-from gputrace.probes.ebpf_host import BPF_DIR, check_host, compile_bpf, final_status, format_has, program_skips, unload
+from gputrace.probes.ebpf_host import (
+    BPF_DIR,
+    check_host,
+    compile_bpf,
+    final_status,
+    format_has,
+    program_runs,
+    program_skips,
+    unload,
+)
 from gputrace.probes.ebpf_owner import foreign, owner_cflags
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
@@ -130,6 +139,8 @@ class StackSampler:
         self._targets_full = 0
         self._final_drops: dict[str, int] | None = None
         self._final_skips: dict[str, int] | None = None
+        self._final_runs: dict[str, tuple[int, int]] | None = None
+        self.wakeups = 0  # ring-buffer drains
         self._no_user_stack = 0
         self._emitted: dict[str, int] = {}  # drop counts last written as Drops records
         self._lock = threading.Lock()  # add_target() (the session's thread) against stop()
@@ -183,6 +194,7 @@ class StackSampler:
             self._flush()
             self._final_drops = self.drops()
             self._final_skips = program_skips(self._bpf)
+            self._final_runs = program_runs(self._bpf)
             counts = self._kernel_counts()
             self._no_user_stack, self._left_out = counts["no_user_stack"], counts["left_out"]
             self._bpf = None
@@ -196,6 +208,10 @@ class StackSampler:
     def skipped(self) -> dict[str, int]:
         """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
         return program_skips(self._bpf, final=self._final_skips)
+
+    def program_runs(self) -> dict[str, tuple[int, int]]:
+        """(run count, run time ns) of each of this source's kernel programs (see ebpf_host.program_runs)."""
+        return program_runs(self._bpf, final=self._final_runs)
 
     def drops(self) -> dict[str, int]:
         if self._final_drops is not None:
@@ -245,8 +261,9 @@ class StackSampler:
     def _run(self) -> None:
         next_sweep = time.monotonic() + _SWEEP_S
         try:
-            while not self._stop.is_set():
-                self._bpf.ring_buffer_poll(_POLL_MS)
+            while not self._stop.wait(_POLL_MS / 1000):  # the ring never wakes a reader (GT_RB_NO_WAKEUP)
+                self._bpf.ring_buffer_consume()
+                self.wakeups += 1
                 self._flush()
                 if time.monotonic() >= next_sweep:
                     self._forget(self._symbols.sweep())

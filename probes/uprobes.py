@@ -18,7 +18,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import PermissionDenied, UserError
-from gputrace.probes.ebpf_host import compile_bpf
+from gputrace.probes.ebpf_host import compile_bpf, program_runs
 from gputrace.probes.ebpf_owner import LEFT_OUT_WHY, foreign, owner_cflags
 from gputrace.records import CudaApi, SourceStatus
 from gputrace.source import Sink
@@ -118,6 +118,7 @@ class UprobeSource:
         self._batch: list[tuple[Any, ...]] = []
         self._malformed = 0
         self._final_counts: dict[str, int] = dict.fromkeys(KERNEL_COUNTS, 0)
+        self._final_runs: dict[str, tuple[int, int]] | None = None
         self._lock = threading.Lock()
         self._attach_lock = threading.Lock()  # bcc's attach bookkeeping is not thread-safe
         self._stop = threading.Event()
@@ -153,11 +154,16 @@ class UprobeSource:
         self._bpf.ring_buffer_consume()
         self._flush()
         self._final_counts = self._read_counts()
+        self._final_runs = program_runs(self._bpf)
         self._bpf.cleanup()
         self._bpf = None
         left = self._final_counts["left_out"]
         if left:
             self._status("stopped", f"{left} calls not recorded, of processes left out: {LEFT_OUT_WHY}")
+
+    def program_runs(self) -> dict[str, tuple[int, int]]:
+        """(run count, run time ns) of each of this source's kernel programs (see ebpf_host.program_runs)."""
+        return program_runs(self._bpf, final=self._final_runs)
 
     def drops(self) -> dict[str, int]:
         counts = self._read_counts() if self._bpf is not None else dict(self._final_counts)

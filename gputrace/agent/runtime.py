@@ -20,8 +20,8 @@ from typing import Any
 
 from gputrace.agent import wire
 from gputrace.agent.backend import GpuBackend
+from gputrace.agent.threads import CPU, start_thread
 from gputrace.agent.threads import debug as _debug
-from gputrace.agent.threads import start_thread
 
 QUEUE_MAX_RECORDS = 65536
 FLUSH_S = 0.1
@@ -95,6 +95,8 @@ class Agent:
         self._sent_drops: dict[str, int] = {}
         self.lost = 0  # records that could not be sent (session gone mid-batch, oversized rows)
         self._drops_base: dict[str, int] = {}  # the totals when the last session ended
+        self._cpu_base = CPU.ns  # likewise the agent's CPU time (gputrace.agent.threads.CpuMeter)
+        self._sent_cpu_ns = 0
         self._sock: socket.socket | None = None
         self._closing = threading.Event()
         self._done = threading.Event()
@@ -167,6 +169,10 @@ class Agent:
         base = self._drops_base
         return {k: max(0, v - base.get(k, 0)) for k, v in self._total_drops().items()}
 
+    def cpu_ns(self) -> int:
+        """The agent's CPU time in this process since this session began."""
+        return max(0, CPU.ns - self._cpu_base)
+
     # ---------------------------------------------------------------------------- connection ---
     def connect(self, retry_s: float = 5.0) -> None:
         """Start the I/O thread; it connects (retrying while the session's socket appears)."""
@@ -233,7 +239,9 @@ class Agent:
     def _loop(self, sock: socket.socket) -> None:
         frames = wire.FrameBuffer()
         next_flush = time.monotonic() + self.flush_s
+        cpu = time.thread_time_ns()  # this thread is the agent's: all of its CPU time is tracing's
         while not self._closing.is_set():
+            cpu = CPU.since(cpu)
             timeout = max(0.0, next_flush - time.monotonic())
             watched: list[Any] = [sock, self._wake_r]
             readable, _, _ = select.select(watched, [], [], timeout)
@@ -268,6 +276,7 @@ class Agent:
     def _finish(self) -> None:
         self._stop_backends()
         self._flush()
+        self._send({"type": "cost", "cpu_ns": self.cpu_ns()})
         self._send({"type": "drops", "counts": self.drop_counts()})
         self._send({"type": "bye"})
 
@@ -280,6 +289,9 @@ class Agent:
             # Sent as they change, not only at bye: a killed process's losses are still on record.
             self._send({"type": "drops", "counts": counts})
             self._sent_drops = counts
+        if self.cpu_ns() != self._sent_cpu_ns:
+            self._sent_cpu_ns = self.cpu_ns()
+            self._send({"type": "cost", "cpu_ns": self._sent_cpu_ns})
 
     def _send_rows(self, records: Sequence[tuple[Any, ...]]) -> None:
         try:
@@ -318,6 +330,7 @@ class Agent:
         self._hello_sent = False
         self._sent_drops = {}
         self._drops_base = self._total_drops()  # what the next session reports starts from here
+        self._cpu_base, self._sent_cpu_ns = CPU.ns, 0
         self._done.set()
 
     # ------------------------------------------------------------------------------------ fork ---
@@ -333,6 +346,7 @@ class Agent:
         self._sent_drops = {}
         self.lost = 0
         self._drops_base = {}
+        self._cpu_base, self._sent_cpu_ns = CPU.ns, 0
         self._io = None
         self._pending = False
         self._closing = threading.Event()

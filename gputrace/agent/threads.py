@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,3 +33,31 @@ def debug(msg: str, *args: Any) -> None:
         return
     with contextlib.suppress(Exception):  # a half-made or replaced logging module is not ours to fix
         logging.getLogger("gputrace.agent").debug("gputrace agent: " + msg, *args)
+
+
+class CpuMeter:
+    """CPU time the agent's own work took in this process, summed over the threads it ran on, so that the
+    session can say what tracing cost the target. Threads of the agent's own count whole; work done on
+    another thread (CUPTI's, the target's) is timed around the work."""
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._ns = 0
+
+    def add(self, ns: int) -> None:
+        if ns > 0:
+            with self._lock:
+                self._ns += ns
+
+    def since(self, start_ns: int) -> int:
+        """Adds this thread's CPU time since ``start_ns`` (a time.thread_time_ns()); returns the time now."""
+        now = time.thread_time_ns()
+        self.add(now - start_ns)
+        return now
+
+    @property
+    def ns(self) -> int:
+        return self._ns
+
+
+CPU = CpuMeter()

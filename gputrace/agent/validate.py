@@ -148,3 +148,11 @@ def drop_counts(msg: dict[str, Any]) -> dict[str, int]:
             and all(_short_str(k, 64) and _is_int(v) and v >= 0 for k, v in counts.items())):
         raise FrameError("drops message without a map of counts")
     return dict(counts)
+
+
+def cpu_ns(msg: dict[str, Any]) -> int:
+    """An agent's own CPU time (ns), as its cost message says: a count, below a century."""
+    value = msg.get("cpu_ns")
+    if not (_is_int(value) and 0 <= value < 100 * 365 * 86400 * 10**9):
+        raise FrameError("cost message without a CPU time")
+    return int(value)

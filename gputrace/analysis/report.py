@@ -8,6 +8,7 @@ from typing import Any
 from gputrace.analysis import uring
 from gputrace.analysis.attribute import Attributor
 from gputrace.analysis.load import DIRTY_OP, Capture
+from gputrace.analysis.overhead import read_overhead
 from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
 
 SCHEMA = "gputrace.report/1"
@@ -105,6 +106,9 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
         out["in_progress_threads"] = len(cap.in_progress)
     if cap.counts.get("ProcLeftOut"):  # a service capture for a user: processes that gained privileges
         out["left_out"] = cap.counts["ProcLeftOut"]
+    overhead = read_overhead(cap.trailer.get("overhead"))
+    if overhead is not None:
+        out["overhead"] = overhead
     return out
 
 

@@ -478,7 +478,7 @@ static __always_inline void emit_path(struct gt_inflight *c, u64 id, u64 now, s6
         gt_read_user(&len, sizeof(len), (void *)c->args[2]);
         read_sockaddr(e, (void *)c->args[1], len);
     }
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 
 static __always_inline void emit_sys(struct gt_inflight *c, u64 id, u64 now, s64 ret, struct gt_sysinfo *si)
@@ -489,7 +489,7 @@ static __always_inline void emit_sys(struct gt_inflight *c, u64 id, u64 now, s64
         return;
     }
     fill_sys(e, GT_EV_SYS, c, id, now, ret, si);
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 
 /* ---------------------------------------------------------------- fds received (SCM_RIGHTS) ---- */
@@ -550,7 +550,7 @@ static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
     } else {
         count_drop(GT_DROP_PROCBUF);
     }
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 
 int gt_sys_exit(GT_EXIT_CTX *ctx)
@@ -647,7 +647,7 @@ static __always_inline void emit_proc(void *ring_is_proc, struct gt_proc_event *
     if (ring_is_proc)
         procev.ringbuf_submit(e, 0);
     else
-        events.ringbuf_submit(e, 0);
+        events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 
 /* Runs in the parent: a traced parent's new process joins the target set before it can run. */
@@ -865,7 +865,7 @@ static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now
     e->end_ns = now;
     e->ino = f->ino;
     e->index = f->index;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 #endif
 
@@ -975,7 +975,7 @@ GT_SCHED_PROBE(sched_switch)
             e->held_tid = prev;
             bpf_get_current_comm(e->held_comm, sizeof(e->held_comm));
             e->pad = 0;
-            events.ringbuf_submit(e, 0);
+            events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
         } else {
             count_drop(GT_DROP_RINGBUF);
         }
@@ -1196,7 +1196,7 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         gt_read_kernel(e->rwbs, sizeof(e->rwbs), args->rwbs);
         e->rwbs[7] = 0;
         __builtin_memcpy(e->comm, v->comm, sizeof(e->comm));
-        events.ringbuf_submit(e, 0);
+        events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
     } else {
         count_drop(GT_DROP_RINGBUF);
     }
@@ -1245,7 +1245,7 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
     e->task_ratelimit = args->task_ratelimit;
     gt_read_kernel(e->bdi, sizeof(e->bdi), args->bdi);
     e->bdi[sizeof(e->bdi) - 1] = 0;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
     return 0;
 }
 #endif
@@ -1317,7 +1317,7 @@ static __always_inline void uring_emit(struct gt_uring_val *v, u64 now, s32 res,
     e->user_data = v->user_data;
     e->cflags = cflags;
     e->pad = 0;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 
 /* A short request, summed per (thread, opcode). Any CPU may complete a thread's requests: atomic adds. */

@@ -17,6 +17,9 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_LAYOUT 6 /* 2: adds GT_EV_FAULT; 3: adds GT_EV_FDRECV; 4: GT_EV_OFFCPU2 replaces GT_EV_OFFCPU;
                       * 5: adds GT_EV_URING; 6: adds GT_EV_DIRTY; the other events are as in 1 */
 #define GT_COMM_LEN 16
+/* Submit flag of the busy rings (BPF_RB_NO_WAKEUP): no wakeup of the reader per event, which would cost the
+ * traced thread an interrupt and the reader a switch each time; user space drains them on a timer instead. */
+#define GT_RB_NO_WAKEUP 1
 #define GT_DATA_LEN 256
 #define GT_SOCKADDR_MAX 128
 #define GT_FILENAME_LEN 128

@@ -59,7 +59,7 @@ int on_sample(struct bpf_perf_event_data *ctx) {
     e->tid = (u32)id;
     e->nr = (u32)n / sizeof(u64);
     e->cpu = bpf_get_smp_processor_id();
-    samples.ringbuf_submit(e, 0);
+    samples.ringbuf_submit(e, GT_RB_NO_WAKEUP);
     return 0;
 }
 
