@@ -10,19 +10,37 @@ With --cold, every sample is read from the device (dropped from the page cache f
     sudo gputrace capture -o real.gputrace -- python examples/train_torch.py --slow-worker 1
     gputrace report real.gputrace
 
-Needs PyTorch; --device cpu runs the same loop without a GPU (no GPU activity to trace then).
+Needs PyTorch; --device cpu runs the same loop without a GPU (no GPU activity to trace then). --device sim
+runs it with gputrace's simulated GPU standing in for CUDA: the same DataLoader, worker processes and tensor
+hand-over (file-descriptor sharing, PyTorch's default on Linux), with every copy, kernel and loss read-back of a
+step done on a simulated stream (an H2D copy of the batch's bytes, forward, backward and optimizer kernels of
+fixed durations, a stream synchronize for loss.item()); its default sizes are small, so it runs in seconds on
+a small VM. A worker's "slow worker: pid P" line names the slow worker's process.
+
+    sudo gputrace capture -o sim.gputrace -- python examples/train_torch.py --device sim --slow-worker 1
+
+--step-log PATH writes {"step_end_ns": [...], "steps": N}: time.monotonic_ns() at the end of every step
+(after the loss read-back), for step-time benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SAMPLE_BYTES = 64 << 10  # one sample: 64 KiB of bytes, 65,536 features
+PER_FILE = 64  # samples in a sample file
+# --device sim: the step's device work, and what the simulated copy engine moves per millisecond
+SIM_KERNELS_MS = (("forward", 3.0), ("backward", 5.0), ("optimizer_step", 1.0), ("loss", 0.2))
+SIM_COPY_BYTES_PER_MS = {"pageable": 12 << 20, "pinned": 24 << 20}  # 12 and 24 GiB/s
+DEFAULTS = {"steps": 100, "batch": 64, "hidden": 4096, "layers": 6, "files": 16}
+SIM_DEFAULTS = {"steps": 40, "batch": 16, "hidden": 64, "layers": 1, "files": 4}  # a cheap host side of a step
 
 
 def make_samples(data: Path, count: int, per_file: int) -> list[Path]:
@@ -35,55 +53,91 @@ def make_samples(data: Path, count: int, per_file: int) -> list[Path]:
     return paths
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
-    p.add_argument("--batch", type=int, default=64, help="samples per batch (default: 64)")
-    p.add_argument("--hidden", type=int, default=4096, help="hidden width of the MLP (default: 4096)")
-    p.add_argument("--layers", type=int, default=6, help="hidden layers (default: 6)")
+    p.add_argument("--steps", type=int, help="training steps (default: 100; sim: 40)")
+    p.add_argument("--batch", type=int, help="samples per batch (default: 64; sim: 16)")
+    p.add_argument("--hidden", type=int, help="hidden width of the MLP (default: 4096; sim: 64)")
+    p.add_argument("--layers", type=int, help="hidden layers (default: 6; sim: 1)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default: 2)")
     p.add_argument("--slow-worker", type=int, default=-1, metavar="N",
                    help="worker N spends --slow-ms of extra CPU on every batch (default: none)")  # fmt: skip
     p.add_argument("--slow-ms", type=float, default=60.0, help="the slow worker's extra time per batch (default: 60)")
-    p.add_argument("--files", type=int, default=16, help="sample files (default: 16, 64 samples each)")
+    p.add_argument("--files", type=int, help="sample files of 64 samples each (default: 16; sim: 4)")
     p.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / f"gputrace-train-torch-{os.getuid()}",
                    help="folder of the sample files (made if missing)")  # fmt: skip
     p.add_argument("--cold", action="store_true", help="drop each sample from the page cache before reading it")
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True, non-blocking copies")
-    p.add_argument("--device", default="cuda", help="torch device (default: cuda)")
+    p.add_argument("--device", default="cuda",
+                   help="torch device, or sim: gputrace's simulated GPU does the step's device work (default: cuda)")
+    p.add_argument("--step-log", type=Path, metavar="PATH",
+                   help='write {"step_end_ns": [...], "steps": N} there: time.monotonic_ns() at the end of each step')
     args = p.parse_args()
+    for key, value in (SIM_DEFAULTS if args.device == "sim" else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.workers < 1 or not -1 <= args.slow_worker < args.workers:
         p.error("--slow-worker must name one of the --workers (0 .. workers-1)")
+    return args
 
+
+def main() -> int:
+    args = parse_args()
+
+    import torch
+
+    sim = args.device == "sim"
+    dev = torch.device("cpu" if sim else args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("train_torch: torch sees no CUDA device (use --device cpu or sim to run without a GPU)")
+    files = make_samples(args.data, args.files, PER_FILE)
+    if args.cold:
+        os.sync()  # dirty pages cannot be dropped: write the samples out first
+    if sim and args.pin_memory and not torch.cuda.is_available():
+        pin_memory_thread_on_cpu()
+    loader = make_loader(args, files)
+    step = SimStep(args) if sim else TorchStep(args, dev)
+    slow = f"worker {args.slow_worker} (+{args.slow_ms:g} ms CPU per batch)" if args.slow_worker >= 0 else "none"
+    print(f"train_torch: pid {os.getpid()}, {args.steps} steps on {step.where}, "
+          f"{args.workers} loader workers, slow worker: {slow}", flush=True)  # fmt: skip
+
+    ends: list[int] = []
+    value = 0.0
+    started = time.monotonic()
+    while len(ends) < args.steps:
+        for batch in loader:
+            value = step(batch)
+            ends.append(time.monotonic_ns())  # the loss is on the host: the step is over
+            if len(ends) == args.steps:
+                break
+    wall = time.monotonic() - started
+    if args.step_log:
+        args.step_log.write_text(json.dumps({"step_end_ns": ends, "steps": len(ends)}))
+    epochs = args.steps / (args.files * PER_FILE // args.batch)
+    print(f"train_torch: {args.steps} steps ({epochs:.1f} epochs) in {wall:.2f} s, "
+          f"{1e3 * wall / args.steps:.1f} ms per step, last loss {value:.3f}", flush=True)  # fmt: skip
+    return 0
+
+
+def make_loader(args: argparse.Namespace, files: list[Path]) -> Any:
+    """PyTorch's DataLoader over the sample files: batch i (``args.batch`` samples in a row) is made by worker
+    i % workers, which reads each sample with pread, decodes the bytes to floats and hands the tensors to the
+    trainer through shared memory (their file descriptors, sent by the worker's resource-sharer thread)."""
     import torch
     from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, get_worker_info
 
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("train_torch: torch sees no CUDA device (use --device cpu to run without a GPU)")
-    per_file = 64
-    files = make_samples(args.data, args.files, per_file)
-    if args.cold:
-        os.sync()  # dirty pages cannot be dropped: write the samples out first
-
-    class Samples(Dataset):
+    class Samples(Dataset):  # type: ignore[type-arg]
         """Batch i: the batch's samples read with pread, decoded to floats; labels from the first byte."""
 
         def __len__(self) -> int:
-            return args.files * per_file
+            return args.files * PER_FILE
 
         def __getitem__(self, indices: list[int]) -> dict[str, torch.Tensor]:
             info = get_worker_info()
             started = time.thread_time()
             raw = bytearray()
             for i in indices:
-                fd = os.open(files[i // per_file], os.O_RDONLY)
-                try:
-                    if args.cold:
-                        os.posix_fadvise(fd, (i % per_file) * SAMPLE_BYTES, SAMPLE_BYTES, os.POSIX_FADV_DONTNEED)
-                    raw += os.pread(fd, SAMPLE_BYTES, (i % per_file) * SAMPLE_BYTES)
-                finally:
-                    os.close(fd)
+                raw += read_sample(files[i // PER_FILE], i % PER_FILE, args.cold)
             x = torch.frombuffer(raw, dtype=torch.uint8).view(len(indices), SAMPLE_BYTES).float().div_(255.0)
             y = x[:, 0].mul(9.99).long()
             if info is not None and info.id == args.slow_worker:
@@ -93,46 +147,113 @@ def main() -> int:
 
     def hello(worker: int) -> None:
         print(f"train_torch: loader worker {worker}: pid {os.getpid()}", flush=True)
+        if worker == args.slow_worker:
+            print(f"train_torch: slow worker: pid {os.getpid()}", flush=True)
 
-    sampler = BatchSampler(SequentialSampler(range(args.files * per_file)), args.batch, drop_last=True)
-    batches_per_epoch = len(sampler)
-    loader = DataLoader(Samples(), batch_size=None, sampler=sampler, num_workers=args.workers,
-                        pin_memory=args.pin_memory, persistent_workers=True, worker_init_fn=hello)  # fmt: skip
+    sampler = BatchSampler(SequentialSampler(range(args.files * PER_FILE)), args.batch, drop_last=True)
+    return DataLoader(Samples(), batch_size=None, sampler=sampler, num_workers=args.workers,
+                      pin_memory=args.pin_memory, persistent_workers=True, worker_init_fn=hello)  # fmt: skip
 
-    layers: list[torch.nn.Module] = [torch.nn.Linear(SAMPLE_BYTES, args.hidden), torch.nn.ReLU()]
+
+def read_sample(path: Path, index: int, cold: bool) -> bytes:
+    """Sample ``index`` of a sample file, dropped from the page cache first when ``cold``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cold:
+            os.posix_fadvise(fd, index * SAMPLE_BYTES, SAMPLE_BYTES, os.POSIX_FADV_DONTNEED)
+        return os.pread(fd, SAMPLE_BYTES, index * SAMPLE_BYTES)
+    finally:
+        os.close(fd)
+
+
+def mlp(args: argparse.Namespace, features: int) -> Any:
+    import torch
+
+    layers: list[torch.nn.Module] = [torch.nn.Linear(features, args.hidden), torch.nn.ReLU()]
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10)).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    nvtx = torch.cuda.nvtx if dev.type == "cuda" else None
-    slow = f"worker {args.slow_worker} (+{args.slow_ms:g} ms CPU per batch)" if args.slow_worker >= 0 else "none"
-    print(f"train_torch: pid {os.getpid()}, {args.steps} steps on {dev} "
-          f"({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}), "
-          f"{args.workers} loader workers, slow worker: {slow}", flush=True)  # fmt: skip
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
 
-    step = 0
-    started = time.monotonic()
-    while step < args.steps:
-        for batch in loader:
-            if nvtx:
-                nvtx.range_push("step")
-            x = batch["x"].to(dev, non_blocking=args.pin_memory)
-            y = batch["y"].to(dev, non_blocking=args.pin_memory)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            value = loss.item()  # the host waits for the device here, every step
-            if nvtx:
-                nvtx.range_pop()
-            step += 1
-            if step == args.steps:
-                break
-    wall = time.monotonic() - started
-    epochs = args.steps / batches_per_epoch
-    print(f"train_torch: {args.steps} steps ({epochs:.1f} epochs) in {wall:.2f} s, "
-          f"{1e3 * wall / args.steps:.1f} ms per step, last loss {value:.3f}", flush=True)  # fmt: skip
-    return 0
+
+class TorchStep:
+    """One training step in PyTorch on ``dev``: copy the batch there, forward, backward, optimizer, and read
+    the loss back (a host wait for the device, as a logging loop does)."""
+
+    def __init__(self, args: argparse.Namespace, dev: Any) -> None:
+        import torch
+
+        self.dev, self.non_blocking = dev, args.pin_memory
+        self.model = mlp(args, SAMPLE_BYTES).to(dev)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.nvtx = torch.cuda.nvtx if dev.type == "cuda" else None
+        self.where = f"{dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'})"
+
+    def __call__(self, batch: dict[str, Any]) -> float:
+        import torch
+
+        if self.nvtx:
+            self.nvtx.range_push("step")
+        x = batch["x"].to(self.dev, non_blocking=self.non_blocking)
+        y = batch["y"].to(self.dev, non_blocking=self.non_blocking)
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        value = float(loss.item())  # the host waits for the device here, every step
+        if self.nvtx:
+            self.nvtx.range_pop()
+        return value
+
+
+class SimStep:
+    """One training step with gputrace's simulated GPU doing the device work: an H2D copy of the batch's bytes
+    (pinned with --pin-memory), forward, backward, optimizer and loss kernels of fixed durations, and a stream
+    synchronize standing for loss.item(). While the device runs, the host computes a small real loss on the
+    CPU (an MLP over the first SIM_FEATURES features): the step's host work, cheap next to the kernels."""
+
+    SIM_FEATURES = 256
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from gputrace.sim import Device
+
+        self.memory = "pinned" if args.pin_memory else "pageable"
+        self.stream = Device(0).stream()
+        self.model = mlp(args, self.SIM_FEATURES)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.where = "sim (gputrace simulated GPU)"
+
+    def __call__(self, batch: dict[str, Any]) -> float:
+        import torch
+
+        nbytes = sum(t.nbytes for t in batch.values())
+        self.stream.memcpy(nbytes, nbytes / SIM_COPY_BYTES_PER_MS[self.memory], "h2d", memory=self.memory)
+        for name, ms in SIM_KERNELS_MS:
+            self.stream.launch(name, ms)
+        loss = torch.nn.functional.cross_entropy(self.model(batch["x"][:, : self.SIM_FEATURES]), batch["y"])
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.stream.synchronize()  # loss.item(): the host waits for the device, every step
+        return float(loss.item())
+
+
+def pin_memory_thread_on_cpu() -> None:
+    """Without CUDA, PyTorch's DataLoader would drop pin_memory=True (nothing to pin for). The simulated GPU
+    stands in for CUDA, so the loader runs its pin-memory thread as on a GPU host: it is told there is an
+    accelerator, and "pins" each batch by copying it. The thread, its queues and its hand-over to the trainer
+    are PyTorch's own."""
+    import torch
+    from torch.utils.data import _utils
+
+    acc = torch.accelerator
+    acc.is_available = lambda: True  # type: ignore[assignment]
+    acc.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore[assignment]
+    acc.current_device_index = lambda: 0  # type: ignore[assignment]
+    acc.set_device_index = lambda _i: None  # type: ignore[assignment]
+    _utils.pin_memory.pin_memory = lambda data, device=None: {  # type: ignore[assignment]
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
 
 
 if __name__ == "__main__":

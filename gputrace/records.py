@@ -382,6 +382,19 @@ class AgentInfo(NamedTuple):
     source: str
 
 
+class AgentThread(NamedTuple):
+    """A thread of an in-process agent: everything it does is the tracing's, never the job's (the time it
+    holds the target's GIL converting or sending records, its CPU). Sent once per thread, when it first
+    works. ``role``: io (the agent's I/O thread: encodes and sends batches), cupti-flush (asks CUPTI for its
+    completed buffers), cupti-convert (converts a completed CUPTI buffer: CUPTI's own thread, or the flusher).
+    """
+
+    ts: int
+    pid: int
+    tid: int
+    role: str
+
+
 # ------------------------------------------------------------------------------------- bookkeeping ---
 
 
@@ -409,7 +422,7 @@ RECORD_TYPES: dict[str, type[Any]] = {
         ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo, EpollEntry,
         Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress, IoUringRequest, DirtyPause,
         GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
-        AgentInfo, SourceStatus, Drops,
+        AgentInfo, AgentThread, SourceStatus, Drops,
     )
 }  # fmt: skip
 

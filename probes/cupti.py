@@ -43,6 +43,7 @@ from gputrace.probes.cupti_convert import (
     dump_activity,
     quiet_api,
 )
+from gputrace.records import AgentThread
 
 Emit = Callable[[Sequence[tuple[Any, ...]]], None]
 
@@ -249,6 +250,7 @@ class CuptiBackend:
         self._thread: threading.Thread | None = None
         self._counts = {"cupti": 0, "convert": 0, "emit": 0}
         self._flusher = 0  # the flusher thread's ident once it runs
+        self._own: set[tuple[int, str]] = set()  # (tid, role) of this backend's threads named since start
         self._errors: list[str] = []
         self._skew_us = ""
 
@@ -272,6 +274,7 @@ class CuptiBackend:
         except Exception as e:  # noqa: BLE001 - a broken install (missing libcupti, numpy) is a reason, not a crash
             raise CuptiUnavailable(f"cupti-python does not load: {e}") from None
         self._cupti, self._emit = cupti, emit
+        self._own = set()  # each capture is told about them
         self._clock = RealtimeConverter(self._resample_period)
         self._conv = ActivityConverter(os.getpid(), self._clock.to_monotonic, cupti.get_callback_name,
                                        all_apis=self._all_apis)  # fmt: skip
@@ -374,7 +377,7 @@ class CuptiBackend:
     def _buffer_completed(self, activities: list[Any]) -> None:
         """Converts a buffer, handing the GIL to any waiting thread after each ``yield_after_ns`` of it:
         converting is Python under the target's GIL, and a training loop's main thread must not wait behind it."""
-        records: list[tuple[Any, ...]] = []
+        records: list[tuple[Any, ...]] = self._own_thread("cupti-convert")
         done = 0
         cpu = time.thread_time_ns()
         try:
@@ -397,6 +400,16 @@ class CuptiBackend:
         if threading.get_ident() != self._flusher:  # the flusher's own thread is counted whole
             CPU.since(cpu)
 
+    def _own_thread(self, role: str) -> list[tuple[Any, ...]]:
+        """The calling thread as the agent's (an AgentThread record), the first time it works in ``role``:
+        its time in the target is the tracing's."""
+        tid = threading.get_native_id()
+        with self._lock:
+            if (tid, role) in self._own:
+                return []
+            self._own.add((tid, role))
+        return [AgentThread(monotonic_ns(), os.getpid(), tid, role)]
+
     def _deliver(self, records: list[tuple[Any, ...]]) -> None:
         if not records or self._emit is None:
             return
@@ -409,6 +422,7 @@ class CuptiBackend:
         assert self._clock is not None
         self._flusher = threading.get_ident()
         cpu = time.thread_time_ns()  # flushing, and the conversions CUPTI calls back into from here
+        self._deliver(self._own_thread("cupti-flush"))
         while not self._stop.wait(self._flush_period):
             self._call(self._flush_all, 0)
             self._clock.maybe_resample()

@@ -62,6 +62,9 @@ def test_stop_asks_a_live_agent_to_flush_and_leaves_it_running(tmp_path: Path) -
     # registered before the agent said hello (otherwise the agent announces it in-band).
     kept = len([r for r in recs if type(r).__name__ != "SourceStatus"])
     assert peer["records"] <= kept <= peer["records"] + 1
+    # the agent names its I/O thread, whose time in the target is the tracing's
+    [own] = of(recs, "AgentThread")
+    assert (own.pid, own.role) == (p.pid, "io") and own.tid not in (0, p.pid), own
 
 
 def test_garbage_is_cut_off_while_a_good_agent_keeps_being_served(tmp_path: Path) -> None:

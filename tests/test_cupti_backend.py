@@ -26,7 +26,7 @@ from gputrace.agent.backend import GpuBackend
 from gputrace.clock import monotonic_ns
 from gputrace.probes import cupti as cupti_probe
 from gputrace.probes.cupti import CuptiBackend, CuptiUnavailable, driver_version, find_libcuda, nvtx_injection_path
-from gputrace.records import CudaApi, GpuKernel, GpuSync
+from gputrace.records import AgentThread, CudaApi, GpuKernel, GpuSync
 
 
 def test_backend_satisfies_the_agent_protocol() -> None:
@@ -326,3 +326,22 @@ def test_native_flush_calls_the_mapped_libcupti_and_reports_its_errors(tmp_path:
     else:
         with pytest.raises(RuntimeError, match="cuptiActivityFlushAll: CUPTI error"):
             flush(0)
+
+
+def test_the_threads_that_flush_and_convert_are_named_as_the_agent_s(stand_in) -> None:  # type: ignore[no-untyped-def]
+    """The flusher asks CUPTI for its buffers and converts them in the callback, under the target's GIL: its
+    time is the tracing's, so the backend names it (once per role) for the analysis."""
+    clock = cupti_probe.RealtimeConverter(3600)
+    t0 = monotonic_ns()
+    mod = stand_in([shapes.step(clock, t0), shapes.step_tail(clock, t0)])
+    got: list = []
+    backend = CuptiBackend(flush_period_s=0.01)
+    backend.start(got.extend)
+    assert backend._thread is not None
+    flusher = backend._thread.native_id
+    deadline = time.monotonic() + 5
+    while mod.batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    backend.stop()
+    own = [(r.pid, r.tid, r.role) for r in got if type(r) is AgentThread]
+    assert sorted(own) == sorted([(os.getpid(), flusher, "cupti-flush"), (os.getpid(), flusher, "cupti-convert")])

@@ -3,6 +3,7 @@ DataLoader workers, the reads (cold ones too) and the slow worker, so the exampl
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_torch.py"
 
 
-def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(EXAMPLE), "--device", "cpu", "--hidden", "64", "--layers", "1",
+def run(tmp_path: Path, *args: str, device: str = "cpu") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(EXAMPLE), "--device", device, "--hidden", "64", "--layers", "1",
                            "--files", "2", "--data", str(tmp_path / "d"), *args],
                           capture_output=True, text=True, timeout=180)  # fmt: skip
 
@@ -32,3 +33,16 @@ def test_the_torch_example_trains_on_the_cpu_with_a_slow_worker_and_cold_reads(t
 def test_the_torch_example_refuses_a_slow_worker_it_does_not_have(tmp_path: Path) -> None:
     r = run(tmp_path, "--workers", "2", "--slow-worker", "2")
     assert r.returncode == 2 and "--slow-worker must name one of the --workers" in r.stderr
+
+
+def test_the_torch_example_runs_its_device_work_on_the_simulated_gpu_and_logs_each_step(tmp_path: Path) -> None:
+    log = tmp_path / "steps.json"
+    r = run(tmp_path, "--steps", "6", "--slow-worker", "1", "--slow-ms", "20", "--pin-memory", "--step-log",
+            str(log), device="sim")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "6 steps on sim (gputrace simulated GPU)" in r.stdout, r.stdout
+    workers = dict(re.findall(r"loader worker (\d): pid (\d+)", r.stdout))
+    assert re.findall(r"slow worker: pid (\d+)", r.stdout) == [workers["1"]], r.stdout
+    steps = json.loads(log.read_text())
+    ends = steps["step_end_ns"]
+    assert steps["steps"] == len(ends) == 6 and ends == sorted(ends) and len(set(ends)) == 6, steps

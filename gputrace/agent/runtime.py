@@ -104,9 +104,12 @@ class Agent:
         self._io: int | None = None  # ident of the thread serving a session
         self._pending = False  # connect() called, its thread maybe not running yet
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        # Load the codec now, on the creating thread: were the I/O thread importing it when the target
-        # forks, the child would inherit a held import lock and its own agent could never encode.
+        # Load the codec and the record kinds now, on the creating thread: were the I/O thread importing them
+        # when the target forks, the child would inherit a held import lock and its own agent could never encode.
         wire.codec()
+        from gputrace.records import AgentThread
+
+        self._own_thread = AgentThread
 
     # ------------------------------------------------------------------------------ backends ---
     def submit(self, records: Sequence[tuple[Any, ...]]) -> None:
@@ -213,6 +216,10 @@ class Agent:
             with self._lock:
                 greeting, self._hello_sent = hello(self), True
             self._send(greeting)
+            # this thread's time (encoding, sending, the GIL it holds meanwhile) is the tracing's, not the job's;
+            # sent past the queue, whose room is the target's records'
+            self._send_rows([self._own_thread(time.clock_gettime_ns(time.CLOCK_MONOTONIC), os.getpid(),
+                                              threading.get_native_id(), "io")])
             self._loop(sock)
         except Exception as e:  # noqa: BLE001 - the session went away or broke the protocol
             _debug("session connection ended: %s", e)

@@ -15,6 +15,7 @@ from gputrace.agent.pidns import PeerIds
 from gputrace.agent.wire import PROTOCOL, FrameError
 from gputrace.records import (
     AgentInfo,
+    AgentThread,
     Collective,
     CudaApi,
     Drops,
@@ -27,7 +28,8 @@ from gputrace.records import (
 )  # fmt: skip
 
 ALLOWED_KINDS: tuple[type[Any], ...] = (
-    GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, AgentInfo, Drops,
+    GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, AgentInfo, AgentThread,
+    Drops,
 )  # fmt: skip
 MAX_STR = 65536
 MAX_INT = (1 << 64) - 1

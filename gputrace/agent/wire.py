@@ -4,6 +4,7 @@ A unix stream socket carrying frames: a 4-byte big-endian length, then one msgpa
 
     agent -> session   hello  {pid, tid, interpreter, cuda_version, driver_version, backends, unavailable}
                        batch  {records: [[kind, [row, ...]], ...]}   rows positional, as gputrace.records
+                                                                    (AgentThread rows name the agent's threads)
                        drops  {counts: {where: cumulative n}}
                        bye    {}
     session -> agent   start  {flush_ms}

@@ -7,6 +7,7 @@ followed to the waker and its time before the wakeup is explained the same way, 
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,12 +20,20 @@ from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_
 from gputrace.analysis.timefmt import size_text
 from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
-MAX_DEPTH = 8
+MAX_DEPTH = 8  # hops a wait chain may take to other threads (a round trip back to a thread takes none)
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
 MAX_DIRTY_EVIDENCE = 4  # pauses for dirty pages named in a storage stall's evidence
 PAUSE_SLEEP_NS = 1_000_000  # a pause is slept right after its tracepoint: the off-CPU span that starts this soon
+# What an agent's thread does in the target, by the role it reported (gputrace/agent, probes/cupti.py)
+AGENT_WORK = {"io": "gputrace agent: record flush", "cupti-flush": "gputrace agent: CUPTI flush",
+              "cupti-convert": "gputrace agent: CUPTI conversion"}
+# Threads that native libraries start and name (CUDA's event handler and workers, PyTorch's autograd device
+# threads): they never run Python, so they never hold the GIL
+NATIVE_THREADS = ("cuda-EvtHandlr", "cuda0", "pt_autograd_")
+NATIVE_SAMPLES = 10  # samples outside the interpreter, and none in it, that show a thread never runs Python
+INTERPRETER_MODULES = re.compile(r"\((lib)?(python|pypy)[0-9.]*(\.so[0-9.]*)?\)$")  # a frame in the interpreter
 
 
 @dataclass
@@ -132,6 +141,14 @@ def _paused(pauses: list[DirtyPause], sleeps: list[OffCpu], end_ns: int) -> tupl
             "dirty_bytes": last.wb_dirty, "dirty_setpoint_bytes": last.wb_setpoint}, ev
 
 
+def _frames_kind(frames: list[str]) -> str:
+    """python: a stack with a frame in the interpreter; native: frames in named modules only; "" where no
+    frame names its module (an unsymbolized stack says nothing)."""
+    if any(INTERPRETER_MODULES.search(f) or "PyEval" in f for f in frames):
+        return "python"
+    return "native" if any(f.endswith(")") for f in frames) else ""
+
+
 def _cpu_holders(waits: list[tuple[OffCpu, int, int]]) -> Counter[tuple[int, int, str]]:
     """Who had the CPU each off-CPU span waited for within its window [a, b) (a preemption, or the time from
     a wakeup on): (pid, tid, comm) with the time of that window."""
@@ -153,6 +170,12 @@ class Explainer:
         # (pid, futex word) -> the threads that waited on it, and those of them that timed out there
         self._futex_words: dict[tuple[int, int], tuple[set[int], set[int]]] | None = None
         self._api_index: dict[int, list[tuple[int, int]]] | None = None  # tid -> its CUDA API calls (start, end)
+        self._lock_wakers: dict[tuple[int, int], set[int]] | None = None  # (pid, futex word) -> who woke a waiter
+        self._interpreted: dict[int, bool | None] = {}  # tid -> seen in the interpreter (None: no telling)
+        # Round trips: the thread (and depth) whose hand-off is being followed, and where a callee whose own
+        # hand-off came from that thread gives the rest of the window back to it (``_explain_alive``)
+        self._handing: list[tuple[int, int]] = []
+        self._resume: int | None = None
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -174,6 +197,9 @@ class Explainer:
         explained on the creator, up the chain of creators while each was created inside the window too.
         Creation times strictly decrease up that chain, so it ends. A creator in another process (a fork)
         adds ``fork:pid P`` to ``via``; a thread created by its own process's thread adds no hop."""
+        role = self.cap.agent_threads.get(tid)
+        if role is not None:  # gputrace's own agent: whatever it did, the tracing took that time
+            return [self._tracing(tid, role, b - a)] if b > a else []
         parts: list[Part] = []
         hops: list[str] = []
         hop_tids: list[int] = []
@@ -185,7 +211,7 @@ class Explainer:
                 if hops:
                     p.via, p.path = [*hops, *p.via], [*hop_tids, *p.path]
                 parts.append(p)
-            if born == a or made is None:
+            if born == a or made is None or self._resume is not None:  # a round trip gave the rest back
                 break
             b, tid = made  # creation before b: the window shrinks every turn
             creator_pid = self.cap.pid_of(tid)
@@ -202,12 +228,41 @@ class Explainer:
             return []
         if not self.traced(tid):
             return [Part("unknown", b - a, empty_culprit(), extra={"why": f"tid {tid} was not traced"})]
-        handoff = self._handoff(tid, a, b, depth)
-        if handoff is None:
-            return self._explain_own(tid, a, b, depth)
-        start, sc, o = handoff
-        return (self._explain_own(tid, a, start, depth) + self._follow(sc, o, start, o.wake_ns, depth)
-                + self._explain_own(tid, o.wake_ns, b, depth))
+        parts: list[Part] = []
+        while True:
+            handoff = self._handoff(tid, a, b, depth)
+            if handoff is None:
+                return parts + self._explain_own(tid, a, b, depth)
+            start, sc, o = handoff
+            parts += self._explain_own(tid, o.wake_ns, b, depth)
+            if self._handing and self._handing[-1] == (o.waker_tid, depth - 1):
+                self._resume = o.wake_ns  # a round trip: the thread that asked goes on from its request
+                return parts
+            followed, resume = self._follow_handoff(sc, o, start, depth)
+            parts += followed
+            if resume is None:
+                return parts + self._explain_own(tid, a, start, depth)
+            b = resume
+
+    def _follow_handoff(self, sc: Syscall, o: OffCpu, start: int, depth: int) -> tuple[list[Part], int | None]:
+        """Follow the hand-off ``sc`` (woken by ``o``) over [start, its wakeup) on the waker's chain; where the
+        waker's own last hand-off came from this thread (a round trip: a request, then its answer), the part
+        of the window before that request is given back (``_resume``): returned with the parts, for this
+        thread to go on from there.
+
+        Round trips are walked as a loop here, not as hops: PyTorch hands a batch's tensors over through
+        ``multiprocessing.resource_sharer``, several socket round trips per tensor (authentication, the key,
+        the fd), each answered by a worker thread that must first win the worker's GIL. Followed as hops, a
+        batch of a few tensors is dozens of them, past any fixed depth, and the work the batch waited for
+        (the worker's own) is never reached. Each round trip ends strictly before the one it answered, so
+        the loop ends at the window's start; the depth still bounds chains through distinct threads."""
+        self._handing.append((sc.tid, depth))
+        try:
+            parts = self._follow(sc, o, start, o.wake_ns, depth)
+            resume, self._resume = self._resume, None
+        finally:
+            self._handing.pop()
+        return parts, (resume if resume is not None and start <= resume < o.wake_ns else None)
 
     def _handoff(self, tid: int, a: int, b: int, depth: int) -> tuple[int, Syscall, OffCpu] | None:
         """The last wait of ``tid`` in [a, b) on a pipe or socket that another traced task ended, as (from
@@ -581,8 +636,59 @@ class Explainer:
             for tid, owner in self.cap.tgid.items():
                 self._threads.setdefault(owner, []).append(tid)
         running = [t for t in self._threads.get(pid, ()) if t != sc.tid and self.traced(t)
-                   and self._unblocked_ns(t, x, y) >= GIL_RUNNING * (y - x)]
+                   and self._may_hold_gil(t, sc) and self._unblocked_ns(t, x, y) >= GIL_RUNNING * (y - x)]
         return running[0] if len(running) == 1 else None
+
+    def _may_hold_gil(self, tid: int, waiter: Syscall) -> bool:
+        """Whether ``tid`` can be the holder of the lock ``waiter`` timed out on. Only a thread that runs Python
+        takes the GIL: an agent's thread does (its time is then the tracing's); a thread that waited on a
+        word ``waiter``'s thread timed out on, or woke a waiter there (it let go of that lock), is one of the
+        lock's takers; so is one sampled in the interpreter. A thread a native library named (CUDA's), or
+        one sampled only outside the interpreter, never runs Python. A thread nothing tells about (too fast
+        to record a wait, never sampled) is not ruled out: the one thread that ran through the wait held it."""
+        if tid in self.cap.agent_threads or tid in self._lock_takers(waiter):
+            return True
+        if self.cap.comm(tid).startswith(NATIVE_THREADS):
+            return False
+        return self._in_interpreter(tid) is not False
+
+    def _lock_takers(self, waiter: Syscall) -> set[int]:
+        """The threads that waited on, or woke a waiter of, a futex word that ``waiter``'s thread timed out on
+        in the capture (the GIL's condition alternates between two words, both taken by the same threads)."""
+        self._futex_word(waiter)  # builds the index
+        assert self._futex_words is not None
+        takers: set[int] = set()
+        for (pid, word), (waited, timed_out) in self._futex_words.items():
+            if pid == waiter.pid and waiter.tid in timed_out:
+                takers |= waited | self._wakers_of(pid, word)
+        return takers
+
+    def _wakers_of(self, pid: int, word: int) -> set[int]:
+        """Threads of ``pid`` that woke a thread out of a futex wait on ``word``."""
+        if self._lock_wakers is None:
+            self._lock_wakers = {}
+            for index in self.cap.syscalls.values():
+                for r in index.records:
+                    if r.name in FUTEXES and r.tid in self.cap.offcpu:
+                        woken = self._lock_wakers.setdefault((r.pid, r.arg), set())
+                        woken.update(o.waker_tid for o in self.cap.offcpu[r.tid].overlapping(r.start_ns, r.end_ns)
+                                     if o.wake_ns and o.waker_pid == r.pid and o.waker_tid != r.tid)
+        return self._lock_wakers.get((pid, word), set())
+
+    def _in_interpreter(self, tid: int) -> bool | None:
+        """Whether ``tid``'s CPU samples show it in the interpreter (a frame in python/libpython); False where
+        at least NATIVE_SAMPLES of them name modules and none the interpreter; None where that says nothing."""
+        if tid not in self._interpreted:
+            index, pid = self.cap.samples.get(tid), self.cap.pid_of(tid)
+            kinds = Counter(_frames_kind(self.cap.stacks.get((pid, stack), [])) for stack in index.stacks) \
+                if index else Counter()
+            self._interpreted[tid] = True if kinds["python"] else False if kinds["native"] >= NATIVE_SAMPLES else None
+        return self._interpreted[tid]
+
+    def _tracing(self, tid: int, role: str, ns: int) -> Part:
+        """Time an agent's thread took in the target: gputrace's own, named by what the agent does there."""
+        what = AGENT_WORK.get(role, f"gputrace agent: {role}")
+        return Part("tracing", ns, self.culprit(tid, "agent", what))
 
     def _unblocked_ns(self, tid: int, x: int, y: int) -> int:
         """How long ``tid`` is known to have run or been runnable (preempted: a holder still holds) in

@@ -17,6 +17,7 @@ from gputrace.analysis.uring import Completions
 from gputrace.capture import CaptureReader
 from gputrace.records import (
     AgentInfo,
+    AgentThread,
     BlockIO,
     Collective,
     CudaApi,
@@ -113,6 +114,7 @@ class Capture:
     created: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # tid -> [(creation ns, creating tid)]
     pids: set[int] = field(default_factory=set)
     gil_pids: set[int] = field(default_factory=set)  # processes running an interpreter with a global lock
+    agent_threads: dict[int, str] = field(default_factory=dict)  # tid -> its role in an in-process agent
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
     nvml: dict[int, list[float]] = field(default_factory=dict)  # NVML index -> [sum, count] of gpu_util_pct
@@ -313,6 +315,14 @@ def _agent(ld: _Loader, r: AgentInfo) -> None:
         ld.cap.gil_pids.add(r.pid)
 
 
+def _agent_thread(ld: _Loader, r: AgentThread) -> None:
+    """A thread of an agent. One that converts CUPTI's buffers may also flush them: converting is what costs
+    the target its GIL, so that role is the one kept."""
+    if ld.cap.agent_threads.get(r.tid) != "cupti-convert":
+        ld.cap.agent_threads[r.tid] = r.role
+    ld._thread(r.pid, r.tid)
+
+
 def _api(ld: _Loader, r: CudaApi) -> None:
     ld.cap.launches[(r.pid, r.correlation_id)] = r
     ld._thread(r.pid, r.tid)
@@ -369,6 +379,7 @@ _HANDLERS: dict[str, Any] = {
     "ProcFork": _fork,
     "ProcExec": _exec,
     "AgentInfo": _agent,
+    "AgentThread": _agent_thread,
     "NvmlSample": _nvml,
     "Drops": lambda ld, r: ld.cap.drops.append(r),
     "InProgress": lambda ld, r: ld.cap.in_progress.append(r),
@@ -402,6 +413,7 @@ _SHAPES = {
     "ThreadInfo": _shape(ThreadInfo, "pid tid", "comm"),
     "ProcFork": _shape(ProcFork, "child_pid child_tid", "comm"),
     "ProcExec": _shape(ProcExec, "pid tid", "comm"),
+    "AgentThread": _shape(AgentThread, "pid tid", "role"),
     "GpuDevice": _shape(GpuDevice, "id pid", "name"),
     "NvmlSample": _shape(NvmlSample, "device", "metric"),
     "InProgress": _shape(InProgress, "pid tid start_ns at_ns", "name state obj"),

@@ -12,7 +12,8 @@ from gputrace.analysis.overhead import read_overhead
 from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
 
 SCHEMA = "gputrace.report/1"
-CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "sync", "sleep", "device", "launch", "unknown")
+CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "sync", "sleep", "device", "launch", "tracing",
+          "unknown")
 # TensorFlow profiler's input-pipeline analysis calls a step input-bound at these shares of waiting on input
 INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH = 5.0, 20.0
 
@@ -204,6 +205,8 @@ def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
         return "peer", c["object"]
     if cause == "collective":
         return "collective", c.get("object") or c.get("op", "")
+    if cause == "tracing":  # gputrace's own agent in the job: what it did, and where
+        return "tracing", f"{c.get('object', '')} in {pid_text(c)}"
     if c.get("pid"):
         return "process", pid_text(c)
     return cause, c.get("op", "") or cause
