@@ -11,12 +11,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gputrace import clock
 from gputrace.errors import UserError
+from gputrace.families import EBPF_FAMILIES
 from gputrace.probes import ebpf_build as build
 from gputrace.probes import ebpf_final as final
 from gputrace.probes import ebpf_hooks as hooks
@@ -92,9 +93,12 @@ class EbpfSource:
         syscall_hook: str = "auto",
         sched_hook: str = "auto",
         owner_uid: int | None = None,
+        off: Iterable[str] = (),
     ) -> None:
         """``owner_uid``: the capture is for this non-root user, so a process that gains privileges it lacks
-        is left out (bpf/gputrace.h gt_task_foreign); None (root) leaves nothing out and compiles no check."""
+        is left out (bpf/gputrace.h gt_task_foreign); None (root) leaves nothing out and compiles no check.
+        ``off``: source families turned off (gputrace.families); their programs are neither built nor attached
+        (the process-tree programs always are)."""
         if threshold_ns < 0:
             raise UserError("the eBPF threshold must be ≥ 0 ns")
         if ring_mib < 1 or ring_mib & (ring_mib - 1):
@@ -102,6 +106,7 @@ class EbpfSource:
         hooks.check_hook("syscall", syscall_hook)
         hooks.check_hook("sched", sched_hook)
         self.pids = list(pids)
+        self.off = frozenset(off) & frozenset(EBPF_FAMILIES)
         self.threshold_ns = threshold_ns
         self.on_proc = on_proc
         self.syscalls = list(syscalls) if syscalls is not None else [s.name for s in SPECS]
@@ -163,7 +168,7 @@ class EbpfSource:
         self._thread.start()
 
     def _load(self, bcc: Any, sink: Sink) -> None:
-        flags = build.cflags(self.threshold_ns, self.ring_pages, self.hook, self.sched, self.owner_uid)
+        flags = build.cflags(self.threshold_ns, self.ring_pages, self.hook, self.sched, self.owner_uid, self.off)
         self._bpf = build.compile_program(bcc, flags)
         try:
             self._setup(sink)
@@ -185,6 +190,8 @@ class EbpfSource:
         detail += f"; scheduler via {self.sched} tracepoints" + (f" ({self.sched_note})" if self.sched_note else "")
         if self.uring:
             detail += f"; io_uring via {self.uring} tracepoints" + (f" ({self.uring_note})" if self.uring_note else "")
+        if self.off:
+            detail += f"; turned off: {', '.join(sorted(self.off))}"
         if self.missing:
             return "degraded", f"missing tracepoints: {', '.join(self.missing)}; {detail}"
         return "started", detail
@@ -366,20 +373,24 @@ class EbpfSource:
 
     def _attach(self, sysinfo: dict[int, tuple[str, int]]) -> None:
         names = [name for _, (name, _) in sorted(sysinfo.items())]
-        self.attached, missing = hooks.attach_syscalls(self._bpf, self.hook, self.syscall_hook, names)
-        self.missing += missing + hooks.attach_sched(self._bpf, self.sched, self.sched_hook)
-        self.uring, self.uring_note = hooks.uring_hook(self.sched) if uring_supported() else ("", "")
+        if "syscalls" not in self.off:
+            self.attached, missing = hooks.attach_syscalls(self._bpf, self.hook, self.syscall_hook, names)
+            self.missing += missing
+        if "sched" not in self.off:
+            self.missing += hooks.attach_sched(self._bpf, self.sched, self.sched_hook)
+        on = uring_supported() and "uring" not in self.off
+        self.uring, self.uring_note = hooks.uring_hook(self.sched) if on else ("", "")
         if self.uring:
             hooks.attach_uring(self._bpf, self.uring, self.sched_hook)
-        if not tracepoint_exists("block", "block_io_start"):
+        if "block" not in self.off and not tracepoint_exists("block", "block_io_start"):
             self.missing.append("block:block_io_start (using block_rq_issue: not the submitter's context)")
-        if not file_faults_supported():
+        if "faults" not in self.off and not file_faults_supported():
             self.missing.append("filemap:mm_filemap_fault (needs Linux 6.11+, x86_64 and BTF: waits in page "
                                 "faults on file mappings are not named)")
-        if not self.uring:
+        if "uring" not in self.off and not self.uring:
             self.missing.append("io_uring:io_uring_submit_req/file_get/complete (needs Linux 5.19+: waits in "
                                 "io_uring_enter are not named by their requests)")
-        if not dirty_throttle_layout():
+        if "dirty" not in self.off and not dirty_throttle_layout():
             self.missing.append("writeback:balance_dirty_pages (pauses of writers for dirty pages are not named)")
 
     def _meta(self, sysinfo: dict[int, tuple[str, int]]) -> dict[str, Any]:
@@ -400,6 +411,7 @@ class EbpfSource:
             "missing": self.missing,
             "drop_reasons": list(events.DROP_REASONS),
             "fork_markers": True,
+            "off": sorted(self.off),
         }
 
     # ---------------------------------------------------------------------------------- drain ---

@@ -21,9 +21,11 @@ from gputrace.probes.ebpf_host import (
 from gputrace.probes.ebpf_owner import owner_cflags
 
 
-def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid: int | None = None) -> list[str]:
+def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid: int | None = None,
+           off: frozenset[str] = frozenset()) -> list[str]:
     """The -D/-I flags for probes/bpf/gputrace.bpf.c: feature probes, never kernel version checks.
-    ``owner_uid``: a non-root owner, whose capture leaves out processes that gain privileges it lacks."""
+    ``owner_uid``: a non-root owner, whose capture leaves out processes that gain privileges it lacks.
+    ``off``: source families turned off (gputrace.families): their programs are not compiled in."""
     flags = [
         f"-I{BPF_DIR}",
         f"-DTHRESHOLD_NS={threshold_ns}ULL",
@@ -31,15 +33,17 @@ def cflags(threshold_ns: int, ring_pages: int, hook: str, sched: str, owner_uid:
         *hooks.cflags(hook, sched),
         *owner_cflags(owner_uid),
     ]
-    if tracepoint_exists("block", "block_io_start"):
+    if "block" in off:
+        flags.append("-DGT_NO_BLOCK")
+    elif tracepoint_exists("block", "block_io_start"):
         flags.append("-DHAVE_BLOCK_IO_START")
     if format_has("sched", "sched_process_exit", "group_dead"):
         flags.append("-DHAVE_GROUP_DEAD")
-    if file_faults_supported():
+    if "faults" not in off and file_faults_supported():
         flags.append("-DHAVE_FILEMAP_FAULT")
-    if uring_supported():
+    if "uring" not in off and uring_supported():
         flags.append("-DHAVE_IO_URING")
-    dirty = dirty_throttle_layout()
+    dirty = dirty_throttle_layout() if "dirty" not in off else ""
     if dirty:
         flags += ["-DHAVE_DIRTY_THROTTLE", f"-DGT_DIRTY_WB={int(dirty == 'wb')}"]
     if platform.machine() != "x86_64":  # only x86_64 packs struct epoll_event

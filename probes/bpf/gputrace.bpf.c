@@ -1162,6 +1162,7 @@ static __always_inline int block_submit(u32 dev, u64 sector)
     return 0;
 }
 
+#ifndef GT_NO_BLOCK /* block I/O turned off for the capture (gputrace capture --off block) */
 #ifdef HAVE_BLOCK_IO_START
 /* Accounted when the request is made, in the submitter's context. */
 TRACEPOINT_PROBE(block, block_io_start)
@@ -1203,6 +1204,7 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     blk.delete(&k);
     return 0;
 }
+#endif /* GT_NO_BLOCK */
 
 /* --------------------------------------------------------------------- dirty-page throttling ---- */
 
