@@ -16,9 +16,9 @@ if str(HERE.parent) not in sys.path:  # tests/, where the shared `workloads` hel
     sys.path.insert(0, str(HERE.parent))
 
 from workloads import loopdev, uring_reader  # noqa: E402
+from workloads.cpu_cgroup import cpu_cgroup  # noqa: E402, F401  (the cpu_throttled scenario's)
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
-CPU = Path("/sys/fs/cgroup/cpu")
 
 
 @contextlib.contextmanager
@@ -60,30 +60,6 @@ def blkio_cgroups(devnum: str, read_bps: list[int], write_bps: int = 0) -> Itera
     finally:
         for g in groups:
             _rmdir_cgroup(g)
-
-
-@contextlib.contextmanager
-def cpu_cgroup(quota_us: int, period_us: int) -> Iterator[Path]:
-    """A cgroup v1 cpu group allowed ``quota_us`` of CPU per ``period_us`` (a container's CPU limit); the v1
-    cpu controller is mounted at /sys/fs/cgroup/cpu first where it is not (and unmounted after)."""
-    mounted = False
-    if not (CPU / "cpu.cfs_quota_us").exists():
-        CPU.mkdir(exist_ok=True)
-        r = subprocess.run(["mount", "-t", "cgroup", "-o", "cpu", "cgroup", str(CPU)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"cannot mount the v1 cpu controller at {CPU}: {r.stderr.strip()}")
-        mounted = True
-    g = CPU / f"gputrace-scenario-{os.getpid()}-cpu"
-    try:
-        g.mkdir()
-        (g / "cpu.cfs_period_us").write_text(f"{period_us}\n")
-        (g / "cpu.cfs_quota_us").write_text(f"{quota_us}\n")
-        yield g
-    finally:
-        if g.exists():
-            _rmdir_cgroup(g)
-        if mounted:
-            subprocess.run(["umount", str(CPU)], check=False, capture_output=True)
 
 
 def _rmdir_cgroup(g: Path) -> None:

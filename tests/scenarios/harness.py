@@ -202,8 +202,8 @@ def _dirty_writes(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
 
 def _cpu_throttled(_w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     # a worker allowed 20 ms of CPU per 100 ms spends 30 ms of CPU on each batch: it is throttled in every batch
-    return {"workers": 1, "steps": 8, "work_ms": 30, "cpu_cgroup": str(st.enter_context(fixtures.cpu_cgroup(20_000,
-                                                                                                    100_000)))}
+    group = st.enter_context(fixtures.cpu_cgroup(20_000, 100_000))
+    return {"workers": 1, "steps": 8, "work_ms": 30, "cpu_cgroup": str(group)}
 
 
 SCENARIOS: dict[str, Setup] = {
