@@ -150,7 +150,17 @@ class CgroupFiles:
             if e.errno in (errno.ENOENT, errno.ESRCH):
                 return None
             raise
+        if self._exited(pid):  # a zombie reads as the root group (v1 moves it out at exit): not a move
+            return None
         return parse_proc_cgroup(text, self.hierarchy)
+
+    def _exited(self, pid: int) -> bool:
+        try:
+            stat = _read(self.proc / str(pid) / "stat")
+        except OSError:
+            return False
+        after = stat[stat.rfind(")") + 1 :].split()  # comm may hold spaces and parens
+        return bool(after) and after[0] in ("Z", "X")
 
     def limits(self, path: str, version: int) -> Limits:
         """The quota and period. Raises OSError or ValueError."""

@@ -11,11 +11,12 @@ throttles of ``D`` in all ended in (prev_ts, ts].
 Such a throttle ended a runnable wait of a thread of the group: the wait ends (the thread is back on a CPU) at
 or after the throttle's end, and began before it. Per window and per thread, the longest such wait that
 overlaps [prev_ts - D, ts] (where a throttle of at most ``D`` ending in the window can lie) is taken as that
-thread's throttle; the window's ``D`` is shared among the threads' waits, longest first, each counting at
-most its own length (a throttle on each CPU the group ran on adds its own time). The throttled part of a wait
+thread's throttle, for at most ``D``: every runnable thread of a throttled group is held, and threads that
+share a CPU's run queue share one throttle, which the group counts once (a throttle on each CPU the group ran
+on adds its own time, so ``D`` bounds each thread's share, not their sum). The throttled part of a wait
 is taken from its start: the thread left the CPU when throttled (or was woken into a throttled group), and
 what is left after ``D`` is time it waited for a CPU once let run again (``cpu.runqueue``). The process's
-cgroup is the one last recorded for it by the window's end; a process never recorded in the cgroup, a cgroup
+cgroup is the one last recorded for it when the wait began; a process never recorded in the cgroup, a cgroup
 whose files could not be read, or a window without a sample before it, leave the waits run-queue waits.
 """
 
@@ -92,29 +93,26 @@ class Throttles:
 
     def _assign(self, w: Window, members: dict[int, list[tuple[int, str]]], threads: dict[int, list[int]],
                 spans_by_tid: dict[int, dict[int, Throttled]]) -> None:
-        """Share the window's throttled time among the longest runnable wait of each thread of the group."""
+        """Give the longest runnable wait of each thread of the group up to the window's throttled time."""
         lo, hi = w.start_ns - w.throttled_ns, w.end_ns
         best: list[tuple[int, int, OffCpu]] = []
-        inside = [tid for pid, rows in members.items() if _inside(cgroup_at(rows, w.end_ns), w.path)
-                  for tid in threads.get(pid, ())]
-        for tid in inside:
-            index = self.cap.offcpu.get(tid)
-            waits = [(o.end_ns - wait_start(o), tid, o) for o in (index.overlapping(lo, hi) if index else ())
-                     if runnable_wait(o) and o.end_ns > w.start_ns]
-            if waits:
-                best.append(max(waits, key=lambda x: x[0]))
-        left = w.throttled_ns
-        for length, tid, o in sorted(best, key=lambda x: (-x[0], x[1])):
-            if left <= 0:
-                break
+        for pid, rows in members.items():
+            for tid in threads.get(pid, ()):
+                index = self.cap.offcpu.get(tid)
+                # in the group when it began waiting (an exiting process leaves its group while it waits to be
+                # reaped, after the throttle that held it)
+                waits = [(o.end_ns - wait_start(o), tid, o) for o in (index.overlapping(lo, hi) if index else ())
+                         if runnable_wait(o) and o.end_ns > w.start_ns
+                         and _inside(cgroup_at(rows, wait_start(o)), w.path)]
+                if waits:
+                    best.append(max(waits, key=lambda x: x[0]))
+        for length, tid, o in best:
             spans = spans_by_tid.setdefault(tid, {})
             start = wait_start(o)
             t = spans.get(start)
-            ns = min(length - (t.ns if t else 0), left)
-            if ns <= 0:
-                continue
-            left -= ns
-            spans[start] = Throttled(start, o.end_ns, (t.ns if t else 0) + ns, w)
+            ns = min(length - (t.ns if t else 0), w.throttled_ns)
+            if ns > 0:
+                spans[start] = Throttled(start, o.end_ns, (t.ns if t else 0) + ns, w)
 
     def split(self, tid: int, waits: list[Wait]) -> Split:
         """How much of the waits [(o, a, b)] of ``tid`` for a CPU was its cgroup's throttle."""

@@ -201,8 +201,11 @@ def _dirty_writes(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
 
 
 def _cpu_throttled(_w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
-    # a worker allowed 20 ms of CPU per 100 ms spends 30 ms of CPU on each batch: it is throttled in every batch
-    group = st.enter_context(fixtures.cpu_cgroup(20_000, 100_000))
+    # a worker allowed 20 ms of CPU per 100 ms spends 30 ms of CPU on each batch: it is throttled in every batch.
+    # The group competes with the tasks beside it as one entity of its weight, whatever its members' nice: the
+    # weight of nice -10 (the workloads' own) keeps other load on a shared machine from turning the
+    # constructed throttling into run-queue waits
+    group = st.enter_context(fixtures.cpu_cgroup(20_000, 100_000, shares=9548))
     return {"workers": 1, "steps": 8, "work_ms": 30, "cpu_cgroup": str(group)}
 
 

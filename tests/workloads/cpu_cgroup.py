@@ -30,8 +30,9 @@ while throttled() < first + n:
 
 
 @contextlib.contextmanager
-def cpu_cgroup(quota_us: int, period_us: int) -> Iterator[Path]:
-    """A v1 cpu group allowed ``quota_us`` of CPU per ``period_us``; the v1 cpu controller is mounted at
+def cpu_cgroup(quota_us: int, period_us: int, shares: int = 0) -> Iterator[Path]:
+    """A v1 cpu group allowed ``quota_us`` of CPU per ``period_us`` (and ``shares``, its weight against the
+    tasks beside it, where given); the v1 cpu controller is mounted at
     /sys/fs/cgroup/cpu first where it is not (and unmounted after). The group is removed after its last
     member has gone."""
     mounted = False
@@ -46,6 +47,8 @@ def cpu_cgroup(quota_us: int, period_us: int) -> Iterator[Path]:
         g.mkdir()
         (g / "cpu.cfs_period_us").write_text(f"{period_us}\n")
         (g / "cpu.cfs_quota_us").write_text(f"{quota_us}\n")
+        if shares:
+            (g / "cpu.shares").write_text(f"{shares}\n")
         yield g
     finally:
         _remove(g)
