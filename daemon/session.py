@@ -96,6 +96,7 @@ class _Session:
         self.offers_failed = 0  # armed children the session could not be offered to
         self.ebpf: Any = None
         self.sampler: Any = None
+        self.cgroups: Any = None  # the cpu cgroup sampler: CPU quota throttling of the traced processes
         self.agents: Any = None
         self.sock_dir: Path | None = None
         self.statuses: list[SourceStatus] = []
@@ -204,6 +205,7 @@ class _Session:
             self._attach(pid)
         self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
         self._start_sampler()
+        self._start_cgroups()
         if not self.opts.command:
             self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids,
                                                   owner_uid=self.opts.owner_uid))
@@ -218,6 +220,14 @@ class _Session:
         self._try_start(sampler)
         if sampler is not None and sampler in self.sources:
             self.sampler = sampler
+
+    def _start_cgroups(self) -> None:
+        """The traced processes' cpu cgroups and their throttling counters; children forked later come through
+        _on_proc."""
+        cgroups = self._optional_source("gputrace.probes.cgroups", "CgroupSampler", sorted(self.ebpf.live_targets()))
+        self._try_start(cgroups)
+        if cgroups is not None and cgroups in self.sources:
+            self.cgroups = cgroups
 
     def _optional_source(self, module: str, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -257,6 +267,8 @@ class _Session:
             return
         if self.sampler is not None:
             self.sampler.add_target(record.child_pid)
+        if self.cgroups is not None:
+            self.cgroups.add_target(record.child_pid)
         if not self.opts.command and is_armed(record.child_pid):
             self._offer(record.child_pid)
 

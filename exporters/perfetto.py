@@ -36,6 +36,8 @@ from gputrace.records import (
     AgentInfo,
     BlockIO,
     Collective,
+    CpuCgroup,
+    CpuThrottle,
     CudaApi,
     DirtyPause,
     Drops,
@@ -138,7 +140,8 @@ class _Run(Canvas):
             GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
-            SourceStatus: self.source_status, Drops: self.drops,
+            SourceStatus: self.source_status, Drops: self.drops, CpuThrottle: self.cpu_throttle,
+            CpuCgroup: self.cpu_cgroup,
             StackSample: self.samples.sample, StackFrames: self.samples.frames,
         }
 
@@ -394,6 +397,20 @@ class _Run(Canvas):
 
     def source_status(self, r: SourceStatus) -> None:
         self.instant(self.meta_track(), r.ts, f"{r.source}: {r.status}", _CAT["process"], {"detail": r.detail})
+
+    def cpu_throttle(self, r: CpuThrottle) -> None:
+        """A cpu cgroup's throttled time so far (ms), one counter per cgroup: its steps are the throttles that
+        ended, the cpu.throttled stalls' evidence."""
+        if r.error:
+            self.instant(self.meta_track(), r.ts, f"cpu cgroup {r.path}: unreadable", _CAT["sched"], {"error": r.error})
+            return
+        name = f"cpu cgroup {r.path} throttled"
+        uuid = self.tracks.counter(("cpu_throttled", r.path), name, self.meta_track(), "ms")
+        self.put(pp.counter_event(r.ts, uuid, r.throttled_ns / 1e6))
+
+    def cpu_cgroup(self, r: CpuCgroup) -> None:
+        what = f"cpu cgroup {r.path or '(none)'}" + (f" (v{r.version})" if r.version else "")
+        self.instant(self.meta_track(), r.ts, f"pid {r.pid} in {what}", _CAT["sched"], {"error": r.error})
 
     def drops(self, r: Drops) -> None:
         uuid = self.tracks.counter(("drops", r.source, r.what), f"drops {r.source}.{r.what}", self.meta_track(), "")

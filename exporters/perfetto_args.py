@@ -44,6 +44,10 @@ def stall_args(st: dict[str, Any], dur: int) -> dict[str, Any]:
         v = culprit.get(k)
         if v not in (None, "", 0):
             args[name] = v if isinstance(v, int | str | float) else str(v)
+    for k in ("quota_us", "period_us", "cgroup_version", "throttled_ns", "cgroup_periods", "cgroup_throttled_periods",
+              "cgroup_throttled_ns"):  # a cpu.throttled culprit's cgroup quota and what was measured
+        if isinstance(culprit.get(k), int):
+            args[k] = culprit[k]
     if isinstance(culprit.get("cpu_held_by"), list) and culprit["cpu_held_by"]:
         args["cpu_held_by"] = holders_text(culprit["cpu_held_by"])
     via = st.get("via") or []

@@ -491,3 +491,44 @@ class TracingCost(NamedTuple):
 
 
 RECORD_TYPES[TracingCost.__name__] = TracingCost
+
+
+# ------------------------------------------------------------------------------------- cpu cgroups ----
+
+
+class CpuCgroup(NamedTuple):
+    """The cpu cgroup traced process ``pid`` was seen in at ``ts`` (from /proc/PID/cgroup, its main thread's):
+    recorded when the process is first seen and whenever it moves. ``path`` is the cgroup's path under the cpu
+    controller's hierarchy as the host names it ("/kubepods/pod1/c2"); ``version`` 1 (the v1 cpu controller)
+    or 2 (the unified hierarchy), 0 when no cpu cgroup was found. ``error``: why it could not be read ("": it
+    was)."""
+
+    ts: int
+    pid: int
+    path: str
+    version: int
+    error: str
+
+
+class CpuThrottle(NamedTuple):
+    """A sample of the CFS bandwidth of cpu cgroup ``path`` (version 1 or 2): its quota and period, and its
+    cpu.stat counters as of ``ts``, recorded when first read and whenever they changed since the sample at
+    ``prev_ts``, which still read as the record before this one did (so a change happened in (prev_ts, ts]).
+    ``quota_us`` -1: no limit. ``nr_throttled`` counts periods in which the group was throttled and
+    ``throttled_ns`` its time throttled (v1 throttled_time; v2 throttled_usec * 1000), added to when the
+    group is let run again. ``error``: why a file of it could not be read ("": read; the counters are then 0).
+    """
+
+    ts: int
+    prev_ts: int
+    path: str
+    version: int
+    quota_us: int
+    period_us: int
+    nr_periods: int
+    nr_throttled: int
+    throttled_ns: int
+    error: str
+
+
+RECORD_TYPES.update({cls.__name__: cls for cls in (CpuCgroup, CpuThrottle)})

@@ -21,7 +21,10 @@ body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 th{background:#f3f3f3}.num{text-align:right}.alert{color:#b00;font-weight:bold}.note{color:#960;font-weight:bold}
 .bar{display:inline-block;height:10px;background:#c55}
+.bar.throttled{background:#e08a00}.throttled{color:#a55f00;font-weight:bold}
 """
+# Causes shown in a colour of their own: a CPU limit (a container's quota) is a setting to change, not load
+CAUSE_CLASS = {"cpu.throttled": "throttled"}
 
 
 def e(x: Any) -> str:
@@ -59,7 +62,8 @@ def page(report: dict[str, Any], title: str) -> str:
     parts.append("<h2>Stall budget by cause</h2>" + table(
         ["cause", "time", "share", ""],
         [[e(c), e(ms(ns)), e(pct(ns, summ["stall_ns"])),
-          f"<span class=bar style='width:{int(300 * ns / max(summ['stall_ns'], 1))}px'></span>"]
+          f"<span class='bar {CAUSE_CLASS.get(c, '')}' style='width:{int(300 * ns / max(summ['stall_ns'], 1))}px'>"
+          "</span>"]
          for c, ns in summ["by_cause"].items()]))
     parts.append("<h2>Top culprits</h2>" + table(
         ["kind", "culprit", "stall time", "share"],
@@ -74,10 +78,15 @@ def page(report: dict[str, Any], title: str) -> str:
     t0 = cap["start_ns"]
     parts.append("<h2>Stalls</h2>" + table(
         ["at (s)", "device", "duration", "cause", "via", "what it waited on", "lost data?"],
-        [[f"{(s['start_ns'] - t0) / 1e9:.3f}", s["device"], e(ms(s["duration_ns"])), e(s["cause"]),
+        [[f"{(s['start_ns'] - t0) / 1e9:.3f}", s["device"], e(ms(s["duration_ns"])), cause_cell(s["cause"]),
           e(" → ".join(s["via"])), e(describe(s)), "yes" if s.get("overlaps_drops") else ""]
          for s in report["stalls"]]))
     return _wrap(title, parts)
+
+
+def cause_cell(cause: Any) -> str:
+    cls = CAUSE_CLASS.get(str(cause))
+    return f"<span class={cls}>{e(cause)}</span>" if cls else e(cause)
 
 
 def notes(cap: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.analysis.report import causes_text, culprit_label, holders_text, pid_text
+from gputrace.analysis.throttle import quota_text
 from gputrace.analysis.timefmt import size_text
 
 TOP_STALLS = 10
@@ -196,9 +197,26 @@ def describe(s: dict[str, Any]) -> str:
         text += f" [{c['filesystem']}]"
     if c.get("cpu_held_by"):
         text += "; the CPU was held by " + holders_text(c["cpu_held_by"])
+    if s["cause"] == "cpu.throttled":
+        text += throttled_text(c)
     if s.get("late_rank_cause"):
         late = s["late_rank_cause"]
         text += f"; late rank was in {late['cause']} {late['culprit'].get('object', '')}".rstrip()
+    return text
+
+
+def throttled_text(c: dict[str, Any]) -> str:
+    """', quota 20 ms per 100 ms (cgroup v1): 80.0 ms throttled; the cgroup 2 of 2 periods, 160.0 ms': a
+    throttled culprit's quota and what was measured (its own waits, then the cgroup's counters)."""
+    quota, period = c.get("quota_us"), c.get("period_us")
+    if not isinstance(quota, int) or not isinstance(period, int):
+        return ""
+    text = f", quota {quota_text(quota, period)} (cgroup v{c.get('cgroup_version', '?')})"
+    if isinstance(c.get("throttled_ns"), int):
+        text += f": {ms(c['throttled_ns'])} throttled"
+    if isinstance(c.get("cgroup_throttled_periods"), int):
+        text += f"; the cgroup {c['cgroup_throttled_periods']} of {c.get('cgroup_periods', '?')} periods, " \
+                f"{ms(int(c.get('cgroup_throttled_ns', 0)))}"
     return text
 
 

@@ -58,7 +58,11 @@ class Attributor:
             culprit = self.explainer.culprit(api.tid, api.name, getattr(op, "name", ""), 0, api.end_ns - api.start_ns)
             return _verdict("launch", culprit, [], ev, why="the op started long after its launch")
         parts = self.explainer.explain(api.tid, st.start_ns, launched)
-        return _from_parts(parts, ev)
+        out = _from_parts(parts, ev)
+        if out["cause"] == "cpu.throttled":  # what the cgroup's counters say of the stall's window
+            path = out["culprit"].get("object", "")
+            out["culprit"] = {**out["culprit"], **self.explainer.throttles.counters(path, st.start_ns, launched)}
+        return out
 
     def _collective(self, st: Stall, w: CollectiveWait) -> dict[str, Any]:
         own = self.launch_of(w.op)
@@ -122,6 +126,13 @@ def _cpu_held_by(parts: list[Part], best: Part) -> dict[str, Any]:
     return {"cpu_held_by": top} if top else {}
 
 
+def _same_thread_ns(parts: list[Part], best: Part) -> int:
+    """The time of the parts with ``best``'s cause, culprit and thread: a throttled thread's time throttled in
+    the stall, over all its waits."""
+    tid = best.culprit.get("tid")
+    return sum(p.ns for p in parts if p.key() == best.key() and p.culprit.get("tid") == tid)
+
+
 def _dirty_pauses(parts: list[Part], best: Part) -> dict[str, Any]:
     """The pauses for dirty pages in every call of ``best``'s thread on ``best``'s object in this stall (a save
     is many write()s, paused in turn): how many, their time, and in how many calls; the device and its dirty
@@ -169,6 +180,8 @@ def _from_parts(parts: list[Part], gpu_ev: list[dict[str, Any]]) -> dict[str, An
         culprit = {**culprit, **_cpu_held_by(parts, best)}
     elif best.cause == "storage":
         culprit = {**culprit, **_dirty_pauses(parts, best)}
+    elif best.cause == "cpu.throttled":
+        culprit = {**culprit, "throttled_ns": _same_thread_ns(parts, best)}
     out = _verdict(best.cause, culprit, best.via, (best.evidence + gpu_ev)[:24])
     out["breakdown"] = _breakdown(parts)
     out.update({k: v for k, v in best.extra.items() if k not in out})

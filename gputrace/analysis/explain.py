@@ -17,6 +17,7 @@ from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import DIRTY_OP, FAULT_OP, Capture
 from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
+from gputrace.analysis.throttle import Throttles
 from gputrace.analysis.timefmt import size_text
 from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
@@ -165,6 +166,7 @@ class Explainer:
         self.cap = cap
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
         self.ties = BlockTies(cap, self.mounts)
+        self.throttles = Throttles(cap)
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
         self._threads: dict[int, list[int]] | None = None
         # (pid, futex word) -> the threads that waited on it, and those of them that timed out there
@@ -373,12 +375,27 @@ class Explainer:
                 continue
             total += ns
             if o.state == "R":
-                parts.append(Part("cpu.runqueue", ns, self.culprit(tid, "preempted"), evidence=[evidence_offcpu(o)],
-                                  held=_cpu_holders([(o, x, y)])))
+                parts += self._runqueue(tid, "preempted", [(o, x, y)], ns)
             else:  # blocked outside any recorded syscall (a page fault, a short call under the threshold)
                 parts.append(self._dirty_sleep(o, ns) or Part("unknown", ns, empty_culprit(),
                                                                evidence=[evidence_offcpu(o)]))
         return total
+
+    def _runqueue(self, tid: int, what: str, waits: list[tuple[OffCpu, int, int]], ns: int) -> list[Part]:
+        """``ns`` of ``tid``'s waits for a CPU [(off-CPU span, a, b)]: what its cpu cgroup's quota held it off
+        (``cpu.throttled``, analysis/throttle.py), and the rest ``cpu.runqueue``, with who had the CPU."""
+        cut = self.throttles.split(tid, waits)
+        throttled = min(cut.ns, ns)
+        parts = []
+        if throttled > 0:
+            culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields}
+            culprit["throttled_ns"] = throttled
+            parts.append(Part("cpu.throttled", throttled, culprit, evidence=cut.evidence[:MAX_EVIDENCE]))
+        if ns > throttled:
+            parts.append(Part("cpu.runqueue", ns - throttled, self.culprit(tid, what),
+                              evidence=[evidence_offcpu(o) for o, _, _ in waits[:MAX_EVIDENCE]],
+                              held=_cpu_holders(cut.rest)))
+        return parts
 
     def _dirty_sleep(self, o: OffCpu, ns: int) -> Part | None:
         """A sleep outside any recorded call that a pause for dirty pages began (a store to a shared file
@@ -401,9 +418,7 @@ class Explainer:
         offs = list(self.cap.offcpu[sc.tid].overlapping(x, y)) if sc.tid in self.cap.offcpu else []
         preempted = [o for o in offs if o.state == "R"]
         runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
-        parts = [Part("cpu.runqueue", runq, self.culprit(sc.tid, "preempted"),
-                      evidence=[evidence_offcpu(o) for o in preempted[:MAX_EVIDENCE]],
-                      held=_cpu_holders([(o, x, y) for o in preempted]))] if runq > 0 else []
+        parts = self._runqueue(sc.tid, "preempted", [(o, x, y) for o in preempted], runq) if runq > 0 else []
         blocked = [o for o in offs if o.state != "R"]
         ns = (y - x) - runq
         if kind == "wait":
@@ -416,9 +431,7 @@ class Explainer:
         late = [(o, max(o.wake_ns, x), min(o.end_ns, y)) for o in blocked if o.wake_ns]
         woken = sum(max(b - a, 0) for _, a, b in late)
         if woken > 0:
-            parts.append(Part("cpu.runqueue", woken, self.culprit(sc.tid, "woken, waiting for a CPU"),
-                              evidence=[evidence_offcpu(o) for o, a, b in late if b > a][:MAX_EVIDENCE],
-                              held=_cpu_holders(late)))
+            parts += self._runqueue(sc.tid, "woken, waiting for a CPU", [w for w in late if w[2] > w[1]], woken)
         if requests:
             return parts + [self._request(kind, sc, requests, ns - woken, blocked)]
         return parts + [self._direct(kind, sc, ns - woken, blocked)]
@@ -569,8 +582,7 @@ class Explainer:
             elif wait_ns > 0:
                 parts.extend(self._follow(sc, o, ox, woke, depth))
             if oy > woke:  # woken but not yet running
-                parts.append(Part("cpu.runqueue", oy - woke, self.culprit(sc.tid, "woken, waiting for a CPU"),
-                                  evidence=[evidence_offcpu(o)], held=_cpu_holders([(o, woke, oy)])))
+                parts += self._runqueue(sc.tid, "woken, waiting for a CPU", [(o, woke, oy)], oy - woke)
             used += oy - ox
         rest = ns - used
         if rest > 0:

@@ -20,6 +20,8 @@ from gputrace.records import (
     AgentThread,
     BlockIO,
     Collective,
+    CpuCgroup,
+    CpuThrottle,
     CudaApi,
     DirtyPause,
     Drops,
@@ -106,6 +108,8 @@ class Capture:
     dirty: dict[int, Intervals] = field(default_factory=dict)  # pauses for dirty pages by tid, by start (ts)
     uring: dict[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
     in_progress: list[InProgress] = field(default_factory=list)  # threads caught waiting at stop
+    cpu_cgroups: list[CpuCgroup] = field(default_factory=list)  # where each process was seen (analysis/throttle.py)
+    cpu_throttles: list[CpuThrottle] = field(default_factory=list)  # the cgroups' quota and throttling counters
     samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
     stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (pid, stack id) -> frames, leaf first
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
@@ -383,6 +387,8 @@ _HANDLERS: dict[str, Any] = {
     "NvmlSample": _nvml,
     "Drops": lambda ld, r: ld.cap.drops.append(r),
     "InProgress": lambda ld, r: ld.cap.in_progress.append(r),
+    "CpuCgroup": lambda ld, r: ld.cap.cpu_cgroups.append(r),
+    "CpuThrottle": lambda ld, r: ld.cap.cpu_throttles.append(r),
     "SyscallAgg": lambda ld, r: ld.cap.kernel_pids.add(r.pid),
     "StackSample": _sample,
     "StackFrames": _frames,
@@ -417,6 +423,9 @@ _SHAPES = {
     "GpuDevice": _shape(GpuDevice, "id pid", "name"),
     "NvmlSample": _shape(NvmlSample, "device", "metric"),
     "InProgress": _shape(InProgress, "pid tid start_ns at_ns", "name state obj"),
+    "CpuCgroup": _shape(CpuCgroup, "ts pid version", "path error"),
+    "CpuThrottle": _shape(CpuThrottle, "ts prev_ts version quota_us period_us nr_periods nr_throttled throttled_ns",
+                          "path error"),
     "StackSample": _shape(StackSample, "ts pid tid stack"),
     "StackFrames": _shape(StackFrames, "pid stack"),
 }

@@ -69,11 +69,24 @@ def left_out_note(cap: dict[str, Any]) -> str:
             "(setuid/setgid/setcap), as the kernel would refuse that user ptrace on them") if n else ""
 
 
+def cgroup_errors_note(cap: dict[str, Any]) -> str:
+    """cpu cgroup files the capture could not read: the waits for a CPU of the processes in those cgroups were
+    not checked for CPU quota throttling, so they stay ``cpu.runqueue``."""
+    rows = [r for r in cap.get("cpu_cgroup_errors") or [] if isinstance(r, dict)]
+    if not rows:
+        return ""
+    listed = "; ".join(f"{r.get('path', '')}: {r.get('error', '')}" for r in rows[:3])
+    more = f" (+{len(rows) - 3} more)" if len(rows) > 3 else ""
+    return (f"note: cpu cgroup files could not be read ({listed}{more}): waits for a CPU of the processes in "
+            "them stay cpu.runqueue, not checked for CPU quota throttling")
+
+
 def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
     """(severity, text) of each caveat the capture has, in summary_lines' order: "warn" (no host side at all),
     "note", or "alert" (records skipped). The threads still waiting are apart: waiting_lines."""
     notes = [("warn", no_ebpf_note(cap)), ("note", left_out_note(cap)), ("note", skipped_probes_note(cap)),
-             ("note", unknown_kinds_note(cap)), ("alert", malformed_note(cap))]  # fmt: skip
+             ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
+             ("alert", malformed_note(cap))]  # fmt: skip
     return [(severity, text) for severity, text in notes if text]
 
 

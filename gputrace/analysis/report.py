@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from gputrace.analysis import uring
+from gputrace.analysis import throttle, uring
 from gputrace.analysis.attribute import Attributor
 from gputrace.analysis.load import DIRTY_OP, Capture
 from gputrace.analysis.overhead import read_overhead
 from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
 
 SCHEMA = "gputrace.report/1"
-CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "sync", "sleep", "device", "launch", "tracing",
-          "unknown")
+CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "cpu.throttled", "sync", "sleep", "device",
+          "launch", "tracing", "unknown")
 # TensorFlow profiler's input-pipeline analysis calls a step input-bound at these shares of waiting on input
 INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH = 5.0, 20.0
 
@@ -105,6 +105,11 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
     if cap.in_progress:
         out["in_progress"] = in_progress(cap)
         out["in_progress_threads"] = len(cap.in_progress)
+    if cap.cpu_throttles or cap.cpu_cgroups:  # CPU quotas (container limits) and cgroup files unreadable
+        out["cpu_cgroups"] = throttle.limited(cap)
+        unreadable = throttle.errors(cap)
+        if unreadable:
+            out["cpu_cgroup_errors"] = unreadable
     if cap.counts.get("ProcLeftOut"):  # a service capture for a user: processes that gained privileges
         out["left_out"] = cap.counts["ProcLeftOut"]
     overhead = read_overhead(cap.trailer.get("overhead"))

@@ -14,6 +14,8 @@ from gputrace.probes.uring import OPS as URING_OPS
 from gputrace.records import (
     BlockIO,
     Collective,
+    CpuCgroup,
+    CpuThrottle,
     CudaApi,
     DirtyPause,
     Drops,
@@ -156,6 +158,17 @@ class Builder:
         self.records.append(DirtyPause(pid, tid, ns(at_ms), round(pause_ms * 1_000_000), dev, dirty, setpoint, dirty,
                                        1 << 30, 0))
         return self.offcpu(pid, tid, at_ms + 0.005, at_ms + pause_ms, "D", waker=(0, 0, "[timer]"))
+
+    def cpu_cgroup(self, pid: int, at_ms: float, path: str, version: int = 2, error: str = "") -> Builder:
+        self.records.append(CpuCgroup(ns(at_ms), pid, path, version, error))
+        return self
+
+    def throttle(self, path: str, at_ms: float, prev_ms: float, throttled_ms: float, nr_throttled: int,
+                 quota_us: int = 20_000, period_us: int = 100_000, version: int = 2, error: str = "") -> Builder:
+        """A sample of ``path``'s counters at ``at_ms``; the previous sample (``prev_ms``) read as the record before."""
+        self.records.append(CpuThrottle(ns(at_ms), ns(prev_ms), path, version, quota_us, period_us, nr_throttled + 1,
+                                        nr_throttled, ns(throttled_ms), error))
+        return self
 
     def offcpu(self, pid: int, tid: int, start_ms: float, end_ms: float, state: str = "S",
                wake_ms: float | None = None, waker: tuple[int, int, str] = (0, 0, ""),

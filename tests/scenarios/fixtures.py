@@ -16,6 +16,7 @@ if str(HERE.parent) not in sys.path:  # tests/, where the shared `workloads` hel
     sys.path.insert(0, str(HERE.parent))
 
 from workloads import loopdev, uring_reader  # noqa: E402
+from workloads.cpu_cgroup import cpu_cgroup  # noqa: E402, F401  (the cpu_throttled scenario's)
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 

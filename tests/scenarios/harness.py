@@ -200,6 +200,15 @@ def _dirty_writes(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 8, "dir": str(mnt), "save_bytes": 2048 * KIB}
 
 
+def _cpu_throttled(_w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # a worker allowed 20 ms of CPU per 100 ms spends 30 ms of CPU on each batch: it is throttled in every batch.
+    # The group competes with the tasks beside it as one entity of its weight, whatever its members' nice: the
+    # weight of nice -10 (the workloads' own) keeps other load on a shared machine from turning the
+    # constructed throttling into run-queue waits
+    group = st.enter_context(fixtures.cpu_cgroup(20_000, 100_000, shares=9548))
+    return {"workers": 1, "steps": 8, "work_ms": 30, "cpu_cgroup": str(group)}
+
+
 SCENARIOS: dict[str, Setup] = {
     "storage": _storage,
     "fuse": _fuse,
@@ -222,6 +231,7 @@ SCENARIOS: dict[str, Setup] = {
     "torch_straggler_pinned": lambda w, st: {**_torch_straggler(w, st), "pin_memory": True},
     "checkpoint": _checkpoint,
     "dirty_writes": _dirty_writes,
+    "cpu_throttled": _cpu_throttled,
 }
 
 

@@ -121,6 +121,13 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             assert c["dirty_pauses"] >= 1 and c["dirty_device"].startswith("loop"), c
             assert c["dirty_paused_ns"] >= 0.8 * s["duration_ns"], (c, s["duration_ns"])
             assert any(e["kind"] == "dirty" for e in s["evidence"]), s["evidence"]
+    elif name == "cpu_throttled":
+        # the worker's cgroup (v1, 20 ms per 100 ms) named with its quota and what its counters measured
+        for s in (s for s in stalls if s["cause"] == "cpu.throttled"):
+            c = s["culprit"]
+            assert c["object"].startswith("/gputrace-test-") and c["cgroup_version"] == 1, c
+            assert (c["quota_us"], c["period_us"]) == (20_000, 100_000), c
+            assert 0 < c["throttled_ns"] <= s["duration_ns"] and c["cgroup_throttled_periods"] >= 1, c
     elif name == "asyncio_fetch":  # the event loop's epoll_wait names the peer's socket it found ready
         assert all(s["culprit"]["op"].startswith("epoll") for s in stalls), [s["culprit"] for s in stalls]
 

@@ -199,6 +199,41 @@ def cpu_worker(cfg: dict[str, Any]) -> None:
     with_workers(cfg, cpu_body(cfg))
 
 
+def spin_cpu(ms: float) -> None:
+    """Use ``ms`` of this thread's CPU time: time spent throttled (off CPU) does not count, as it would not for
+    real work."""
+    end = time.thread_time_ns() + int(ms * 1e6)
+    while time.thread_time_ns() < end:
+        pass
+
+
+def throttled_periods(cgroup: str) -> int:
+    with open(os.path.join(cgroup, "cpu.stat")) as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("nr_throttled "))
+
+
+def throttled_body(cfg: dict[str, Any]) -> Callable[[int, int, int], None]:
+    """A worker in a cpu cgroup with a small quota: each batch needs more CPU than one period's quota, so the
+    batch waits for the next period with the worker runnable and off CPU (throttled)."""
+
+    def body(_i: int, w: int, _req: int) -> None:
+        join_cgroup(cfg["cpu_cgroup"])
+        # Throttled once before any step: the capture has seen this process in the cgroup and sampled the
+        # cgroup's counters by then (every 20 ms; a throttle lasts most of a 100 ms period)
+        first = throttled_periods(cfg["cpu_cgroup"])
+        while throttled_periods(cfg["cpu_cgroup"]) == first:
+            spin_cpu(1)
+        send(w, "ready")
+        for _ in range(cfg["steps"]):
+            spin_cpu(cfg["work_ms"])
+            send(w, "cpu.throttled")
+    return body
+
+
+def cpu_throttled(cfg: dict[str, Any]) -> None:
+    with_workers(cfg, throttled_body(cfg))
+
+
 def fuse(cfg: dict[str, Any]) -> None:
     def wait(k: int) -> tuple[str, str, int]:
         path = cfg["files"][k % len(cfg["files"])]
@@ -637,7 +672,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
     "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
     "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader, "checkpoint": checkpoint,
-    "dirty_writes": dirty_writes,
+    "dirty_writes": dirty_writes, "cpu_throttled": cpu_throttled,
 }  # fmt: skip
 
 if __name__ == "__main__":
