@@ -59,6 +59,7 @@ class CaptureOptions:
     # The service's caller when not root: a descendant that gains privileges it lacks (a setuid or setcap
     # program) is dropped from the trace, as the kernel would refuse this user ptrace or perf on it.
     owner_uid: int | None = None
+    off: frozenset[str] = frozenset()  # source families turned off (gputrace.families)
 
 
 @dataclass
@@ -121,7 +122,8 @@ class _Session:
 
     def _start(self) -> None:
         if self.opts.command:  # the agent server first, so that the child's environment can name it
-            self.child = HeldChild(self.opts.command, {**os.environ, **self._new_agents().child_env()})
+            agent_env = self._new_agents().child_env() if "agent" not in self.opts.off else {}
+            self.child = HeldChild(self.opts.command, {**os.environ, **agent_env})
             self.comms = {self.child.pid: Path(self.opts.command[0]).name[:15]}
         pids = list(self.comms)
         out = self.opts.output or default_output(self.comms[pids[0]], pids[0])
@@ -138,6 +140,7 @@ class _Session:
             "targets": pids,
             "command": self.opts.command or [],
             "threshold_ns": int(self.opts.threshold_us * 1000),
+            "off": sorted(self.opts.off),
         }
         self.writer = CaptureWriter(self.output, header, force=self.opts.force)
         self.sink = QueueSink(self.writer)
@@ -184,8 +187,12 @@ class _Session:
         from gputrace.probes.ebpf import EbpfSource
 
         assert self.sink is not None
+        off = self.opts.off
+        if off:
+            self.notes.append(f"gputrace: turned off: {', '.join(sorted(off))} (what each costs and what the "
+                              "analysis loses without it: gputrace capture --help)")
         self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc,
-                               owner_uid=self.opts.owner_uid)
+                               owner_uid=self.opts.owner_uid, off=off)
         try:
             self.ebpf.start(self.sink)
             self.sources.append(self.ebpf)
@@ -198,15 +205,19 @@ class _Session:
             self.notes.append(f"gputrace: eBPF unavailable: {e}; capturing GPU activity (agents, NVML) only: no "
                               "syscalls, block I/O, scheduling or CPU samples, so no stall gets a host-side cause")
         self.started_ns = clock.monotonic_ns()  # attached, the targets in its set: their events are recorded
-        if self.agents is None:  # attaching to running pids: no child environment needed it yet
-            self._new_agents()
-        self._try_start(self.agents)
-        for pid in pids if not self.opts.command else []:
-            self._attach(pid)
-        self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
-        self._start_sampler()
-        self._start_cgroups()
-        if not self.opts.command:
+        if "agent" not in off:
+            if self.agents is None:  # attaching to running pids: no child environment needed it yet
+                self._new_agents()
+            self._try_start(self.agents)
+            for pid in pids if not self.opts.command else []:
+                self._attach(pid)
+        if "nvml" not in off:
+            self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
+        if "sampler" not in off:
+            self._start_sampler()
+        if "cgroups" not in off:
+            self._start_cgroups()
+        if not self.opts.command and "uprobes" not in off:
             self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids,
                                                   owner_uid=self.opts.owner_uid))
 

@@ -360,7 +360,11 @@ class Explainer:
             parts.extend(self._syscall(sc, x, y, depth, b))
         outside = self._offcpu_outside_syscalls(tid, a, b, parts)
         on_cpu = (b - a) - in_syscalls - outside
-        if on_cpu > 0:
+        if on_cpu > 0 and "sched" in self.cap.off:  # no switches seen: running and waiting look alike
+            parts.append(Part("unknown", on_cpu, empty_culprit(),
+                              extra={"why": "the scheduler hooks were off (--off sched): time outside system calls "
+                                            "cannot be told running from waiting"}))  # fmt: skip
+        elif on_cpu > 0:
             parts.append(Part("cpu", on_cpu, self.cpu_culprit(tid, a, b)))
         return [p for p in parts if p.ns > 0]
 

@@ -121,6 +121,7 @@ class Capture:
     agent_threads: dict[int, str] = field(default_factory=dict)  # tid -> its role in an in-process agent
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
+    off: frozenset[str] = frozenset()  # source families the capture ran without (gputrace.families)
     nvml: dict[int, list[float]] = field(default_factory=dict)  # NVML index -> [sum, count] of gpu_util_pct
     drops: list[Drops] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
@@ -447,7 +448,16 @@ def load(reader: CaptureReader) -> Capture:
     cap.tracing_ns = _tracing_ns(cap.trailer, reader.meta.get("session"))
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest", "DirtyPause")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
+    cap.off = _families_off(reader.header)
     return cap
+
+
+def _families_off(header: Any) -> frozenset[str]:
+    """The families a capture ran without, as its header says (only names this version knows count)."""
+    from gputrace.families import FAMILIES
+
+    off = header.get("off") if isinstance(header, dict) else None
+    return frozenset(n for n in off if isinstance(n, str) and n in FAMILIES) if isinstance(off, list) else frozenset()
 
 
 def _tracing_ns(trailer: dict[str, Any], session: Any) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gputrace.cli import common
 from gputrace.errors import UserError
+from gputrace.families import FAMILIES, help_text, parse_off
 
 ORDER = 10
 HELP = "trace running processes or a command, write a capture and a Perfetto trace, print the stalls"
@@ -24,8 +25,9 @@ EXAMPLES = """\
 Ctrl-C ends the capture cleanly. Writes NAME.gputrace (the capture: re-analyse it any time) and
 NAME.pftrace (open it with `gputrace view`). Needs root (or CAP_BPF + CAP_PERFMON and a readable
 tracefs).
-OVERHEAD: a few hundred ns per traced syscall of the traced processes; see docs/probes.md.
-"""
+OVERHEAD: measured in every capture and printed at its end ("tracing cost: ... of host CPU"), with each
+kernel program's run time in the report; see docs/probes.md. Source families (--off FAMILY):
+""" + help_text() + "\n"
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-hz", type=int, default=499, metavar="HZ",
                    help="sample the traced processes' user stacks this many times a second on CPU, to name the "
                         "hottest frames of CPU stalls; 0 turns sampling off (default: 499)")
+    p.add_argument("--off", action="append", default=[], metavar="FAMILY[,FAMILY]",
+                   help="turn a source family off (repeatable): " + ", ".join(FAMILIES) + "; what each costs and "
+                        "what is lost without it is listed below")  # fmt: skip
     p.add_argument("--no-perfetto", action="store_true", help="do not write NAME.pftrace")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run and trace")
@@ -68,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         threshold_us=args.syscall_threshold_us,
         perfetto=not args.no_perfetto,
         sample_hz=args.sample_hz,
+        off=parse_off(args.off),
         on_tracing=lambda: tracing.append(time.time()),
     )
     if sys.stderr.isatty():  # compiling the probes is seconds of silence otherwise (the command is held meanwhile)
@@ -91,6 +97,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError("--syscall-threshold-us must be a number >= 0")
     if not 0 <= args.sample_hz <= 10_000:
         raise UserError("--sample-hz must be 0 (off) to 10000")
+    parse_off(args.off)
 
 
 def process_ids(ids: list[int]) -> list[int]:
