@@ -148,3 +148,29 @@ def test_an_agent_over_its_budget_is_dropped_counted_and_the_capture_incomplete(
     assert any(s.status == "degraded" and "over its budget" in s.detail
                for s in recs if type(s).__name__ == "SourceStatus")
     print(f"blast: sent {sent} records ({sent * 64 / 1024:.0f} MiB of names), kept {kept}, dropped {over}")
+
+
+def test_running_out_of_descriptors_sheds_connections_and_keeps_the_listener(tmp_path: Path) -> None:
+    import resource
+    import socket
+
+    h = Harness(tmp_path)
+    h.allowed.add(os.getpid())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    clients: list[socket.socket] = []
+    try:
+        # Clients opened first (they count against the same limit), then the limit lowered to what is open.
+        for _ in range(8):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(str(h.server.sock_path))
+            clients.append(c)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        wait_for(lambda: h.server.shed.get("connections_shed", 0) > 0, what="a connection shed for want of fds")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for c in clients:
+        c.close()
+    _listener_serves(h)  # the listener lived through it
+    assert h.server.sock_path.is_socket()
+    h.finish()
+    assert h.server.drops()["connections_shed"] > 0 and h.server.stats["accept_failed"] > 0
