@@ -7,11 +7,17 @@ stuck socket. Every peer is identified by SO_PEERCRED and must be a traced proce
 asked while a pidfd of the peer (SO_PEERPIDFD, where the kernel has it) shows it has not exited, so the
 answer is about the peer and not about a process that took its pid since. Everything it sends is checked
 (gputrace.agent.validate) and a peer that breaks the protocol is cut off with the reason logged and counted.
+
+What any traced process can cost the session is bounded (AgentLimits): connections per pid and in all, bytes
+of unfinished frames per connection and in all, items per decoded frame, and records and bytes per agent per
+second; beyond a budget its batches are dropped and counted (``pidN.over_budget``), which marks the capture
+incomplete. Running out of descriptors sheds the connection being accepted, counted, and keeps the listener.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import selectors
@@ -19,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +55,43 @@ STOP_TIMEOUT_S = 2.0
 RECV_BYTES = 256 << 10
 LOGGED_PER_KIND = 5
 _KINDS = {"refused": "refused", "ended_early": "ended without saying bye"}  # what each kind says of its peers
+# accept() failing for want of a descriptor or of kernel memory: the connection is shed, the listener kept
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """What traced processes may cost the session (docs/ops.md, security model). Worst case held at once:
+    ``pending_bytes`` of unfinished frames, one decoded frame of ``frame_items`` items, and the forwarder's
+    ``queue_bytes``, whatever the peers send."""
+
+    peers_per_pid: int = 4  # an agent needs one; a few more for a fork's or a restart's overlap
+    peers: int = 256  # connections at once, all pids (descriptors as much as memory)
+    hello_bytes: int = 64 << 10  # a peer's first frame, before it said who it is
+    pending_bytes: int = 32 << 20  # unfinished frames of all peers together (each up to wire.MAX_FRAME_BYTES)
+    frame_items: int = 1 << 18  # array and map items in one decoded frame (an agent's batch holds ~10k)
+    records_per_s: int = 200_000  # per agent, with a second's worth as a burst
+    bytes_per_s: int = 32 << 20  # per agent: batch frames' bytes, with a second's worth as a burst
+    queue_bytes: int = 128 << 20  # batches waiting for the capture's writer, by their frames' size
+
+
+class Budget:
+    """A token bucket: ``rate`` per second, up to a second's worth saved."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate, self.level, self.at = rate, float(rate), time.monotonic()
+
+    def take(self, n: int, other: Budget | None = None, m: int = 0) -> bool:
+        """Take ``n`` from this bucket and ``m`` from ``other`` if both have them, else neither."""
+        now = time.monotonic()
+        for b in (self, other) if other is not None else (self,):
+            b.level, b.at = min(float(b.rate), b.level + (now - b.at) * b.rate), now
+        if n > self.level or (other is not None and m > other.level):
+            return False
+        self.level -= n
+        if other is not None:
+            other.level -= m
+        return True
 
 
 class AgentServer:
@@ -58,13 +102,17 @@ class AgentServer:
     def __init__(self, sock_path: str | os.PathLike[str], *, authorize: Callable[[int], bool],
                  attach_dir: str | None = None, queue_records: int = QUEUE_MAX_RECORDS,
                  authorize_grace_s: float = AUTHORIZE_GRACE_S, stop_timeout_s: float = STOP_TIMEOUT_S,
-                 flush_ms: int = 100) -> None:
+                 flush_ms: int = 100, limits: AgentLimits | None = None) -> None:
         self.sock_path = Path(sock_path)
         self.authorize = authorize
         self.attach_dir = Path(attach_dir or arming.attach_dir())
         self.queue_records = queue_records
+        self.limits = limits or AgentLimits()
+        self._pending = 0  # bytes of unfinished frames held for all peers
+        self.shed: dict[str, int] = {}  # connections refused or cut off by a limit, by which (see drops())
+        self._reserve_fd: int | None = None  # given up to accept a connection when descriptors run out
         self.grace_s, self.stop_timeout_s, self.flush_ms = authorize_grace_s, stop_timeout_s, flush_ms
-        self.stats = {"accepted": 0, "refused": 0, "cut_off": 0, "ended_early": 0, "records": 0}
+        self.stats = {"accepted": 0, "refused": 0, "cut_off": 0, "ended_early": 0, "records": 0, "accept_failed": 0}
         self.rejections: list[str] = []  # "pid N: reason", for the log and the tests
         self.rejected_records = 0
         self._logged: dict[str, int] = {}  # lines for the user, by kind (see _log)
@@ -97,7 +145,8 @@ class AgentServer:
     def start(self, sink: Sink) -> None:
         self._sink = sink
         self._listener, self._listener_ino = listen_at(self.sock_path)
-        self._fwd = Forwarder(sink, self.queue_records)
+        self._fwd = Forwarder(sink, self.queue_records, self.limits.queue_bytes)
+        self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._serve, name="gputrace-agents", daemon=True)
@@ -226,11 +275,11 @@ class AgentServer:
         self._log_counts()
 
     def drops(self) -> dict[str, int]:
-        out = {"queue": self._fwd.dropped if self._fwd else 0, "rejected": self.rejected_records}
+        out = {"queue": self._fwd.dropped if self._fwd else 0, "rejected": self.rejected_records, **self.shed}
         with self._lock:
             peers = list(self._peers.values()) + self._gone
         for p in peers:
-            counts = dict(p.drops)
+            counts = {**p.drops, "over_budget": p.over_budget}
             if p.ids is not None:  # records whose thread was none of the peer's (see pidns.py)
                 counts["tid_unmapped"] = p.ids.unmapped
             for what, n in counts.items():
@@ -284,6 +333,9 @@ class AgentServer:
                 self._listener.close()
             self._wake_r.close()
             self._wake_w.close()
+            if self._reserve_fd is not None:
+                os.close(self._reserve_fd)
+                self._reserve_fd = None
 
     def _ready(self, key: selectors.SelectorKey) -> None:
         if key.data == "listen":
@@ -316,9 +368,26 @@ class AgentServer:
             conn, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        conn.setblocking(False)
-        pid, uid, _gid = peer_credentials(conn)
-        peer = Peer(conn, pid, uid)
+        except OSError as e:
+            self.stats["accept_failed"] += 1
+            if e.errno in _EXHAUSTED:
+                self._shed_one(listener, e)
+            return  # ECONNABORTED and the like: that connection is gone, the listener is not
+        try:
+            conn.setblocking(False)
+            pid, uid, _gid = peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        refused = self._over_limit(pid)
+        if refused:
+            self._count("connections_refused")
+            self.stats["refused"] += 1
+            self.rejections.append(f"pid {pid}: {refused}; refused")
+            self._log("refused", f"pid {pid}: {refused}; refused")
+            conn.close()
+            return
+        peer = Peer(conn, pid, uid, hello_bytes=self.limits.hello_bytes)
         try:
             peer.pidfd = peer_pidfd(conn)
         except ProcessLookupError:
@@ -328,6 +397,38 @@ class AgentServer:
         with self._lock:
             self._peers[conn] = peer
         self._authorize(peer)
+
+    def _over_limit(self, pid: int) -> str:
+        """Why a new connection from ``pid`` would be one too many ("" when it is not)."""
+        with self._lock:
+            total, same = len(self._peers), sum(p.pid == pid for p in self._peers.values())
+        if same >= self.limits.peers_per_pid:
+            return f"already {same} connections (the limit per process)"
+        if total >= self.limits.peers:
+            return f"already {total} agent connections in all (the session's limit)"
+        return ""
+
+    def _shed_one(self, listener: socket.socket, e: OSError) -> None:
+        """Out of descriptors: the waiting connection is accepted with the one held in reserve and closed at
+        once (its agent sees the session gone), so the listener is not left readable to spin on, and stays."""
+        self._count("connections_shed")
+        if self.shed["connections_shed"] == 1:
+            log.warning("gputrace: agent connections shed: %s (raise the open-file limit, ulimit -n)", e.strerror)
+        if self._reserve_fd is None:
+            return
+        os.close(self._reserve_fd)
+        self._reserve_fd = None
+        try:
+            conn, _ = listener.accept()
+            conn.close()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        self.shed[what] = self.shed.get(what, 0) + n
 
     def _authorize(self, peer: Peer) -> None:
         if peer.exited():
@@ -362,16 +463,29 @@ class AgentServer:
         if not data:
             self._drop(peer, peer.end or "connection closed", cut=False)
             return
+        before = peer.frames.pending
         try:
-            for body in peer.frames.feed(data):
-                self._message(peer, wire.decode_body(body))
+            bodies = peer.frames.feed(data)
+        except wire.FrameError as e:
+            self._pending += peer.frames.pending - before  # what it holds now, let go of by _drop
+            self._cut_off(peer, str(e))
+            return
+        self._pending += peer.frames.pending - before
+        if self._pending > self.limits.pending_bytes:  # this peer's read took it over: this peer goes
+            self._count("cut_off_unfinished")
+            self._cut_off(peer, f"unfinished frames of all agents over the session's limit of "
+                                f"{self.limits.pending_bytes >> 20} MiB")
+            return
+        try:
+            for body in bodies:
+                self._message(peer, wire.decode_body(body, self.limits.frame_items), len(body))
                 if peer.said_bye:
                     self._drop(peer, "bye", cut=False, quiet=True)
                     return
         except wire.FrameError as e:
             self._cut_off(peer, str(e))
 
-    def _message(self, peer: Peer, msg: dict[str, Any]) -> None:
+    def _message(self, peer: Peer, msg: dict[str, Any], nbytes: int = 0) -> None:
         kind = msg["type"]
         if peer.hello is None and kind != "hello":
             raise wire.FrameError(f"first message is {kind[:20]!r}, not hello")
@@ -380,8 +494,9 @@ class AgentServer:
                 raise wire.FrameError("second hello")
             peer.ids = PeerIds(peer.pid)
             self._hello(peer, validate.hello_fields(msg, peer.ids))
+            peer.records_budget, peer.bytes_budget = Budget(self.limits.records_per_s), Budget(self.limits.bytes_per_s)
         elif kind == "batch":
-            self._batch(peer, msg)
+            self._batch(peer, msg, nbytes)
         elif kind == "drops":
             peer.drops = validate.drop_counts(msg)
         elif kind == "cost":
@@ -404,7 +519,16 @@ class AgentServer:
         else:
             self._send(peer, {"type": "start", "flush_ms": self.flush_ms})
 
-    def _batch(self, peer: Peer, msg: dict[str, Any]) -> None:
+    def _batch(self, peer: Peer, msg: dict[str, Any], nbytes: int) -> None:
+        n = _countable(msg.get("records"))
+        assert peer.records_budget is not None and peer.bytes_budget is not None  # made at hello
+        if not peer.records_budget.take(n, peer.bytes_budget, nbytes):
+            # Dropped unchecked: checking costs what the budget is there to bound.
+            if not peer.over_budget:
+                self._status("degraded", f"pid {peer.pid}: over its budget of {self.limits.records_per_s:,} records "
+                             f"and {self.limits.bytes_per_s >> 20} MiB a second; batches beyond it dropped (counted)")
+            peer.over_budget += n
+            return
         try:
             assert peer.ids is not None  # set at hello, which came first
             records = validate.batch_records(msg, peer.ids)
@@ -417,11 +541,11 @@ class AgentServer:
         for r in records:
             if type(r) is AgentInfo and r.source not in peer.hello["backends"] and len(peer.hello["backends"]) < 16:
                 peer.hello["backends"].append(r.source)  # a backend that started after hello
-        self._forward(records)
+        self._forward(records, nbytes)
 
-    def _forward(self, records: Sequence[tuple[Any, ...]]) -> None:
+    def _forward(self, records: Sequence[tuple[Any, ...]], nbytes: int = 0) -> None:
         if records and self._fwd is not None:
-            self._fwd.put(records)
+            self._fwd.put(records, nbytes)
 
     def _send(self, peer: Peer, msg: dict[str, Any]) -> None:
         """A control message, never waited on. A peer that already hung up is left to the read side,
@@ -477,6 +601,8 @@ class AgentServer:
             if self._peers.pop(peer.sock, None) is None:
                 return
             self._gone.append(peer)
+        self._pending -= peer.frames.pending
+        peer.frames.release()
         peer.end = reason
         if peer.pidfd is not None:
             with contextlib.suppress(OSError):

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputrace.agent import wire
 from gputrace.agent.pidns import PeerIds
 
 from .service_caps import pidfd_exited
 
+if TYPE_CHECKING:
+    from .agents import Budget
+
 
 class Peer:
     """One connected agent: its socket, its identity and pidfd, and what it said and sent."""
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, uid: int, *, hello_bytes: int = wire.MAX_FRAME_BYTES) -> None:
         self.sock, self.pid, self.uid = sock, pid, uid
         self.pidfd: int | None = None
         self.vanished = False  # gone before it could be pinned (kernels before 6.16)
-        self.frames = wire.FrameBuffer()
+        self.frames = wire.FrameBuffer(first_max=hello_bytes)  # a stranger's first frame stays small
         self.hello: dict[str, Any] | None = None
         self.since = time.monotonic()
         self.authorized = False
@@ -28,6 +31,9 @@ class Peer:
         self.records = 0
         self.drops: dict[str, int] = {}
         self.cpu_ns = 0  # the agent's own CPU time this session, as it last said
+        self.over_budget = 0  # records in batches dropped for going over its budget (see AgentLimits)
+        self.records_budget: Budget | None = None  # made at hello
+        self.bytes_budget: Budget | None = None
         self.end = ""
         self.ids: PeerIds | None = None  # its ids as it sees them, read at hello
 

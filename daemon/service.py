@@ -36,8 +36,9 @@ from .service_protocol import MAX_REQUEST, ProtocolError, recv_frame, send_frame
 DEFAULT_SOCKET = Path("/run/gputrace/gputraced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/gputrace")
 REQUEST_TIMEOUT_S = 5.0
-MAX_CONNECTIONS = 32
-MAX_CONNECTIONS_PER_USER = 8  # root aside: no one user can take every slot and leave the others "busy"
+MAX_CONNECTIONS = 32  # all users but root together
+MAX_CONNECTIONS_PER_USER = 8  # no one user can take every slot and leave the others "busy"
+MAX_CONNECTIONS_ROOT = 8  # root's own, beside the others': four users at their limit cannot lock root out
 
 
 # ------------------------------------------------------------------------------------------ service ---
@@ -102,11 +103,15 @@ class Service:
     def _take_slot(self, uid: int) -> str:
         """A connection slot for ``uid``, or why there is none."""
         with self._open_lock:
-            if sum(self._open.values()) >= MAX_CONNECTIONS:
-                return "too many connections, try again"
-            if uid != 0 and self._open.get(uid, 0) >= MAX_CONNECTIONS_PER_USER:
+            mine = self._open.get(uid, 0)
+            if uid == 0:  # a pool of its own: the administrator and the service's health checks always get in
+                if mine >= MAX_CONNECTIONS_ROOT:
+                    return f"root has {MAX_CONNECTIONS_ROOT} connections open to gputraced already; try again"
+            elif mine >= MAX_CONNECTIONS_PER_USER:  # per user first: one user's hoard is told as theirs
                 return (f"you have {MAX_CONNECTIONS_PER_USER} connections open to gputraced (the limit per user); "
                         "close one and try again")
+            elif sum(n for u, n in self._open.items() if u != 0) >= MAX_CONNECTIONS:
+                return "too many connections, try again"
             self._open[uid] = self._open.get(uid, 0) + 1
             return ""
 

@@ -8,6 +8,7 @@ that was asked about, never about one that took its pid since.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,10 +90,23 @@ def authorize(uid: int, pids: list[int], *, on_checked: Callable[[int], None] | 
             if uid != 0 and any(u != uid for u in uids):
                 raise ProtocolError(f"not allowed: pid {pid} is not yours (uid {uids[1]}); "
                                     "only root may capture other users' processes")
+            if uid != 0 and not dumpable_by(pid, uid):
+                raise ProtocolError(f"not allowed: pid {pid} is not dumpable (it set PR_SET_DUMPABLE 0, or changed "
+                                    "credentials); the kernel lets only root trace it, and so does gputraced")
     except BaseException:
         close_pidfds(pinned)
         raise
     return pinned
+
+
+def dumpable_by(pid: int, uid: int) -> bool:
+    """Whether ``uid`` could ptrace ``pid`` as far as dumpability goes (the kernel's ptrace_may_access): the
+    kernel gives the files of a process's /proc directory to root while the process is not dumpable (prctl
+    PR_SET_DUMPABLE 0, a setuid or file-capability exec, a credential change), and to its euid otherwise."""
+    try:
+        return os.stat(f"/proc/{pid}/status").st_uid == uid
+    except FileNotFoundError:
+        raise ProtocolError(f"no process with pid {pid}") from None
 
 
 def _pin(pid: int) -> int | None:

@@ -16,9 +16,11 @@ everything up to the cut and reports the capture incomplete.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import re
+import shlex
 import socket
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -273,6 +275,62 @@ def _special_kind(path: Path) -> str:
     return ""
 
 
+# Fields readers use as typed; a capture of any origin may hold anything there. Others are kept as they are.
+HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "tool_version": str, "host": str, "kernel": str, "machine": str, "boot_id": str, "clock": str,
+    "mono_to_realtime_ns": int, "mono_to_boottime_ns": int, "start_ns": int, "argv": list, "mounts": list,
+}  # fmt: skip
+TRAILER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "end_ns": int, "tracing_ns": int, "stop_reason": str, "drops": dict, "complete": bool, "sources": dict,
+    "skipped": dict, "counts": dict,
+}  # fmt: skip
+
+
+def _wrong_fields(obj: dict[str, Any], fields: dict[str, type | tuple[type, ...]]) -> list[str]:
+    """The keys of ``fields`` whose value in ``obj`` is not of their type (a bool is no int here)."""
+    bad = []
+    for key, want in fields.items():
+        if key in obj and (not isinstance(obj[key], want) or (want is int and type(obj[key]) is bool)):
+            bad.append(key)
+    if isinstance(obj.get("mounts"), list) and not all(
+        isinstance(m, list) and all(type(f) is str for f in m) for m in obj["mounts"]
+    ):
+        bad.append("mounts")
+    if isinstance(obj.get("argv"), list) and not all(type(a) is str for a in obj["argv"]):
+        bad.append("argv")
+    return bad
+
+
+# How a row's field of each declared type is checked: an expression on the field, ``{v}`` (compiled once per
+# kind: a capture holds millions of rows). int fields take bools (a bool is an int to every reader) and float
+# fields take ints; nothing is converted.
+_FIELD_CHECKS = {
+    "int": "(type({v}) is int or type({v}) is bool)",
+    "bool": "(type({v}) is bool or type({v}) is int)",
+    "float": "(type({v}) is float or type({v}) is int)",
+    "str": "type({v}) is str",
+    "list[str]": "(type({v}) is list and all(type(x) is str for x in {v}))",
+    "tuple[int, int, int]": "(type({v}) in (list, tuple) and len({v}) == 3 and all(type(x) is int for x in {v}))",
+}
+
+
+@functools.cache
+def row_check(kind: str) -> Callable[[list[Any]], bool]:
+    """Whether a row of ``kind`` (at least its required fields long) has every field of its declared type."""
+    cls = RECORD_TYPES[kind]
+    exprs = []
+    for i, name in enumerate(cls._fields):
+        ann = cls.__annotations__[name]
+        text = str(getattr(ann, "__forward_arg__", ann if isinstance(ann, str) else getattr(ann, "__name__", ann)))
+        check = _FIELD_CHECKS.get(text.split(" = ")[0].strip())
+        if check is None:  # a type no check is written for: taken as it is
+            continue
+        cond = check.format(v=f"r[{i}]")
+        exprs.append(cond if name not in cls._field_defaults else f"(len(r) <= {i} or {cond})")
+    code = f"lambda r: {' and '.join(exprs) or 'True'}"
+    return eval(code)  # noqa: S307 - built above from the record classes' own annotations, never from input
+
+
 # How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.
 _FRAME_STARTS = (b"\x93\xa1R", b"\x92\xa1K", b"\x93\xa1M", b"\x92\xa1T")
 
@@ -289,6 +347,7 @@ class CaptureReader:
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {e.strerror}") from None
         self._unpacker = self._new_unpacker()
+        self.header_problem = ""  # wrong-typed header fields, left out (see _read_header)
         self.header = self._read_header()
         self.meta: dict[str, dict[str, Any]] = {}
         self.trailer: dict[str, Any] | None = None
@@ -296,6 +355,7 @@ class CaptureReader:
         self.skipped_bytes = 0  # damaged bytes passed over to read the frames after them
         self.drops: dict[str, int] = {}
         self.unknown_kinds: dict[str, int] = {}  # rows of record kinds a later version added, skipped
+        self.malformed = 0  # rows with a field of the wrong type, skipped
 
     def _new_unpacker(self) -> msgpack.Unpacker:
         return msgpack.Unpacker(
@@ -315,7 +375,12 @@ class CaptureReader:
         if header.get("magic") != MAGIC:
             raise CorruptCapture(f"{self.path} is not a gputrace capture (bad magic)")
         if header.get("format") != FORMAT:
-            raise CorruptCapture(f"{self.path}: unsupported capture format {header.get('format')!r}")
+            raise CorruptCapture(f"{self.path}: unsupported capture format {str(header.get('format'))[:80]!r}")
+        bad = _wrong_fields(header, HEADER_FIELDS)
+        if bad:  # readers use these fields as typed: a wrong one is left out (its default used) and told
+            self.header_problem = f"corrupt header at byte 0: field(s) {', '.join(bad)} of the wrong type, ignored"
+            for key in bad:
+                del header[key]
         return header
 
     def _unreadable(self, corrupt: bool = False) -> str:
@@ -355,9 +420,12 @@ class CaptureReader:
         self._file.seek(0)
         self._unpacker = self._new_unpacker()
         self._unpacker.skip()
-        self.trailer, self.problem, self.drops = None, "", {}
+        self.trailer, self.problem, self.drops = None, self.header_problem, {}
+        self.meta = {}
         self.skipped_bytes = 0
+        size = os.fstat(self._file.fileno()).st_size
         self.unknown_kinds = {}
+        self.malformed = 0
         decoder = None
         base = 0  # the file offset the unpacker started at
         while True:
@@ -365,6 +433,16 @@ class CaptureReader:
             try:
                 frame = self._unpacker.unpack()
             except msgpack.OutOfData:
+                # Out of data before the end of the file: a length (str32, bin32, array32, ...) claimed more
+                # than the rest of it. Either the last frame was cut off, or a damaged length mid-file hid
+                # the frames after it: those are found by their first bytes and read.
+                resume = self._next_frame(offset + 1) if offset < size else None
+                if resume is not None:
+                    self._problem(f"corrupt frame at byte {offset}: a length runs past the end of the file")
+                    self.skipped_bytes += resume - offset
+                    self._file.seek(resume)
+                    self._unpacker, base = self._new_unpacker(), resume
+                    continue
                 if self.trailer is None:
                     self._problem(f"cut off at byte {offset} (no trailer: the capture did not end cleanly, "
                                   "or is still being written)")
@@ -373,7 +451,7 @@ class CaptureReader:
                 return
             except Exception as e:  # msgpack raises several types on garbage: go on at the next frame
                 resume = self._next_frame(offset + 1)
-                self._problem(f"corrupt at byte {offset}: {type(e).__name__}")
+                self._problem(f"corrupt frame at byte {offset}: undecodable ({type(e).__name__})")
                 if resume is None:
                     return
                 self.skipped_bytes += resume - offset
@@ -381,8 +459,14 @@ class CaptureReader:
                 self._unpacker, base = self._new_unpacker(), resume
                 continue
             try:
+                if not (isinstance(frame, list) and 2 <= len(frame) <= 3 and isinstance(frame[0], str)):
+                    raise ValueError("not a frame (a list of a tag and its content)")
                 tag = frame[0]
-                if tag == "R" and isinstance(frame[1], str) and frame[1] not in RECORD_TYPES:
+                if tag in ("R", "M") and (len(frame) != 3 or not isinstance(frame[1], str)):
+                    raise ValueError(f"a {tag} frame is not [{tag}, name, content]")
+                if tag == "R" and not isinstance(frame[2], list):
+                    raise ValueError(f"{frame[1][:64]!r} rows are not a list")
+                if tag == "R" and frame[1] not in RECORD_TYPES:
                     # a kind a later version writes (its records are extra detail): skipped and counted, the
                     # capture is not damaged for that; a future reader is the one to read them
                     name = frame[1][:64]
@@ -394,18 +478,36 @@ class CaptureReader:
                         raise ValueError("kernel events before the eBPF metadata")
                     yield from decoder.decode(frame[1])
                 elif tag == "M":
-                    self.meta[frame[1]] = frame[2]
+                    if not isinstance(frame[2], dict):
+                        raise ValueError(f"{frame[1][:64]!r} metadata is not a map")
                     if frame[1] == "ebpf":
                         from gputrace.probes.events import KernelDecoder
 
-                        decoder = KernelDecoder(frame[2])
+                        try:
+                            decoder = KernelDecoder(frame[2])
+                        except (TypeError, ValueError, AttributeError) as e:
+                            raise ValueError(f"unreadable eBPF metadata: {str(e)[:100]}") from None
+                    self.meta[frame[1]] = frame[2]  # only once it was read: readers take it for sound
                 elif tag == "T":
-                    self.trailer = frame[1]
-                    self.drops.update(self.trailer.get("drops", {}))
+                    self._trailer(frame)
                 else:
-                    raise ValueError(f"unknown frame {tag!r}")
-            except (TypeError, ValueError, IndexError, KeyError) as e:  # this frame only: the next may be sound
-                self._problem(f"corrupt frame at byte {offset}: {e}")
+                    raise ValueError(f"unknown frame {tag[:8]!r}")
+            # AttributeError: a map expected where the file holds something else (hostile or damaged input)
+            except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:  # this frame only
+                self._problem(f"corrupt frame at byte {offset}: {str(e)[:200]}")
+
+    def _trailer(self, frame: list[Any]) -> None:
+        """Take a "T" frame as the trailer; its fields of the wrong type are left out (and told)."""
+        trailer = frame[1]
+        if len(frame) != 2 or not isinstance(trailer, dict):
+            raise ValueError("the trailer is not a map")
+        bad = _wrong_fields(trailer, TRAILER_FIELDS)
+        for key in bad:
+            del trailer[key]
+        self.trailer = trailer
+        self.drops.update({str(k): v for k, v in trailer.get("drops", {}).items() if type(v) is int})
+        if bad:
+            raise ValueError(f"trailer field(s) {', '.join(bad)} of the wrong type, ignored")
 
     def _problem(self, why: str) -> None:
         """The first problem names the capture's; later ones are counted in ``skipped_bytes``, not told."""
@@ -435,9 +537,15 @@ class CaptureReader:
         needed = nfields - len(cls._field_defaults)  # fields added later have defaults: older rows lack them
         make = cls._make
         note = self._observer(kind, decoder)
+        sound = row_check(kind)
         for row in rows:
+            if not isinstance(row, list):
+                raise ValueError(f"{kind} row is not a list")
             if len(row) < needed:
                 raise ValueError(f"{kind} row has {len(row)} fields, expected {nfields}")
+            if not sound(row):  # one hostile or damaged row: counted and passed over, its frame's others read
+                self.malformed += 1
+                continue
             # a row longer than its kind: fields a later version added, which this one ignores
             rec = make(row) if len(row) == nfields else make(row[:nfields]) if len(row) > nfields else cls(*row)
             if note is not None:
@@ -462,6 +570,11 @@ def open_capture(path: str | os.PathLike[str]) -> CaptureReader:
     """Open a capture for reading, with a clear error for a missing or foreign file."""
     p = Path(path)
     if not p.exists():
+        cut = cut_off_captures(p) if p.parent.is_dir() else []
+        if cut:  # its capture was killed before it could give the file its name: what it wrote is there
+            names = " or ".join(shlex.quote(str(c)) for c in cut[-3:])
+            raise UserError(f"{p}: no such capture file, but a capture to it was cut off (its process was "
+                            f"killed); read what it wrote with: gputrace report {names}")
         raise UserError(f"{p}: no such capture file")
     if not p.is_dir() and not p.is_file():  # a pipe or a device: the reader seeks back for each pass
         raise UserError(f"{p} is not a regular file; a capture is read more than once: save it to a file first")

@@ -69,7 +69,7 @@ def test_a_damaged_frame_loses_only_itself(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with CaptureReader(path) as r:
         names = {x.name for x in r.records() if isinstance(x, GpuKernel)}
-        assert not r.complete and r.problem.startswith("corrupt at byte") and "damaged bytes skipped" in r.problem
+        assert not r.complete and r.problem.startswith("corrupt frame at byte") and "damaged bytes skipped" in r.problem
         assert r.trailer is not None and r.drops == {"ebpf.ringbuf": 7} and r.skipped_bytes > 0
     assert len(names) == 900 and "k499" in names and "k600" in names and "k550" not in names
 

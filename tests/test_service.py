@@ -25,6 +25,7 @@ from agent_harness import wait_for
 
 from gputrace.capture import CaptureReader
 from gputrace.daemon.service_auth import authorize
+from gputrace.daemon.service_caps import close_pidfds
 from gputrace.daemon.service_jobs import JobTable, Limits, prepare_state_dir
 from gputrace.daemon.service_protocol import ProtocolError, recv_frame, send_frame
 from gputrace.errors import UserError
@@ -723,3 +724,46 @@ def test_staging_a_capture_of_no_user_is_removed_and_said_so(tmp_path: Path) -> 
     assert not list((tmp_path / ".staging").iterdir()) and os.path.exists("/etc/passwd")
     assert sorted(m.split(" ")[0] for m in said) == [".cut.gputrace.77.partial", "other.gputrace"], said
     assert not [p for p in tmp_path.iterdir() if p.name != ".staging"], "nothing handed over"
+
+
+def test_four_users_at_their_limit_leave_root_a_slot() -> None:
+    """Root has a pool of its own: four users holding 8 idle connections each (all the others') still
+    leave root's status served."""
+    with running_service("gputraced-hogs-", "--request-timeout-s", "30") as service:
+        hogs = [subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
+                                  "-c", HOLD_CONNECTIONS, str(service.sock), "8"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for uid in (65534, 65533, 65532, 65531)]
+        try:
+            for hog in hogs:
+                assert hog.stdout is not None and hog.stdout.readline() == "ready\n"
+            theirs = service.client("status", user=["setpriv", "--reuid=65530", "--regid=65530", "--clear-groups"])
+            for _ in range(3):
+                assert service.raw(_frame(b'{"op": "status"}')).get("ok"), "root refused"
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+    assert theirs.returncode == 2 and "busy: too many connections" in theirs.stderr
+
+
+def test_a_non_dumpable_process_of_the_caller_is_refused() -> None:
+    """As ptrace_may_access refuses it: a process that made itself non-dumpable is not the caller's to trace,
+    though every uid of it is the caller's."""
+    code = ("import ctypes, sys, time\nif sys.argv[1] == '0':\n    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n"
+            "print('ready', flush=True)\ntime.sleep(60)")
+    children = [subprocess.Popen([*NOBODY, sys.executable, "-c", code, flag], stdout=subprocess.PIPE)
+                for flag in ("0", "1")]
+    try:
+        for c in children:
+            assert c.stdout is not None and c.stdout.readline() == b"ready\n"
+        with pytest.raises(ProtocolError, match="is not dumpable"):
+            authorize(65534, [children[0].pid])
+        close_pidfds(authorize(65534, [children[1].pid]))
+        close_pidfds(authorize(0, [children[0].pid]))  # root may
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+            assert c.stdout is not None
+            c.stdout.close()

@@ -20,24 +20,27 @@ from gputrace.source import Sink
 
 
 class Forwarder:
-    """Bounded hand-off from the socket thread to the sink; overflow is counted, never waited on."""
+    """Bounded hand-off from the socket thread to the sink, in records and in bytes (as the batches came on the
+    wire: a record's strings can be large); overflow is counted, never waited on."""
 
-    def __init__(self, sink: Sink, limit: int) -> None:
-        self.sink, self.limit, self.dropped = sink, limit, 0
-        self._batches: deque[Sequence[tuple[Any, ...]]] = deque()
+    def __init__(self, sink: Sink, limit: int, max_bytes: int = 1 << 62) -> None:
+        self.sink, self.limit, self.max_bytes, self.dropped = sink, limit, max_bytes, 0
+        self._batches: deque[tuple[Sequence[tuple[Any, ...]], int]] = deque()
         self._queued = 0
+        self._queued_bytes = 0
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="gputrace-agents-fwd", daemon=True)
         self._thread.start()
 
-    def put(self, records: Sequence[tuple[Any, ...]]) -> None:
+    def put(self, records: Sequence[tuple[Any, ...]], nbytes: int = 0) -> None:
         with self._cond:
-            if self._queued + len(records) > self.limit:
+            if self._queued + len(records) > self.limit or self._queued_bytes + nbytes > self.max_bytes:
                 self.dropped += len(records)
                 return
-            self._batches.append(records)
+            self._batches.append((records, nbytes))
             self._queued += len(records)
+            self._queued_bytes += nbytes
             self._cond.notify()
 
     def _run(self) -> None:
@@ -47,8 +50,9 @@ class Forwarder:
                     self._cond.wait()
                 if not self._batches:
                     return
-                batch = self._batches.popleft()
+                batch, nbytes = self._batches.popleft()
                 self._queued -= len(batch)
+                self._queued_bytes -= nbytes
             self.sink.emit(batch)
 
     def close(self) -> None:

@@ -60,10 +60,21 @@ def encode(msg: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
-    """One frame's body as a message map; anything else is a protocol error."""
+class _TooManyItems(Exception):
+    pass
+
+
+def decode_body(body: bytes, max_items: int | None = None) -> dict[str, Any]:
+    """One frame's body as a message map; anything else is a protocol error.
+
+    ``max_items``: the most array elements it may hold in all (the session's bound, msgpack only). Decoded,
+    an element costs far more than its byte on the wire (an empty array: 1 byte sent, ~60 bytes kept), so a
+    frame within the byte limit could still take hundreds of MB while it is decoded; counted as arrays are
+    built, such a frame is refused before it does."""
     try:
-        msg = codec()[1](body)
+        msg = codec()[1](body) if max_items is None else _decode_bounded(body, max_items)
+    except _TooManyItems:
+        raise FrameError(f"frame holds over {max_items} items") from None
     except Exception as e:  # decoders raise many types on garbage
         raise FrameError(f"undecodable frame ({type(e).__name__})") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
@@ -71,25 +82,53 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return msg
 
 
+def _decode_bounded(body: bytes, max_items: int) -> Any:
+    import msgpack
+
+    left = [max_items]
+
+    def counted(items: list[Any]) -> list[Any]:
+        left[0] -= len(items) + 1
+        if left[0] < 0:
+            raise _TooManyItems
+        return items
+
+    def counted_map(items: dict[Any, Any]) -> dict[Any, Any]:
+        left[0] -= 2 * len(items) + 1
+        if left[0] < 0:
+            raise _TooManyItems
+        return items
+
+    return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, list_hook=counted,
+                           object_hook=counted_map)
+
+
 class FrameBuffer:
     """Splits a byte stream into frame bodies; refuses oversized frames before buffering them."""
 
-    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES, first_max: int | None = None) -> None:
         self._buf = bytearray()
         self._max = max_frame
+        self._first_max = first_max  # the first frame's limit, where it is smaller (a stranger's hello)
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
         out: list[bytes] = []
         while len(self._buf) >= HEADER.size:
             (n,) = HEADER.unpack_from(self._buf)
-            if n > self._max:
-                raise FrameError(f"oversized frame ({n} bytes, limit {self._max})")
+            limit = self._max if self._first_max is None else self._first_max
+            if n > limit:
+                raise FrameError(f"oversized frame ({n} bytes, limit {limit})")
             if len(self._buf) < HEADER.size + n:
                 break
             out.append(bytes(self._buf[HEADER.size : HEADER.size + n]))
             del self._buf[: HEADER.size + n]
+            self._first_max = None
         return out
+
+    def release(self) -> None:
+        """Let go of what is held (a peer that is gone)."""
+        self._buf = bytearray()
 
     @property
     def pending(self) -> int:

@@ -445,6 +445,7 @@ def load(reader: CaptureReader) -> Capture:
     cap.reader_drops = dict(reader.drops)
     cap.unknown_kinds = dict(reader.unknown_kinds)
     cap.trailer = dict(reader.trailer or {})
+    cap.malformed += reader.malformed  # rows the reader passed over for a field of the wrong type
     cap.tracing_ns = _tracing_ns(cap.trailer, reader.meta.get("session"))
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest", "DirtyPause")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
