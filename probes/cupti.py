@@ -104,21 +104,47 @@ def quiet_in_cupti(cupti: Any) -> int:
     """Turn off CUPTI's records of the quiet lookups (cupti_convert.QUIET_APIS); how many APIs it took.
 
     Needs CUPTI 12.6 or later (cuptiActivityEnableRuntimeApi/DriverApi); an older one records them and the
-    converter drops them instead."""
+    converter drops them instead, at a cost: cupti-python builds a Python object for every record of a
+    buffer before the converter sees it, under the target's GIL. cupti-python 13.4 names the callback ids
+    in enums; older releases (13.0) have the calls but no enums, so the ids are found by their names."""
     n = 0
-    for enum_name, enable_name in (("RuntimeApiTraceCbid", "activity_enable_runtime_api"),
-                                   ("DriverApiTraceCbid", "activity_enable_driver_api")):  # fmt: skip
-        enum, enable = getattr(cupti, enum_name, None), getattr(cupti, enable_name, None)
-        if enum is None or enable is None:
+    domains = (("RUNTIME_API", "RuntimeApiTraceCbid", "activity_enable_runtime_api"),
+               ("DRIVER_API", "DriverApiTraceCbid", "activity_enable_driver_api"))  # fmt: skip
+    for domain, enum_name, enable_name in domains:
+        enable = getattr(cupti, enable_name, None)
+        if enable is None:
             continue
-        for name, member in enum.__members__.items():
-            if quiet_api(name):
-                try:
-                    enable(int(member), 0)
-                except Exception:  # noqa: BLE001 - not supported here: the converter filters instead
-                    break
-                n += 1
+        for cbid in _quiet_cbids(cupti, domain, enum_name):
+            try:
+                enable(cbid, 0)
+            except Exception:  # noqa: BLE001 - not supported here: the converter filters instead
+                break
+            n += 1
     return n
+
+
+MAX_CBID = 2048  # above every runtime and driver callback id CUDA 13 defines
+
+
+def _quiet_cbids(cupti: Any, domain: str, enum_name: str) -> list[int]:
+    """The callback ids of the quiet lookups in one API domain: from cupti-python's enum where it has one,
+    else by asking CUPTI each id's name."""
+    enum = getattr(cupti, enum_name, None)
+    if enum is not None:
+        return [int(member) for name, member in enum.__members__.items() if quiet_api(name)]
+    domains = getattr(cupti, "CallbackDomain", None)
+    name_of = getattr(cupti, "get_callback_name", None)
+    if domains is None or name_of is None or not hasattr(domains, domain):
+        return []
+    out = []
+    for cbid in range(1, MAX_CBID):
+        try:
+            name = name_of(int(getattr(domains, domain)), cbid)
+        except Exception:  # noqa: BLE001 - an id CUPTI does not define
+            continue
+        if isinstance(name, str) and quiet_api(name):
+            out.append(cbid)
+    return out
 
 
 class BatchRecorder:

@@ -60,6 +60,11 @@ _SYNC_API_WORDS = ("ynchronize", "WaitEvent")
 QUIET_APIS = (
     "cudaGetDevice_", "cudaGetLastError_", "cudaPeekAtLastError_", "cuDevicePrimaryCtxGetState",
     "cuCtxGetCurrent", "cuCtxGetDevice", "cuKernelGetName", "cuFuncGetName", "cuGetProcAddress",
+    # PyTorch's allocator and launch path ask these per allocation or per kernel; none of them waits
+    "cudaThreadExchangeStreamCaptureMode_", "cudaStreamIsCapturing_", "cuStreamIsCapturing",
+    "cudaStreamGetCaptureInfo", "cuStreamGetCaptureInfo", "cuDeviceGetAttribute", "cudaDeviceGetAttribute_",
+    "cuKernelGetFunction", "cuOccupancyMaxActiveBlocksPerMultiprocessor", "cudaOccupancyMaxActiveClusters_",
+    "cuFuncGetAttribute", "cudaFuncGetAttributes_",
 )  # fmt: skip
 ALL_APIS_ENV = "GPUTRACE_CUPTI_ALL_APIS"  # "1": record the quiet lookups too
 

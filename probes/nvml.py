@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from gputrace.source import Sink
 
 UINT_MAX = 0xFFFFFFFF  # NVML scope id: all NVLink links together
 KIB = 1024
+PCIE_EVERY = 10  # ticks between PCIe throughput reads (1 s at the default 100 ms)
 
 # NVML value types (nvmlValueType_t) → the union member holding the value
 VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -83,15 +85,26 @@ class _Device:
         self.gpm_prev: Any = None
         self.gpm_samples: list[Any] = []
         self.failures: dict[str, tuple[int, str]] = {}  # metric group → (failed reads, the last error)
+        self.cpu_ns: dict[str, int] = {}  # metric group → CPU time its reads took, summed
+        self.reads: dict[str, int] = {}
 
-    def sample(self, to_mono: ToMonotonic) -> list[NvmlSample]:
-        """This tick's records; a group of metrics whose read fails costs that group's sample only."""
+    def sample(self, to_mono: ToMonotonic, tick: int = 0) -> list[NvmlSample]:
+        """This tick's records; a group of metrics whose read fails costs that group's sample only. PCIe
+        throughput is read every ``PCIE_EVERY`` ticks: NVML measures it over a 20 ms window per call."""
         out: list[NvmlSample] = []
-        for metric, read in (("util", self._utilization), ("scalars", self._scalars),
+        for metric, read in (("util", self._utilization), ("scalars", self._scalars), ("pcie", self._pcie),
                              ("nvlink", self._nvlink), ("gpm_sm_util_pct", self._gpm)):  # fmt: skip
-            if metric not in self.unsupported:
-                out += self._guard(metric, read, to_mono)
+            if metric in self.unsupported or (metric == "pcie" and tick % PCIE_EVERY):
+                continue
+            cpu = time.thread_time_ns()
+            out += self._guard(metric, read, to_mono)
+            self.cpu_ns[metric] = self.cpu_ns.get(metric, 0) + time.thread_time_ns() - cpu
+            self.reads[metric] = self.reads.get(metric, 0) + 1
         return out
+
+    def cost_text(self) -> str:
+        """CPU time per read of each metric group, as this sampler measured it."""
+        return ", ".join(f"{m} {self.cpu_ns[m] / max(1, self.reads[m]) / 1e3:.0f} us" for m in sorted(self.cpu_ns))
 
     def _guard(self, metric: str, read: Callable[[ToMonotonic], list[NvmlSample]], to_mono: ToMonotonic) -> list[Any]:
         try:
@@ -138,8 +151,6 @@ class _Device:
             ("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
             ("mem_used_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used),
             ("power_mw", lambda: nv.nvmlDeviceGetPowerUsage(h)),
-            ("pcie_rx_bps", lambda: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * KIB),
-            ("pcie_tx_bps", lambda: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * KIB),
         ):
             if metric in self.unsupported:
                 continue
@@ -152,6 +163,14 @@ class _Device:
                     self._failed(metric, e)  # this metric's sample only; the others of the group stand
         now = clock.monotonic_ns()
         return [NvmlSample(now, self.index, m, v) for m, v in values.items()]
+
+    def _pcie(self, to_mono: ToMonotonic) -> list[NvmlSample]:
+        nv, h = self.nv, self.handle
+        rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * KIB
+        tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * KIB
+        now = clock.monotonic_ns()
+        return [NvmlSample(now, self.index, "pcie_rx_bps", float(rx)),
+                NvmlSample(now, self.index, "pcie_tx_bps", float(tx))]
 
     def _nvlink(self, to_mono: ToMonotonic) -> list[NvmlSample]:
         nv = self.nv
@@ -209,6 +228,7 @@ class NvmlSource:
         self._clock: clock.RealtimeConverter | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ticks = -1  # the first tick reads every group
 
     def start(self, sink: Sink) -> None:
         self._sink = sink
@@ -248,6 +268,9 @@ class NvmlSource:
         self._thread.join()
         self._thread = None
         self._tick()
+        costs = "; ".join(f"gpu{d.index}: {d.cost_text()}" for d in self.devices if d.cpu_ns)
+        if costs:
+            self._status("stopped", f"CPU per read: {costs}")
         gaps = {f"{d.index}": sorted(d.unsupported) for d in self.devices if d.unsupported}
         if gaps:
             self._status("degraded", "not supported: " + "; ".join(f"gpu{i}: {', '.join(m)}" for i, m in gaps.items()))
@@ -271,8 +294,9 @@ class NvmlSource:
         assert self._clock is not None and self._sink is not None
         self._clock.maybe_resample()
         records: list[NvmlSample] = []
+        self._ticks += 1
         for d in self.devices:
-            records += d.sample(self._clock.to_monotonic)
+            records += d.sample(self._clock.to_monotonic, self._ticks)
         self.errors = sum(n for d in self.devices for n, _ in d.failures.values())
         if records:
             self._sink.emit(records)

@@ -265,6 +265,27 @@ def test_quiet_lookups_are_turned_off_in_cupti(stand_in, monkeypatch: pytest.Mon
     assert calls == [] and everything.quieted == 0
 
 
+def test_quiet_lookups_are_found_by_name_where_cupti_python_has_no_enums(stand_in) -> None:  # type: ignore[no-untyped-def]
+    """cupti-python 13.0 has the per-API switches but no callback-id enums: the ids are asked for by name."""
+    mod = stand_in([])
+    calls = with_api_switches(mod)
+    del mod.RuntimeApiTraceCbid, mod.DriverApiTraceCbid
+    names = {(1, m.value): m.name for m in QuietDriverCbids} | {(2, m.value): m.name for m in QuietCbids}
+    mod.CallbackDomain = enum.IntEnum("CallbackDomain", {"DRIVER_API": 1, "RUNTIME_API": 2})  # type: ignore[attr-defined]
+
+    def name_of(domain: int, cbid: int) -> str:
+        if (domain, cbid) not in names:
+            raise ValueError("CUPTI_ERROR_INVALID_PARAMETER")
+        return names[(domain, cbid)]
+
+    mod.get_callback_name = name_of  # type: ignore[attr-defined]
+    backend = CuptiBackend(flush_period_s=3600)
+    backend.start(lambda records: None)
+    backend.stop()
+    assert sorted(calls) == [("driver", 60, 0), ("driver", 770, 0), ("driver", 1101, 0), ("runtime", 17, 0)]
+    assert backend.quieted == 4
+
+
 def test_a_cupti_without_per_api_switches_still_drops_the_quiet_lookups(stand_in) -> None:  # type: ignore[no-untyped-def]
     clock = cupti_probe.RealtimeConverter(3600)
     t0 = monotonic_ns()
