@@ -232,6 +232,8 @@ class SimStep:
 
         from gputrace.sim import Device
 
+        # the host's loss is tiny: intra-op threads would only take the CPUs the workers need
+        torch.set_num_threads(1)
         self.memory = "pinned" if args.pin_memory else "pageable"
         self.stream = Device(0).stream()
         self.model = mlp(args, self.SIM_FEATURES)
