@@ -656,9 +656,10 @@ def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[di
     """One label per step, dated at the end of the step before (its launches come after that): step k's batch
     is the epoch's batch k % batches (``cfg["batch"]`` samples in a row, 64 a sample file), made by worker
     (k % batches) % workers. With ``cfg["cold"]``, the step waited for that batch's sample file; else for the
-    slow worker's CPU (its wait for a CPU too: the VM's other load is not the job's), or, a fast worker's
-    batch being long ready, for the trainer's own work between steps (or that worker, where the VM's load
-    held its batch up)."""
+    slow worker's CPU, or, a fast worker's batch being long ready, for the trainer's own work between steps
+    (or a fast worker, where the VM's load held batches up: the trainer also fetches the tensors of batches
+    that arrive ahead of their turn). Either may have waited for a CPU rather than run: more busy processes
+    than the VM's 2 cores, and other load, are not what the scenario is about."""
     trainer = int(re.findall(r"train_torch: pid (\d+)", out)[0])
     pids = {int(w): int(p) for w, p in re.findall(r"loader worker (\d+): pid (\d+)", out)}
     workers = len(pids)
@@ -671,9 +672,9 @@ def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[di
             label: dict[str, Any] = {"cause": "storage", "object": path, "culprit_pid": 0}
         elif batch % workers == 1:  # the slow worker is worker 1
             label = {"cause": "cpu", "causes": ["cpu", "cpu.runqueue"], "object": "", "culprit_pid": pids[1]}
-        else:  # the trainer's own time, or the fast worker's where the VM's load held that batch up
-            label = {"cause": "cpu", "object": "", "culprit_pid": trainer,
-                     "culprit_pids": [trainer, pids[batch % workers]]}
+        else:  # the trainer's own time, or a fast worker's where the VM's load held batches up
+            label = {"cause": "cpu", "causes": ["cpu", "cpu.runqueue"], "object": "", "culprit_pid": trainer,
+                     "culprit_pids": [trainer, *(p for w, p in pids.items() if w != 1)]}
         labels.append({"pid": trainer, "launch_ns": launch, **label})
     return labels
 
