@@ -92,7 +92,7 @@ def main() -> int:
         sys.exit("train_torch: torch sees no CUDA device (use --device cpu or sim to run without a GPU)")
     files = make_samples(args.data, args.files, PER_FILE)
     if args.cold:
-        os.sync()  # dirty pages cannot be dropped: write the samples out first
+        drop_cached(files)
     if sim and args.pin_memory and not torch.cuda.is_available():
         pin_memory_thread_on_cpu()
     loader = make_loader(args, files)
@@ -155,11 +155,25 @@ def make_loader(args: argparse.Namespace, files: list[Path]) -> Any:
                       pin_memory=args.pin_memory, persistent_workers=True, worker_init_fn=hello)  # fmt: skip
 
 
+def drop_cached(files: list[Path]) -> None:
+    """Write the sample files out (dirty pages cannot be dropped) and drop them from the page cache whole: pages
+    written in one go may sit in large folios, which dropping one sample's range would leave in place."""
+    os.sync()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def read_sample(path: Path, index: int, cold: bool) -> bytes:
-    """Sample ``index`` of a sample file, dropped from the page cache first when ``cold``."""
+    """Sample ``index`` of a sample file. When ``cold``, it is dropped from the page cache first and read
+    without readahead (which would bring in the next samples too): every sample is read from the device."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if cold:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             os.posix_fadvise(fd, index * SAMPLE_BYTES, SAMPLE_BYTES, os.POSIX_FADV_DONTNEED)
         return os.pread(fd, SAMPLE_BYTES, index * SAMPLE_BYTES)
     finally:
@@ -218,6 +232,8 @@ class SimStep:
 
         from gputrace.sim import Device
 
+        # the host's loss is tiny: intra-op threads would only take the CPUs the workers need
+        torch.set_num_threads(1)
         self.memory = "pinned" if args.pin_memory else "pageable"
         self.stream = Device(0).stream()
         self.model = mlp(args, self.SIM_FEATURES)
@@ -252,8 +268,13 @@ def pin_memory_thread_on_cpu() -> None:
     acc.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore[assignment]
     acc.current_device_index = lambda: 0  # type: ignore[assignment]
     acc.set_device_index = lambda _i: None  # type: ignore[assignment]
-    _utils.pin_memory.pin_memory = lambda data, device=None: {  # type: ignore[assignment]
-        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+
+    def pin(data: Any, device: Any = None) -> Any:  # a batch; the loader's own markers (None) pass through
+        if not isinstance(data, dict):
+            return data
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+
+    _utils.pin_memory.pin_memory = pin
 
 
 if __name__ == "__main__":

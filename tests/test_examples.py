@@ -37,8 +37,9 @@ def test_the_torch_example_refuses_a_slow_worker_it_does_not_have(tmp_path: Path
 
 def test_the_torch_example_runs_its_device_work_on_the_simulated_gpu_and_logs_each_step(tmp_path: Path) -> None:
     log = tmp_path / "steps.json"
-    r = run(tmp_path, "--steps", "6", "--slow-worker", "1", "--slow-ms", "20", "--pin-memory", "--step-log",
-            str(log), device="sim")
+    # 4 batches an epoch: the persistent workers go on into a second one
+    r = run(tmp_path, "--steps", "6", "--batch", "32", "--slow-worker", "1", "--slow-ms", "20", "--pin-memory",
+            "--step-log", str(log), device="sim")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "6 steps on sim (gputrace simulated GPU)" in r.stdout, r.stdout
     workers = dict(re.findall(r"loader worker (\d): pid (\d+)", r.stdout))

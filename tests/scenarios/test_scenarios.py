@@ -128,6 +128,18 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             assert c["object"].startswith("/gputrace-test-") and c["cgroup_version"] == 1, c
             assert (c["quota_us"], c["period_us"]) == (20_000, 100_000), c
             assert 0 < c["throttled_ns"] <= s["duration_ns"] and c["cgroup_throttled_periods"] >= 1, c
+    elif name.startswith("train_torch_slow"):
+        # examples/train_torch.py: the slow worker's batches reach the trainer through PyTorch's fd sharing
+        # (resource_sharer round trips with a worker thread that waits for the worker's GIL): its stalls end
+        # on the worker's main thread, the process that holds the most stall time
+        slow = [s for s in stalls if s["culprit"]["pid"] != s["device_pid"]]
+        assert slow and report["top_processes"][0]["pid"] == slow[0]["culprit"]["pid"], report["top_processes"]
+        hop = 1 if name.endswith("pinned") else 0  # pinned: the pin-memory thread's queue first
+        assert all(s["via"][hop] == f"wait:pid {s['culprit']['pid']}" for s in slow), [s["via"] for s in slow]
+    elif name == "train_torch_cold":
+        reads = [s for s in stalls if s["cause"] == "storage"]
+        assert reads and all(s["culprit"]["op"] == "pread64" and s["culprit"].get("block_requests", 0) > 0
+                             for s in reads), [s["culprit"] for s in reads]
     elif name == "asyncio_fetch":  # the event loop's epoll_wait names the peer's socket it found ready
         assert all(s["culprit"]["op"].startswith("epoll") for s in stalls), [s["culprit"] for s in stalls]
 

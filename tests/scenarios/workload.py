@@ -15,9 +15,11 @@ import mmap
 import multiprocessing
 import os
 import queue
+import re
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -666,13 +668,61 @@ def torch_loader(cfg: dict[str, Any]) -> None:
     trainer_loop(cfg, wait)
 
 
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "train_torch.py")
+
+
+def train_torch(cfg: dict[str, Any]) -> None:
+    """examples/train_torch.py --device sim, run as it is (PyTorch's DataLoader, its worker processes and fd
+    sharing of the batches' tensors, the simulated GPU for the step's device work), in ``cfg["cgroups"]``'s
+    first group where given. The truth comes from what it prints and its step log (``train_torch_truth``)."""
+    join_cgroup(cfg.get("cgroups", [""])[0])
+    log = cfg["truth"] + ".steps.json"
+    args = ["--device", "sim", "--data", cfg["data"], "--batch", str(cfg["batch"]), "--files", str(cfg["files"]),
+            "--steps", str(cfg["steps"]), "--step-log", log, *cfg["args"]]
+    out = subprocess.run([sys.executable, EXAMPLE, *args], check=True, capture_output=True, text=True).stdout
+    with open(log) as f:
+        ends = json.load(f)["step_end_ns"]
+    with open(cfg["truth"], "a") as f:
+        for label in train_torch_truth(cfg, out, ends):
+            f.write(json.dumps(label) + "\n")
+
+
+def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[dict[str, Any]]:
+    """One label per step, dated at the end of the step before (its launches come after that): step k's batch
+    is the epoch's batch k % batches (``cfg["batch"]`` samples in a row, 64 a sample file), made by worker
+    (k % batches) % workers. With ``cfg["cold"]``, the step waited for that batch's sample file; else for the
+    slow worker's CPU, or, a fast worker's batch being long ready, for the trainer's own work between steps
+    (or a fast worker, where the VM's load held batches up: the trainer also fetches the tensors of batches
+    that arrive ahead of their turn). Either may have waited for a CPU rather than run: more busy processes
+    than the VM's 2 cores, and other load, are not what the scenario is about."""
+    trainer = int(re.findall(r"train_torch: pid (\d+)", out)[0])
+    pids = {int(w): int(p) for w, p in re.findall(r"loader worker (\d+): pid (\d+)", out)}
+    workers = len(pids)
+    batches = cfg["files"] * 64 // cfg["batch"]
+    labels = []
+    for k, launch in enumerate([0, *ends[:-1]]):
+        batch = k % batches
+        if cfg.get("cold"):
+            path = os.path.join(cfg["data"], f"shard-{batch * cfg['batch'] // 64:04d}.bin")
+            label: dict[str, Any] = {"cause": "storage", "object": path, "culprit_pid": 0}
+        elif batch % workers == 1:  # the slow worker is worker 1
+            label = {"cause": "cpu", "causes": ["cpu", "cpu.runqueue"], "object": "", "culprit_pid": pids[1]}
+        else:  # the trainer's own time, or a fast worker's where the VM's load held batches up
+            label = {"cause": "cpu", "causes": ["cpu", "cpu.runqueue"], "object": "", "culprit_pid": trainer,
+                     "culprit_pids": [trainer, *(p for w, p in pids.items() if w != 1)]}
+        labels.append({"pid": trainer, "launch_ns": launch, **label})
+    return labels
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
     "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
     "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
     "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader, "checkpoint": checkpoint,
-    "dirty_writes": dirty_writes, "cpu_throttled": cpu_throttled,
+    "dirty_writes": dirty_writes, "cpu_throttled": cpu_throttled, "train_torch_slow": train_torch,
+    "train_torch_slow_pinned": train_torch,
+    "train_torch_slow_4": train_torch, "train_torch_cold": train_torch,
 }  # fmt: skip
 
 if __name__ == "__main__":
