@@ -70,12 +70,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True, non-blocking copies")
     p.add_argument("--device", default="cuda",
                    help="torch device, or sim: gputrace's simulated GPU does the step's device work (default: cuda)")
+    p.add_argument("--compile", action="store_true",
+                   help='run the model through torch.compile(mode="reduce-overhead"): CUDA graphs (cuda only)')
     p.add_argument("--step-log", type=Path, metavar="PATH",
                    help='write {"step_end_ns": [...], "steps": N} there: time.monotonic_ns() at the end of each step')
     args = p.parse_args()
     for key, value in (SIM_DEFAULTS if args.device == "sim" else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.compile and args.device in ("sim", "cpu"):
+        p.error("--compile needs a CUDA device (its CUDA graphs are what it is there for)")
     if args.workers < 1 or not -1 <= args.slow_worker < args.workers:
         p.error("--slow-worker must name one of the --workers (0 .. workers-1)")
     return args
@@ -197,8 +201,9 @@ class TorchStep:
         import torch
 
         self.dev, self.non_blocking = dev, args.pin_memory
-        self.model = mlp(args, SAMPLE_BYTES).to(dev)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        model = mlp(args, SAMPLE_BYTES).to(dev)
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.model = torch.compile(model, mode="reduce-overhead") if args.compile else model
         self.nvtx = torch.cuda.nvtx if dev.type == "cuda" else None
         self.where = f"{dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'})"
 
