@@ -56,6 +56,7 @@ def host_header(argv: Sequence[str]) -> dict[str, Any]:
         "start_ns": clock.monotonic_ns(),
         "argv": list(argv),
         "mounts": mount_table(),
+        "tracer_pid": os.getpid(),  # the capturing process: CPU it takes from the job is the tracing's
     }
 
 

@@ -367,6 +367,20 @@ def test_runqueue(tmp_path: Path) -> None:
     assert "cpu_held_by" not in s["culprit"]  # a capture that does not say who had the CPU names nobody
 
 
+def test_a_wait_for_the_cpu_the_capturing_process_had_is_the_tracings(tmp_path: Path) -> None:
+    """The tool never blames the job for its own cost: run-queue time while gputrace itself (the header's
+    tracer_pid) had the CPU is `tracing`; the rest, with a hog on the CPU, stays `cpu.runqueue`."""
+    tracer, hog = 4242, 700
+    b = trainer()
+    b.offcpu(TRAINER, TRAINER, 11.0, 30.0, "R", held=(tracer, tracer + 1, "gputrace"))
+    b.offcpu(TRAINER, TRAINER, 30.5, 38.0, "R", held=(hog, hog, "hog"))
+    s = only_stall(run(b, tmp_path, header={"tracer_pid": tracer}))
+    parts = {p["cause"]: p for p in s["breakdown"]}
+    assert s["cause"] == "tracing" and s["culprit"]["pid"] == tracer, s
+    assert parts["tracing"]["ns"] == ns(30) - ns(11) and parts["cpu.runqueue"]["ns"] == ns(38) - ns(30.5), parts
+    assert s["culprit"]["object"] == "gputrace session: held the CPU the job waited for"
+
+
 def test_runqueue_names_who_had_the_cpu(tmp_path: Path) -> None:
     """Preempted three times: twice the CPU came back from a hog, once from a kernel worker; the hog first,
     by time."""

@@ -167,6 +167,8 @@ class Explainer:
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
         self.ties = BlockTies(cap, self.mounts)
         self.throttles = Throttles(cap)
+        tracer = cap.header.get("tracer_pid")
+        self.tracer_pid = tracer if type(tracer) is int and tracer > 0 else -1  # captures before it: none
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
         self._threads: dict[int, list[int]] | None = None
         # (pid, futex word) -> the threads that waited on it, and those of them that timed out there
@@ -395,10 +397,16 @@ class Explainer:
             culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields}
             culprit["throttled_ns"] = throttled
             parts.append(Part("cpu.throttled", throttled, culprit, evidence=cut.evidence[:MAX_EVIDENCE]))
-        if ns > throttled:
-            parts.append(Part("cpu.runqueue", ns - throttled, self.culprit(tid, what),
-                              evidence=[evidence_offcpu(o) for o, _, _ in waits[:MAX_EVIDENCE]],
-                              held=_cpu_holders(cut.rest)))
+        held = _cpu_holders(cut.rest)
+        ours = min(ns - throttled, sum(n for (pid, _, _), n in held.items() if pid == self.tracer_pid))
+        if ours > 0:  # the capturing process had the CPU: the tool's cost, not the job's
+            culprit = {**self.culprit(tid, "cpu"), "pid": self.tracer_pid, "tid": 0, "comm": "gputrace",
+                       "object": "gputrace session: held the CPU the job waited for"}  # fmt: skip
+            parts.append(Part("tracing", ours, culprit, evidence=[evidence_offcpu(o) for o, _, _ in waits[:2]]))
+            held = Counter({k: n for k, n in held.items() if k[0] != self.tracer_pid})
+        if ns > throttled + ours:
+            parts.append(Part("cpu.runqueue", ns - throttled - ours, self.culprit(tid, what),
+                              evidence=[evidence_offcpu(o) for o, _, _ in waits[:MAX_EVIDENCE]], held=held))
         return parts
 
     def _dirty_sleep(self, o: OffCpu, ns: int) -> Part | None:

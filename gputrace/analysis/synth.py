@@ -212,7 +212,7 @@ class Builder:
 
     def write(self, path: Path, *, complete: bool = True, drops: dict[str, int] | None = None,
               header: dict[str, Any] | None = None, trailer: dict[str, Any] | None = None) -> Path:
-        hdr = {**host_header(["synthetic"]), "start_ns": BASE_NS, **(header or {})}
+        hdr = {**host_header(["synthetic"]), "start_ns": BASE_NS, "tracer_pid": 0, **(header or {})}
         w = CaptureWriter(path, hdr, force=True)
         for source, meta in self.meta.items():
             w.write_meta(source, meta)
