@@ -28,6 +28,7 @@ from gputrace.source import Sink
 
 PROC = Path("/proc")
 TICK_S = 0.02  # a fifth of the usual 100 ms period: a throttle's end is placed within 20 ms
+NEW_TICKS = 50  # ticks (1 s) a newly followed process's cgroup is read at every tick
 LIMITS_EVERY = 25  # ticks between reads of the quota and period (they change rarely: kubectl edits)
 UNLIMITED = -1
 DEFAULT_PERIOD_US = 100_000
@@ -212,6 +213,7 @@ class CgroupSampler:
         self._tracked: dict[str, _Tracked] = {}
         self._limited: dict[str, list[str]] = {}  # cgroup -> its ancestors with a quota, as last read
         self._ticks = 0
+        self._first_tick: dict[int, int] = {}  # pid -> the tick it was first sampled at
         self._lock = threading.Lock()  # add_target() (the eBPF source's thread) against the sampling thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -257,11 +259,14 @@ class CgroupSampler:
             pids = sorted(self._pids)
         records: list[CpuCgroup | CpuThrottle] = []
         paths: dict[str, int] = {}
-        for pid in pids:
-            where = self._membership(pid, records)
+        limits_tick = self._ticks % LIMITS_EVERY == 0
+        for pid in pids:  # where each one is: every tick while it is new (launchers place processes as they
+            # start them), later with the limits (a process seldom moves once it runs)
+            known = self._member.get(pid)
+            young = self._ticks - self._first_tick.setdefault(pid, self._ticks) < NEW_TICKS
+            where = self._membership(pid, records) if limits_tick or young or known is None else known[:2]
             if where is not None and where[0]:
                 paths[where[0]] = where[1]
-        limits_tick = self._ticks % LIMITS_EVERY == 0
         for path, version in list(paths.items()):
             if limits_tick or path not in self._limited:
                 self._limited[path] = [up for up in ancestors(path) if self._has_quota(up, version)]
@@ -285,6 +290,7 @@ class CgroupSampler:
             with self._lock:
                 self._pids.discard(pid)
             self._member.pop(pid, None)
+            self._first_tick.pop(pid, None)
             return None
         key = (where[0], where[1], error)
         if self._member.get(pid) != key:
@@ -322,6 +328,8 @@ class CgroupSampler:
         assert self.files is not None
         try:
             limits = self.files.limits(path, t.version) if limits_tick or t.limits is None or t.error else t.limits
+            if limits.quota_us == UNLIMITED and t.stat is not None and not limits_tick:
+                return limits, t.stat, ""  # no quota, so no throttling to see between the limits' reads
             return limits, self.files.stat(path, t.version), ""
         except (OSError, ValueError) as e:
             if isinstance(e, FileNotFoundError) and not self.files.directory(path, t.version).is_dir():

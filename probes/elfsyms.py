@@ -23,7 +23,7 @@ import struct
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace.probes import procfs
@@ -39,6 +39,7 @@ MAX_HEADERS = 1 << 16  # program or section headers per file
 MAX_TABLE_BYTES = 256 << 20  # one symbol or string table
 MAX_NAME = 4096
 FILES_KEPT = 512  # files whose symbols stay read, most recently used first
+NAMED_KEPT = 65536  # addresses of one process kept named; past it the cache starts over
 REFRESH_S = 1.0  # at most this often per process, re-read its mappings for an address none holds
 
 
@@ -53,15 +54,16 @@ class ElfSymbols:
         self.segments = [(off, vaddr, size) for ptype, _, off, vaddr, _, size, _, _ in
                          _table(fd, phoff, phentsize, phnum, _PHDR) if ptype == PT_LOAD]  # fmt: skip
         sections = _table(fd, shoff, shentsize, shnum, _SHDR)
-        found: dict[int, tuple[int, bytes]] = {}  # start -> (size, name), .symtab's first
+        found: dict[int, tuple[int, int, int]] = {}  # start -> (size, string table, name offset), .symtab's first
+        self._strtabs: list[bytes] = []
         for kind in (SHT_SYMTAB, SHT_DYNSYM):
             for _, stype, _, _, off, size, link, _, _, entsize in sections:
                 if stype == kind and entsize == _SYM.size and link < len(sections):
-                    strtab = _read(fd, sections[link][4], sections[link][5])
-                    _add(_read(fd, off, size - size % _SYM.size), strtab, found)
+                    self._strtabs.append(_read(fd, sections[link][4], sections[link][5]))
+                    _add(_read(fd, off, size - size % _SYM.size), len(self._strtabs) - 1, found)
         self.starts = array("Q", sorted(found))
         self.ends = array("Q", (s + found[s][0] for s in self.starts))
-        self._names = [found[s][1] for s in self.starts]
+        self._names = [found[s][1:] for s in self.starts]  # names are cut from their table when asked for
 
     def vaddr(self, file_offset: int) -> int | None:
         """The file's virtual address for an offset in it, through the segment that loads it."""
@@ -77,15 +79,18 @@ class ElfSymbols:
             return None
         if self.ends[i] > self.starts[i] and vaddr >= self.ends[i]:
             return None
-        return self._names[i]
+        table, name_at = self._names[i]
+        strtab = self._strtabs[table]
+        end = strtab.find(b"\0", name_at, name_at + MAX_NAME)
+        return strtab[name_at:end] if end > name_at else None
 
 
-def _add(table: bytes, strtab: bytes, found: dict[int, tuple[int, bytes]]) -> None:
+def _add(table: bytes, strtab: int, found: dict[int, tuple[int, int, int]]) -> None:
+    """The function symbols of one symbol table: naming them waits until one is looked up (a large library
+    has hundreds of thousands, a stack names a few)."""
     for name_at, info, _, shndx, value, size in _SYM.iter_unpack(table):
-        if info & 0xF in (STT_FUNC, STT_GNU_IFUNC) and shndx and value and value not in found:
-            end = strtab.find(b"\0", name_at, name_at + MAX_NAME)
-            if end > name_at:
-                found[value] = (size, strtab[name_at:end])
+        if info & 0xF in (STT_FUNC, STT_GNU_IFUNC) and shndx and value and name_at and value not in found:
+            found[value] = (size, strtab, name_at)
 
 
 def _read(fd: int, offset: int, size: int) -> bytes:
@@ -185,6 +190,10 @@ class _Process:
     read_at: float
     perf: tuple[str, PerfMap, tuple[int, int]] | None = None
     perf_at: float = -REFRESH_S
+    # Addresses already named from an ELF file. A Python stack is its interpreter's few frames in many
+    # orders: nearly every stack is new, nearly none of its addresses is, and naming one costs a lookup
+    # in the file's symbols and a demangle.
+    named: dict[int, tuple[bytes | None, bytes | None]] = field(default_factory=dict)
 
 
 class Symbolizer:
@@ -199,6 +208,10 @@ class Symbolizer:
         proc = self._procs.get(pid) or self._read_maps(pid)
         out = []
         for addr in addrs:
+            known = proc.named.get(addr)
+            if known is not None:
+                out.append(known)
+                continue
             m = self._mapping(proc, addr)
             if m is None and time.monotonic() - proc.read_at >= REFRESH_S:  # a library loaded since (dlopen)
                 proc = self._read_maps(pid)
@@ -214,6 +227,9 @@ class Symbolizer:
             vaddr = elf.vaddr(addr - m.start + m.offset)
             name = elf.name(vaddr) if vaddr is not None else None
             out.append((demangle(name) if name else None, os.fsencode(m.path)))
+            if len(proc.named) >= NAMED_KEPT:
+                proc.named.clear()
+            proc.named[addr] = out[-1]
         return out
 
     @staticmethod

@@ -261,7 +261,8 @@ class StackSampler:
     def _run(self) -> None:
         next_sweep = time.monotonic() + _SWEEP_S
         try:
-            while not self._stop.wait(_POLL_MS / 1000):  # the ring never wakes a reader (GT_RB_NO_WAKEUP)
+            while not self._stop.is_set():
+                self._bpf.ring_buffer_poll(_POLL_MS)  # woken by a process's first sample only (sampler.bpf.c)
                 self._bpf.ring_buffer_consume()
                 self.wakeups += 1
                 self._flush()

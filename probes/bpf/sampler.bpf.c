@@ -36,7 +36,8 @@ static __always_inline void count_drop(u32 where) {
 int on_sample(struct bpf_perf_event_data *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (tgid == 0 || !targets.lookup(&tgid))
+    u8 *traced = tgid ? targets.lookup(&tgid) : 0;
+    if (!traced)
         return 0;
 #ifdef GT_OWNER_UID
     /* Besides the exec check below: user space adds children it hears of late, maybe after such an exec. */
@@ -59,7 +60,14 @@ int on_sample(struct bpf_perf_event_data *ctx) {
     e->tid = (u32)id;
     e->nr = (u32)n / sizeof(u64);
     e->cpu = bpf_get_smp_processor_id();
-    samples.ringbuf_submit(e, GT_RB_NO_WAKEUP);
+    /* Samples wait for the reader's timer, but a process's first one wakes it: its stacks are named from its
+     * mappings, which must be read while it lives (a short-lived process may be gone by the next timer). */
+    u64 flags = GT_RB_NO_WAKEUP;
+    if (*traced == SP_TARGET_NEW) {
+        *traced = SP_TARGET_SAMPLED;
+        flags = SP_RB_FORCE_WAKEUP;
+    }
+    samples.ringbuf_submit(e, flags);
     return 0;
 }
 
@@ -71,7 +79,7 @@ TRACEPOINT_PROBE(task, task_newtask) {
     if (!targets.lookup(&parent))
         return 0;
     u32 child = args->pid;
-    u8 one = 1;
+    u8 one = SP_TARGET_NEW;
     if (targets.update(&child, &one) != 0)
         count_drop(SP_DROP_TARGETS);
     return 0;

@@ -11,6 +11,9 @@
 #define SP_DROP_TARGETS 2 /* targets map full: a new child process is not followed */
 #define SP_LEFT_OUT 3     /* not a loss: processes left out because they gained privileges (GT_OWNER_UID) */
 #define SP_DROP_MAX 4
+#define SP_TARGET_NEW 1     /* targets value: traced, not sampled yet (user space adds pids so) */
+#define SP_TARGET_SAMPLED 2 /* traced, sampled at least once */
+#define SP_RB_FORCE_WAKEUP 2 /* BPF_RB_FORCE_WAKEUP */
 
 struct sp_event {
     u64 ts;  /* CLOCK_MONOTONIC ns */
