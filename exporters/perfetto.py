@@ -34,6 +34,7 @@ from gputrace.errors import UserError
 from gputrace.probes import uring
 from gputrace.records import (
     AgentInfo,
+    AgentThread,
     BlockIO,
     Collective,
     CpuCgroup,
@@ -61,6 +62,7 @@ from gputrace.records import (
     StackSample,
     Syscall,
     ThreadInfo,
+    TracingCost,
 )
 
 from . import ExportResult
@@ -132,6 +134,7 @@ class _Run(Canvas):
         self.skipped: dict[str, int] = {}
         self.not_drawn: dict[str, int] = {}
         self.malformed = 0
+        self.cost_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (source, pid) -> last (ts, cpu_ns)
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
@@ -141,7 +144,7 @@ class _Run(Canvas):
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
             Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
             SourceStatus: self.source_status, Drops: self.drops, CpuThrottle: self.cpu_throttle,
-            CpuCgroup: self.cpu_cgroup,
+            CpuCgroup: self.cpu_cgroup, TracingCost: self.tracing_cost, AgentThread: self.agent_thread,
             StackSample: self.samples.sample, StackFrames: self.samples.frames,
         }
 
@@ -395,6 +398,10 @@ class _Run(Canvas):
         args = {"interpreter": r.interpreter, "cuda": r.cuda_version, "driver": r.driver_version}
         self.instant(self.tracks.thread(r.pid, r.tid), r.ts, f"GPU agent ({r.source})", _CAT["cuda"], args)
 
+    def agent_thread(self, r: AgentThread) -> None:
+        """A thread of the agent in the target, named where it first worked: its time there is the tracing's."""
+        self.instant(self.tracks.thread(r.pid, r.tid), r.ts, f"gputrace agent thread: {r.role}", _CAT["process"], {})
+
     def source_status(self, r: SourceStatus) -> None:
         self.instant(self.meta_track(), r.ts, f"{r.source}: {r.status}", _CAT["process"], {"detail": r.detail})
 
@@ -411,6 +418,17 @@ class _Run(Canvas):
     def cpu_cgroup(self, r: CpuCgroup) -> None:
         what = f"cpu cgroup {r.path or '(none)'}" + (f" (v{r.version})" if r.version else "")
         self.instant(self.meta_track(), r.ts, f"pid {r.pid} in {what}", _CAT["sched"], {"error": r.error})
+
+    def tracing_cost(self, r: TracingCost) -> None:
+        """What tracing cost, per source, as a share of one CPU between two of the capture's cost readings
+        (each second): the counter track beside the job's own."""
+        key = (r.source, r.pid)
+        last, self.cost_seen[key] = self.cost_seen.get(key), (r.ts, r.cpu_ns)
+        if last is None or r.ts <= last[0]:
+            return
+        name = f"gputrace cost: {r.source}" + (f" (pid {r.pid})" if r.pid else "")
+        uuid = self.tracks.counter(("tracing_cost", *key), name, self.meta_track(), "% of a CPU")
+        self.put(pp.counter_event(r.ts, uuid, 100.0 * max(0, r.cpu_ns - last[1]) / (r.ts - last[0])))
 
     def drops(self, r: Drops) -> None:
         uuid = self.tracks.counter(("drops", r.source, r.what), f"drops {r.source}.{r.what}", self.meta_track(), "")

@@ -19,7 +19,7 @@ from gputrace.viewer.terminal import PROCESS_COLUMNS, describe, ended, input_bou
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-th{background:#f3f3f3}.num{text-align:right}.alert{color:#b00;font-weight:bold}.note{color:#960;font-weight:bold}
+th{background:#f3f3f3}.num{text-align:right}.alert{color:#b00;font-weight:bold}.note{color:#960;font-weight:bold}.info{color:#444}
 .bar{display:inline-block;height:10px;background:#c55}
 .bar.throttled{background:#e08a00}.throttled{color:#a55f00;font-weight:bold}
 """
@@ -92,7 +92,8 @@ def cause_cell(cause: Any) -> str:
 def notes(cap: dict[str, Any]) -> list[str]:
     """What the capture could not record: no eBPF, probes the kernel skipped, malformed records, threads still
     waiting at the stop (every one the report lists)."""
-    out = [f"<p class={'alert' if severity == 'alert' else 'note'}>{e(note)}</p>" for severity, note in caveats(cap)]
+    classes = {"alert": "alert", "info": "info"}
+    out = [f"<p class={classes.get(severity, 'note')}>{e(note)}</p>" for severity, note in caveats(cap)]
     waiting = waiting_lines(cap, len(cap.get("in_progress") or []))
     if waiting:
         out.append(f"<p class=note>{e(waiting[0])}</p><ul>"

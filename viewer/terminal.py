@@ -81,7 +81,7 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
     _notes(cap, console)
 
 
-_STYLES = {"warn": "bold yellow", "note": "yellow", "alert": "bold red"}
+_STYLES = {"warn": "bold yellow", "note": "yellow", "alert": "bold red", "info": ""}
 
 
 def _notes(cap: dict[str, Any], console: Console) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 from gputrace.analysis.load import load
 from gputrace.analysis.notes import capture_notes, lost_records
-from gputrace.analysis.overhead import cost_text
 from gputrace.analysis.report import CAUSES, SCHEMA, assemble, holders_text, pid_text
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.capture import CaptureReader
@@ -54,8 +53,6 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if lost:
         lines.append(f"LOST {lost}")
     lines += capture_notes(cap)
-    if "overhead" in cap:
-        lines.append(cost_text(cap["overhead"]))
     if not report["devices"]:
         lines.append("no GPU activity in this capture")
         return lines

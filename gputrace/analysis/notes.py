@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gputrace.analysis.overhead import cost_text
 from gputrace.analysis.timefmt import fmt_ms
 
 
@@ -81,12 +82,23 @@ def cgroup_errors_note(cap: dict[str, Any]) -> str:
             "them stay cpu.runqueue, not checked for CPU quota throttling")
 
 
+def off_note(cap: dict[str, Any]) -> str:
+    off = cap.get("off") or []
+    return (f"note: source families turned off for this capture: {', '.join(off)} (gputrace capture --off); "
+            "what they would have shown is not in it") if off else ""
+
+
+def cost_note(cap: dict[str, Any]) -> str:
+    return cost_text(cap["overhead"]) if "overhead" in cap else ""
+
+
 def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
     """(severity, text) of each caveat the capture has, in summary_lines' order: "warn" (no host side at all),
-    "note", or "alert" (records skipped). The threads still waiting are apart: waiting_lines."""
-    notes = [("warn", no_ebpf_note(cap)), ("note", left_out_note(cap)), ("note", skipped_probes_note(cap)),
-             ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
-             ("alert", malformed_note(cap))]  # fmt: skip
+    "note", "alert" (records skipped) or "info" (what tracing cost). The threads still waiting are apart:
+    waiting_lines."""
+    notes = [("warn", no_ebpf_note(cap)), ("note", off_note(cap)), ("note", left_out_note(cap)),
+             ("note", skipped_probes_note(cap)), ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
+             ("alert", malformed_note(cap)), ("info", cost_note(cap))]  # fmt: skip
     return [(severity, text) for severity, text in notes if text]
 
 

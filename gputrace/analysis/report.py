@@ -112,6 +112,8 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
             out["cpu_cgroup_errors"] = unreadable
     if cap.counts.get("ProcLeftOut"):  # a service capture for a user: processes that gained privileges
         out["left_out"] = cap.counts["ProcLeftOut"]
+    if cap.off:
+        out["off"] = sorted(cap.off)
     overhead = read_overhead(cap.trailer.get("overhead"))
     if overhead is not None:
         out["overhead"] = overhead
