@@ -58,6 +58,7 @@ class Job:
     summary: dict[str, Any] = field(default_factory=dict)
     log: deque[str] = field(default_factory=lambda: deque(maxlen=200))
     stop: threading.Event = field(default_factory=threading.Event)
+    off: frozenset[str] = frozenset()  # source families turned off (gputrace.families)
     done: threading.Event = field(default_factory=threading.Event)
     pidfds: dict[int, int] = field(default_factory=dict, repr=False)  # target pid -> pidfd, closed at the end
     confirmed: bool = False
@@ -116,7 +117,7 @@ class JobTable:
             self._check_name(uid, name, running)
             stage = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self.state_dir / STAGING))
             job = Job(job_id, uid, gid, pids, req["duration_s"], req["min_gap_ms"], name, stage,
-                      pidfds=dict(pidfds or {}))
+                      pidfds=dict(pidfds or {}), off=frozenset(req.get("off", ())))
             self._jobs[job_id] = job
             self._forget_old()
             thread = threading.Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
@@ -177,7 +178,7 @@ class JobTable:
         opts = CaptureOptions(output=job.stage / job.name, pids=job.pids, duration_s=job.duration_s, force=False,
                               min_gap_ms=job.min_gap_ms, progress=False,
                               argv=["gputraced", f"job={job.id}", f"uid={job.uid}", *map(str, job.pids)],
-                              on_tracing=lambda: _confirm_targets(job), owner_uid=job.uid or None)
+                              on_tracing=lambda: _confirm_targets(job), owner_uid=job.uid or None, off=job.off)
         result = run_capture(opts, stop=job.stop, log=note)
         left_out = _left_out(result)
         if left_out:

@@ -23,7 +23,7 @@ MAX_REPLY = 16 << 20
 MAX_PIDS = 64
 PID_MAX = 1 << 22
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}")
-OPS = {"capture": {"pids", "duration_s", "name", "min_gap_ms", "wait"}, "list": set(), "status": set(),
+OPS = {"capture": {"pids", "duration_s", "name", "min_gap_ms", "wait", "off"}, "list": set(), "status": set(),
        "stop": {"job"}}
 
 
@@ -112,7 +112,20 @@ def validate(req: dict[str, Any]) -> dict[str, Any]:
         req["name"] = check_name(req["name"]) if req.get("name") is not None else None
         if not isinstance(req.get("wait", False), bool):
             raise ProtocolError("wait must be true or false")
+        req["off"] = _families(req.get("off", []))
     return req
+
+
+def _families(value: Any) -> list[str]:
+    """Source families to turn off: names gputrace.families knows, at most one of each."""
+    from gputrace.families import FAMILIES
+
+    if not isinstance(value, list) or len(value) > len(FAMILIES) or not all(isinstance(v, str) for v in value):
+        raise ProtocolError("off must be a list of source family names")
+    unknown = sorted(set(value) - FAMILIES.keys())
+    if unknown:
+        raise ProtocolError(f"unknown source family {unknown[0][:40]!r} (one of: {', '.join(FAMILIES)})")
+    return sorted(set(value))
 
 
 def _int(value: Any, what: str, lo: int, hi: int) -> int:

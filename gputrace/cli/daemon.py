@@ -12,6 +12,7 @@ from typing import Any
 
 from gputrace.cli import common
 from gputrace.errors import UserError
+from gputrace.families import parse_off
 
 HELP = "run the gputraced capture service in the foreground, or ask it for a capture"
 ORDER = 70
@@ -48,6 +49,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                      help="how long to capture")
     cap.add_argument("--name", help="file name for the capture (a name, not a path; .gputrace added)")
     common.add_min_gap(cap)
+    cap.add_argument("--off", action="append", default=[], metavar="FAMILY[,FAMILY]",
+                     help="turn a source family off (repeatable; the names and what each costs: "
+                          "gputrace capture --help)")  # fmt: skip
     cap.add_argument("--no-wait", action="store_true", help="return once the capture started")
     stop = sub.add_parser("stop", help="end a running capture job early")
     stop.add_argument("job", type=int, help="the job id (from `gputrace daemon list`)")
@@ -127,7 +131,8 @@ def _capture(args: argparse.Namespace) -> int:
         raise UserError("give the processes to capture with -p/--pid PID")
     common.require_positive("--min-gap-ms", args.min_gap_ms)
     req = {"op": "capture", "pids": args.pid, "duration_s": args.duration, "min_gap_ms": args.min_gap_ms,
-           "wait": not args.no_wait, **({"name": args.name} if args.name else {})}
+           "wait": not args.no_wait, **({"name": args.name} if args.name else {}),
+           **({"off": sorted(parse_off(args.off))} if args.off else {})}
     replies = _Replies(args.socket, req, timeout_s=None if not args.no_wait else 30.0)
     try:
         started = replies.next()
