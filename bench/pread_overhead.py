@@ -1,4 +1,4 @@
-"""What tracing costs a process doing 4 KiB preads from the page cache (the FACTS.md microbenchmark).
+"""What tracing costs a process doing 4 KiB preads from the page cache.
 
     sudo .venv/bin/python bench/pread_overhead.py [--ops N] [--rounds R]
 

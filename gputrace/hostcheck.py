@@ -311,11 +311,39 @@ def check_cuda() -> Check:
     return Check("CUDA driver", OK, "libcuda.so.1 loads")
 
 
-def check_cupti() -> Check:
+CUPTI_PYTHON_MIN = (13, 4)  # 13.0's agent took ~10 ms of a PyTorch step's CPU on an H100 (docs/gpu.md)
+
+
+def check_cupti(version: str | None = None) -> Check:
     if importlib.util.find_spec("cupti") is None:
         return Check("cupti-python", INFO, "not installed: no CUPTI activity from the in-process agent",
                      "pip install 'gputrace[gpu]' (cupti-python) on a GPU host")
-    return Check("cupti-python", OK, "importable")
+    if version is None:
+        version = _dist_version("cupti-python")
+    if _release(version) < CUPTI_PYTHON_MIN:
+        return Check("cupti-python", WARN, f"{version}: the agent costs a PyTorch job far more with it (measured: "
+                     "1.31x a step's time, against +0.4 % with 13.4; docs/gpu.md)",
+                     "pip install 'cupti-python>=13.4' (it brings a matching nvidia-cuda-cupti)")  # fmt: skip
+    return Check("cupti-python", OK, f"importable ({version})")
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source tree on the path)
+        return ""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(13, 4) of "13.4.0"; an unreadable version sorts as new (no warning on a guess)."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        if not piece.isdigit():
+            return (1 << 30,)
+        parts.append(int(piece))
+    return tuple(parts) if parts else (1 << 30,)
 
 
 def check_nvml() -> Check:

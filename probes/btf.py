@@ -1,7 +1,7 @@
 """Struct member offsets of the running kernel, read from its BTF (/sys/kernel/btf/vmlinux).
 
 bcc compiles against whatever kernel headers are installed, which may belong to another kernel (see
-FACTS.md), so `offsetof` there can be wrong for this one. The few fields our raw-tracepoint programs read
+setup.sh), so `offsetof` there can be wrong for this one. The few fields our raw-tracepoint programs read
 (`task_struct.pid`) take their offsets from here instead and go in as cflags. Only the parts of BTF needed
 to walk struct members are decoded; every length is checked, and anything unexpected reads as absent.
 """

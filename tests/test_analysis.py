@@ -1,4 +1,5 @@
-"""Attribution rules of DESIGN §5 on small synthetic captures: records in, expected stalls out."""
+"""Attribution rules (docs/report.md, "How a stall is explained") on small synthetic captures: records in,
+expected stalls out."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -138,3 +139,14 @@ def test_verdict_on_a_gpu_host_without_ebpf_says_what_a_capture_still_records() 
     assert verdict(failed_required(checks), checks).startswith("gputrace capture cannot run here: fix tracefs")
     no_gpu = [c for c in checks if c.name not in ("cupti-python", "NVML")]
     assert verdict(failed_required(no_gpu), no_gpu).startswith("gputrace capture cannot run here")
+
+
+def test_an_old_cupti_python_is_a_warning_that_says_what_it_costs() -> None:
+    from gputrace.hostcheck import WARN, check_cupti
+
+    if importlib.util.find_spec("cupti") is None:  # the check's first question: installed at all
+        assert check_cupti("13.0.1").status == "INFO"
+        return
+    old = check_cupti("13.0.1")
+    assert old.status == WARN and "13.0.1" in old.detail and "cupti-python>=13.4" in old.fix, old
+    assert check_cupti("13.4.0").status == "OK" and check_cupti("14.1").status == "OK"

@@ -31,7 +31,7 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
 
 
 def _capture(tmp_path: Path) -> Path:
-    """A trainer whose GPU waits 30 ms while its DataLoader worker preads a shard (DESIGN §5 rule 3)."""
+    """A trainer whose GPU waits 30 ms while its DataLoader worker preads a shard."""
     b = Builder().proc(TRAINER, "python").device(TRAINER)
     b.op(TRAINER, TRAINER, 0.0, 0.0, 10.0, "step_fwd")
     b.op(TRAINER, TRAINER, 39.95, 40.0, 50.0, "step_bwd")

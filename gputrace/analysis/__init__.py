@@ -1,8 +1,8 @@
-"""Stall attribution: GPU timeline → idle gaps → what each gap waited on (DESIGN §5).
+"""Stall attribution: GPU timeline → idle gaps → what each gap waited on.
 
     from gputrace.analysis import analyze, summary_lines
     with open_capture(path) as reader:
-        report = analyze(reader)          # the gputrace.report/1 dict of DESIGN §6
+        report = analyze(reader)          # the gputrace.report/1 dict (docs/report.md)
     print("\\n".join(summary_lines(report)))
 """
 

@@ -1,4 +1,5 @@
-"""From a stall to its cause (DESIGN §5): the op that ended it, its launch, then the launching thread's time."""
+"""From a stall to its cause: the op that ended it, its launch, then the launching thread's time (docs/report.md,
+"How a stall is explained")."""
 
 from __future__ import annotations
 

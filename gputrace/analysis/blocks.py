@@ -1,4 +1,4 @@
-"""Which block requests a storage syscall waited on (DESIGN §5, rule 2).
+"""Which block requests a storage syscall waited on.
 
 Requests the calling thread submitted inside the call are its own: ``submitted``. A read whose bios were
 held back by blk-throttle or io.max has none: a kernel worker dispatches them later (the eBPF source

@@ -1,4 +1,4 @@
-"""Explain a window of one thread's time (DESIGN §5, rules 1-3): where did [a, b) go on thread T?
+"""Explain a window of one thread's time: where did [a, b) go on thread T?
 
 The answer is a list of parts that together cover the window: on CPU, in the run queue, blocked in a syscall
 on a file / socket / sleep / GPU sync, or waiting for another task — in which case the wakeup edge is

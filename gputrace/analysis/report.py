@@ -1,4 +1,4 @@
-"""The `gputrace.report/1` dict (DESIGN §6) and the figures derived from it."""
+"""The `gputrace.report/1` dict (docs/report.md, the JSON contract) and the figures derived from it."""
 
 from __future__ import annotations
 

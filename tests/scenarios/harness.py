@@ -22,7 +22,7 @@ WORKLOAD = HERE / "workload.py"
 WRONG_CULPRIT_MIN_NS = 5_000_000
 OBJECT_CAUSES = ("storage", "network")  # their culprit is an object (path, peer); the others' a process
 
-# Targets the CI asserts (issue 4). One exception: in `contention` a stall is sometimes scored short when
+# Targets the CI asserts. One exception: in `contention` a stall is sometimes scored short when
 # the trainer's wait for a CPU is explained as `sync` or `sleep` (where the truth says `cpu.runqueue`).
 # With raw scheduler hooks and wakeups that race the switch kept (docs/probes.md), 36 repeated runs on the
 # 2-core VM: 33 at 100 %, misses at 97.0 and 92.0 % (the third's score was not kept). CI asserts 80 % for

@@ -2,7 +2,7 @@
 storage (throttled loop device), a FUSE filesystem, a slow TCP peer, CPU work and contention, a late rank
 and sleeps, captured with `run_capture` (real eBPF + the agent) and scored against what was constructed.
 
-Targets (issue 4): >= 95 % of stall time with the right cause and culprit, <= 5 % unknown, and no stall of
+Targets: >= 95 % of stall time with the right cause and culprit, <= 5 % unknown, and no stall of
 5 ms or more that names a wrong culprit.
 """
 
