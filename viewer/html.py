@@ -22,9 +22,10 @@ table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:
 th{background:#f3f3f3}.num{text-align:right}.alert{color:#b00;font-weight:bold}.note{color:#960;font-weight:bold}.info{color:#444}
 .bar{display:inline-block;height:10px;background:#c55}
 .bar.throttled{background:#e08a00}.throttled{color:#a55f00;font-weight:bold}
+.bar.tracing{background:#8a8a8a}.tracing{color:#555;font-style:italic}
 """
 # Causes shown in a colour of their own: a CPU limit (a container's quota) is a setting to change, not load
-CAUSE_CLASS = {"cpu.throttled": "throttled"}
+CAUSE_CLASS = {"cpu.throttled": "throttled", "tracing": "tracing"}  # tracing: the tool's own cost, greyed
 
 
 def e(x: Any) -> str:
