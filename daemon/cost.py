@@ -79,11 +79,9 @@ class CostMeter:
 
     def _record(self, now: int) -> None:
         rows = [TracingCost(now, "session", time.process_time_ns() - self.cpu0)]
-        if self.stats.on:
-            for source, runs in self._programs().items():
-                rows.append(TracingCost(now, source, sum(ns for _, ns in runs.values()),
-                                        sum(n for n, _ in runs.values())))  # fmt: skip
         self.programs = self._programs() if self.stats.on else {}
+        for source, runs in self.programs.items():
+            rows.append(TracingCost(now, source, sum(ns for _, ns in runs.values()), sum(n for n, _ in runs.values())))
         agents = self.agents.cpu_ns() if self.agents is not None else {}
         rows += [TracingCost(now, "agent", ns, 0, pid) for pid, ns in sorted(agents.items())]
         self.last = rows
