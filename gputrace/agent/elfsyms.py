@@ -11,7 +11,6 @@ the maps line gives), read with bounds on every size, and its values are used on
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
@@ -172,21 +171,28 @@ def _lookup(pid: int, mapped: list[Mapping], names: set[str], *, is_exe: bool) -
 
 def _open_mapped(pid: int, m: Mapping, *, is_exe: bool) -> int:
     """The file mapped at ``m``, opened read-only: /proc/PID/exe for the executable (the kernel's own
-    reference to it), else the path inside the process's root, accepted only if it is the inode mapped (a
-    link or another file put at that path in a container would otherwise make us read a file of ours)."""
+    reference to it), else its path inside the process's root, accepted only if it is the inode mapped (a
+    link or another file put at that path in a container would otherwise make us read a file of ours).
+
+    The maps name a file of another mount namespace by its path from that namespace's mount, which need not
+    be the path the process sees (a container's root mounted at /tmp/x/root shows as /tmp/x/root/usr/lib/...):
+    so shorter and shorter tails of the path are tried, inside its root, until one is the very file."""
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-    path = f"/proc/{int(pid)}/exe" if is_exe else str(Path(f"/proc/{int(pid)}/root") / m.path.lstrip("/"))
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        raise UserError(f"pid {pid}: cannot read {m.path}: {e.strerror}") from None
-    st = os.fstat(fd)
-    if not is_exe and (st.st_ino != m.inode or not _regular(st.st_mode)):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        raise UserError(f"pid {pid}: {m.path} at that path is not the file it has mapped; cannot look up its symbols")
-    return fd
+    if is_exe:
+        try:
+            return os.open(f"/proc/{int(pid)}/exe", flags)
+        except OSError as e:
+            raise UserError(f"pid {pid}: cannot read {m.path}: {e.strerror}") from None
+    parts = [p for p in m.path.split("/") if p][:64]
+    for i in range(len(parts)):
+        try:
+            fd = os.open(Path(f"/proc/{int(pid)}/root", *parts[i:]), flags)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if st.st_ino == m.inode and stat.S_ISREG(st.st_mode):
+            return fd
+        os.close(fd)
+    raise UserError(f"pid {pid}: {m.path} is not found as the file it has mapped; cannot look up its symbols")
 
 
-def _regular(mode: int) -> bool:
-    return stat.S_ISREG(mode)

@@ -276,7 +276,9 @@ class _Tracer:
         except Failed as e:
             failure = e
         except OSError as e:
-            failure = Failed("exited" if e.errno == 3 else "call", f"pid {self.tid}: {e.strerror}")
+            gone = e.errno == 3  # ESRCH: the thread is no longer there to trace
+            failure = Failed("exited", f"pid {self.tid} exited during the attach") if gone else Failed(
+                "call", f"pid {self.tid}: {e.strerror}")
         finally:
             self._restore(saved, fp)
         pause = (time.monotonic() - t0) * 1000
