@@ -329,3 +329,31 @@ def test_a_python_3_11_in_its_own_pid_and_mount_namespace(tmp_path: Path, reques
     recs = h.finish()
     assert not h.server.rejections
     assert {k.pid for k in of(recs, "GpuKernel")} == {host_pid}  # the host's pid, not 1
+
+
+# ------------------------------------------------------------------------------------ service ---
+def test_sandboxed_service_attaches_a_users_python_3_11(request: pytest.FixtureRequest) -> None:
+    """gputraced in an emulation of its unit's sandbox (no CAP_SYS_ADMIN), asked by uid 65534 for its own
+    unarmed python3.11: the ptrace helper runs as that user, in the service's namespaces."""
+    from test_agent_sandbox import NOBODY as AS_NOBODY
+    from test_agent_sandbox import SANDBOXED, Host
+
+    host = Host()
+    request.addfinalizer(host.close)
+    sock, state = host.rw / "gputraced.sock", host.rw / "state"
+    host.start(*SANDBOXED, str(host.rw), str(ROOT), "sh", "-c", 'echo started; exec "$@"', "sh", sys.executable,
+               "-m", "gputrace", "daemon", "--socket", str(sock), "--state-dir", str(state))
+    wait_for(sock.exists, timeout_s=30, what="gputraced's socket")
+    code = ("import os, time\nfrom gputrace.sim import Device\ns = Device(0).stream()\nprint(os.getpid(), flush=True)\n"
+            "while True:\n    s.launch('step', duration_ms=5); s.synchronize(); time.sleep(0.005)\n")
+    _, line = host.start(*AS_NOBODY, str(PY311), "-c", code, env={**host.env, "PYTHONPATH": str(ROOT)})
+    pid = int(line)
+    r = host.run(*AS_NOBODY, sys.executable, "-m", "gputrace", "daemon", "capture", "-p", str(pid), "-d", "3",
+                 "--name", "py311", "--json", "--socket", str(sock))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["job"]["state"] == "done"
+    with CaptureReader(state / "65534" / "py311.gputrace") as reader:
+        kernels = of(list(reader.records()), "GpuKernel")
+        trailer = reader.trailer
+    assert len(kernels) > 20 and {k.name for k in kernels} == {"step"}
+    assert trailer is not None and trailer["attached"][0]["method"] == "ptrace"
