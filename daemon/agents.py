@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputrace import clock
 from gputrace.agent import arming, validate, wire
@@ -46,6 +46,9 @@ from gputrace.source import Sink
 
 from .agents_peer import Peer
 from .service_caps import peer_credentials, peer_pidfd
+
+if TYPE_CHECKING:
+    from gputrace.agent.inject import Injection
 
 log = logging.getLogger("gputrace.agents")
 
@@ -122,6 +125,7 @@ class AgentServer:
         self._withdrawn: list[Listener] = []  # closed by the server thread, which owns the selector
         self._stopped_offers = False  # all offers withdrawn: the session is ending, none is made any more
         self.injected: dict[int, Path] = {}  # pid -> the script its interpreter was told to run
+        self.injections: dict[int, Injection] = {}  # pid -> how (and, for ptrace, the target's pause)
         self.kept_scripts: dict[int, Path] = {}  # scripts left in place at the end (see keep_unrun_scripts)
         self._listener_ino = 0
         self._new_listeners: list[socket.socket] = []
@@ -201,42 +205,42 @@ class AgentServer:
             return
         self._wake()
 
-    def attach(self, pid: int) -> str:
-        """Reach ``pid``'s agent however it can be done: "offered" to an armed process, else "injected".
-
-        Raises UserError with the reason when neither works (an unarmed Python older than 3.14, ...).
-        """
-        if arming.is_armed(pid):
+    def attach(self, pid: int, method: str | None = None) -> str:
+        """Reach ``pid``'s agent however it can be done: "offered" to an armed process, else "injected"
+        (``sys.remote_exec`` on Python >= 3.14, ptrace on 3.9 to 3.13, or ``method`` when given; the way
+        taken, and the pause of a ptrace attach, are in ``injections[pid]``). Raises UserError with the reason
+        when neither works."""
+        if method is None and arming.is_armed(pid):
             self.offer(pid)
             return "offered"
-        self.inject(pid)
+        self.inject(pid, method)
         return "injected"
 
-    def inject(self, pid: int) -> Path:
-        """Load the agent into a running, unarmed Python >= 3.14 (UserError saying why when impossible).
+    def inject(self, pid: int, method: str | None = None) -> Injection:
+        """Load the agent into a running, unarmed Python >= 3.9 (UserError saying why when impossible).
 
         A process that sees another filesystem than ours cannot see our socket or files: a container's, or
         a host process seen from gputraced (its /tmp, where the session's socket is, is private). It gets a
         socket of its own in its attach dir as it sees it, made through /proc/PID/root as offers are (so in
         the host's /run/gputrace/attach, though the service sees / read-only), and the script beside it (both
         removed when the session ends). Whether its namespaces are entered is another question, the helper's
-        (gputrace.agent.nsexec: a container's are, the host's are not)."""
+        (gputrace.agent.nsexec: a container's are, the host's are not; the ptrace helper enters none)."""
         from gputrace.agent.inject import inject, script_name
 
         if not foreign_root(pid):
-            script = inject(pid, str(self.sock_path))
-            self.injected[pid] = script
-            return script
-        offer = self._make_offer(pid)
-        offer.files.append(script_name(PeerIds(int(pid)).own_pid))
-        try:
-            script = inject(pid, str(offer.path_inside), offer.dir_fd, owner_for(pid))
-        except BaseException:
-            offer.close()
-            raise
-        self._add_offer(offer)
-        self.injected[pid] = script
-        return script
+            done = inject(pid, str(self.sock_path), method=method)
+        else:
+            offer = self._make_offer(pid)
+            offer.files.append(script_name(PeerIds(int(pid)).own_pid))
+            try:
+                done = inject(pid, str(offer.path_inside), offer.dir_fd, owner_for(pid), method=method)
+            except BaseException:
+                offer.close()
+                raise
+            self._add_offer(offer)
+        self.injected[pid] = done.script
+        self.injections[pid] = done
+        return done
 
     def keep_unrun_scripts(self) -> None:
         """An injected agent that never said hello: its interpreter still holds the sys.remote_exec request,

@@ -288,7 +288,8 @@ class _Session:
         try:
             how = self.agents.attach(pid)
             self.attached[pid] = how
-            self.notes.append(f"gputrace: GPU agent of pid {pid}: {how}")
+            done = self.agents.injections.get(pid) if how == "injected" else None
+            self.notes.append(f"gputrace: GPU agent of pid {pid}: {done.describe() if done else how}")
         except UserError as e:
             self._status("agent", "degraded", f"pid {pid}: {e}")
             self.notes.append(f"gputrace: pid {pid}: no GPU agent ({e}); its GPU work is not traced")
@@ -377,6 +378,8 @@ class _Session:
             "sources": {s.source: [s.status, s.detail] for s in self.statuses},
             "skipped": self._skipped(),
         }
+        if self.attached and self.agents is not None:
+            trailer["attached"] = self._attached_summary()
         if self.cost is not None:
             trailer["overhead"] = self.cost.summary(self._source_counts("events"), self._source_counts("wakeups"))
         self.drops = drops
@@ -391,6 +394,19 @@ class _Session:
         self.drops = self._drops()
         return Path(str(e.path))
 
+    def _attached_summary(self) -> list[dict[str, Any]]:
+        """Each explicit target's agent: how it was reached, the way an injection went and the target's pause."""
+        out: list[dict[str, Any]] = []
+        for pid, how in sorted(self.attached.items()):
+            row: dict[str, Any] = {"pid": pid, "how": how}
+            done = self.agents.injections.get(pid)
+            if how == "injected" and done is not None:
+                row["method"] = done.method
+                if done.pause_ms is not None:
+                    row["pause_ms"] = round(done.pause_ms, 3)
+            out.append(row)
+        return out
+
     def _agents_never_heard(self) -> None:
         """Say so when an agent we injected or offered never connected: no GPU records is then no news."""
         heard = self.agents.heard_from() if self.attached else set()
@@ -398,7 +414,9 @@ class _Session:
             if pid in heard:
                 continue
             if how == "injected":
-                why = ("sys.remote_exec runs the agent when the process's main thread next runs Python code, "
+                done = self.agents.injections.get(pid)
+                way = "the pending call" if done is not None and done.method == "ptrace" else "sys.remote_exec"
+                why = (f"{way} runs the agent when the process's main thread next runs Python code, "
                        "and it ran none during the capture (blocked in a call that does not return to Python?)")
                 kept = self.agents.kept_scripts.get(pid)
                 if kept is not None:

@@ -1,4 +1,6 @@
-"""Attach the agent to a running, unarmed Python process with ``sys.remote_exec`` (Python >= 3.14).
+"""Attach the agent to a running, unarmed Python process: with ``sys.remote_exec`` (Python >= 3.14), or with
+a ptrace injector of ours and ``Py_AddPendingCall`` (Python 3.9 to 3.13: gputrace.agent.pyattach). Both
+run the same script.
 
 ``sys.remote_exec`` only works between interpreters of the same version, so the call is made by the
 target's own interpreter (its /proc/PID/exe), in a helper process. That file is the target owner's (or a
@@ -27,9 +29,10 @@ import re
 import signal
 import subprocess
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
-from gputrace.agent import nsexec
+from gputrace.agent import nsexec, pyattach
 from gputrace.agent.listen import as_owner, container_root, in_container, own_namespace
 from gputrace.agent.nsexec import trusted_binary
 from gputrace.agent.pidns import PeerIds
@@ -37,29 +40,66 @@ from gputrace.caps import CAP_SYS_ADMIN, CAP_SYS_PTRACE, has_cap
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.probes import procfs
 
-MIN_VERSION = (3, 14)
+MIN_VERSION = (3, 14)  # sys.remote_exec; older interpreters (from pyattach.MIN_VERSION) through ptrace
 HELPER_TIMEOUT_S = 10.0
 _VERSION_RE = re.compile(r"python(\d+)\.(\d+)")
+METHODS = ("sys.remote_exec", "ptrace")
 
 
-def inject(pid: int, sock_path: str, dir_fd: int | None = None, owner: tuple[int, int] | None = None) -> Path:
-    """Make ``pid`` run the agent and connect to ``sock_path`` (as it sees that path); returns the script it
-    was given, which lies beside the socket (in ``dir_fd`` when the caller made the socket in a container,
-    made as ``owner`` where that must be: listen.owner_for), so the session's cleanup removes it with the socket.
-    """
+@dataclass(frozen=True)
+class Injection:
+    """How the agent was sent: the script the target was told to run (as the target sees it), the way
+    ("sys.remote_exec" or "ptrace") and, for ptrace, how long the target's main thread was stopped (ms)."""
+
+    script: Path
+    method: str
+    pause_ms: float | None = None
+
+    def describe(self) -> str:
+        if self.pause_ms is None:
+            return f"injected ({self.method})"
+        return f"injected (ptrace, Py_AddPendingCall; its main thread was stopped {self.pause_ms:.1f} ms)"
+
+
+def inject(pid: int, sock_path: str, dir_fd: int | None = None, owner: tuple[int, int] | None = None,
+           method: str | None = None) -> Injection:
+    """Make ``pid`` run the agent and connect to ``sock_path`` (as it sees that path). The script it is given
+    lies beside the socket (in ``dir_fd`` when the caller made the socket in a container, made as ``owner``
+    where that must be: listen.owner_for), so the session's cleanup removes it with the socket.
+
+    ``method``: "sys.remote_exec" (Python >= 3.14) or "ptrace" (Python >= 3.9); by default the first the
+    interpreter has. Everything that would make it fail is checked before anything is written."""
     exe = target_exe(pid)
     version = python_version(pid, exe)
+    if method is None:
+        method = "sys.remote_exec" if version >= MIN_VERSION else "ptrace"
+    if method not in METHODS:
+        raise UserError(f"unknown way to inject the agent: {method!r} (one of {', '.join(METHODS)})")
+    if method == "ptrace":
+        return _inject_ptrace(pid, exe, version, sock_path, dir_fd, owner)
     if version < MIN_VERSION:
         raise UserError(
-            f"pid {pid} runs Python {version[0]}.{version[1]} ({exe}); attaching to a running process needs "
-            f"Python >= 3.14 (sys.remote_exec). Start it armed instead: see `gputrace env`"
+            f"pid {pid} runs Python {version[0]}.{version[1]} ({exe}); sys.remote_exec needs Python >= 3.14"
         )
     check_remote_debug_allowed(pid)
     check_ptrace_permission(pid, exe)
     with as_owner(owner):
         script = write_script(PeerIds(int(pid)).own_pid, sock_path, dir_fd)
     run_helper(exe, pid, script)
-    return script
+    return Injection(script, "sys.remote_exec")
+
+
+def _inject_ptrace(pid: int, exe: str, version: tuple[int, int], sock_path: str, dir_fd: int | None,
+                   owner: tuple[int, int] | None) -> Injection:
+    if version < pyattach.MIN_VERSION:
+        low = pyattach.MIN_VERSION
+        raise UserError(f"pid {pid} runs Python {version[0]}.{version[1]} ({exe}); attaching to a running process "
+                        f"needs Python >= {low[0]}.{low[1]}. Start it armed instead: see `gputrace env`")
+    ptrace = pyattach.check(pid)
+    with as_owner(owner):
+        script = write_script(PeerIds(int(pid)).own_pid, sock_path, dir_fd)
+    result = pyattach.run(pid, script, ptrace=ptrace)
+    return Injection(script, "ptrace", result.pause_ms)
 
 
 def target_exe(pid: int) -> str:

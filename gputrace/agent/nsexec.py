@@ -22,10 +22,12 @@ namespace, and the target's interpreter and the libraries it maps, at the same p
 checks the interpreter first). Where pid 1's namespaces cannot be read, any namespace unlike ours is a
 container's, as before: the helper tries to enter it and needs CAP_SYS_ADMIN for that.
 
-``main`` is run with ``PID [--ptrace] -- ARGV...`` by a fresh interpreter of ours (``argv_for``)
+``main`` is run with ``PID [--ptrace] [--stay] -- ARGV...`` by a fresh interpreter of ours (``argv_for``)
 (setns, chroot and fork have no place in a multi-threaded daemon). ARGV[0] ``@exe`` means the target's
 executable itself, opened before entering anything. ``--ptrace`` adds CAP_SYS_PTRACE (for a Yama ptrace
-scope >= 1), which the caller grants only to a root-owned interpreter of the host (``trusted_binary``).
+scope >= 1), which the caller grants only to a root-owned program of the host (``trusted_binary``).
+``--stay`` enters nothing: the program (our ptrace helper, gputrace.agent.pyattach) runs in our namespaces
+and root with the target's credentials alone.
 Exit status: the program's, or 125 with one line on stderr when it could not be started.
 """
 
@@ -117,11 +119,14 @@ def trusted_binary(path: str) -> bool:
     return True
 
 
-def argv_for(pid: int, argv: list[str], *, ptrace: bool = False) -> list[str]:
-    """The command line that runs ``argv`` as ``pid`` would (see the module's docstring)."""
+def argv_for(pid: int, argv: list[str], *, ptrace: bool = False, stay: bool = False) -> list[str]:
+    """The command line that runs ``argv`` as ``pid`` would (see the module's docstring). ``stay``: with its
+    credentials only, in our namespaces and root (a program of ours that needs none of the target's
+    files and must find its own)."""
     home = str(Path(__file__).resolve().parents[2])
     boot = f"import sys; sys.path.insert(0, {home!r}); from gputrace.agent.nsexec import main; sys.exit(main())"
-    return [sys.executable, "-I", "-c", boot, str(int(pid)), *(["--ptrace"] if ptrace else []), "--", *argv]
+    flags = [*(["--ptrace"] if ptrace else []), *(["--stay"] if stay else [])]
+    return [sys.executable, "-I", "-c", boot, str(int(pid)), *flags, "--", *argv]
 
 
 # ---------------------------------------------------------------------------------- the launcher ---
@@ -130,13 +135,13 @@ def main(args: list[str] | None = None) -> int:
     try:
         sep = args.index("--")
         pid, flags, argv = int(args[0]), args[1:sep], args[sep + 1:]
-        if not argv or set(flags) - {"--ptrace"}:
+        if not argv or set(flags) - {"--ptrace", "--stay"}:
             raise ValueError
     except (ValueError, IndexError):
-        print("usage: python -m gputrace.agent.nsexec PID [--ptrace] -- ARGV...", file=sys.stderr)
+        print("usage: python -m gputrace.agent.nsexec PID [--ptrace] [--stay] -- ARGV...", file=sys.stderr)
         return 2
     try:
-        return _launch(pid, argv, ptrace="--ptrace" in flags)
+        return _launch(pid, argv, ptrace="--ptrace" in flags, stay="--stay" in flags)
     except OSError as e:
         print(f"gputrace: cannot run {_what(argv)} as pid {pid}: {e.strerror or e}", file=sys.stderr)
         return LAUNCH_FAILED
@@ -146,12 +151,13 @@ def _what(argv: list[str]) -> str:
     return "its interpreter" if argv[0] == "@exe" else argv[0]
 
 
-def _launch(pid: int, argv: list[str], *, ptrace: bool) -> int:
+def _launch(pid: int, argv: list[str], *, ptrace: bool, stay: bool = False) -> int:
     proc = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # this process, not a later one
     theirs = credentials(proc).limited_to(Credentials.parse(Path("/proc/self/status").read_text()))
-    names = [n for n in NAMESPACES if container_namespace(n, proc)]
-    chroot = "mnt" in names or container_root(proc)  # asked before anything is entered
-    if container_namespace("user", proc):
+    # Staying, its ids are the ones our namespace gives it (a rootless container's user as the host names it).
+    names = [] if stay else [n for n in NAMESPACES if container_namespace(n, proc)]
+    chroot = not stay and ("mnt" in names or container_root(proc))  # asked before anything is entered
+    if not stay and container_namespace("user", proc):
         # A rootless container: its ids are given in its own terms once we are in its user namespace.
         theirs = theirs.inside(_id_map(proc, "uid_map"), _id_map(proc, "gid_map"))
         names.append("user")  # last: entering the others needs our own privileges

@@ -119,6 +119,7 @@ class Capture:
     pids: set[int] = field(default_factory=set)
     gil_pids: set[int] = field(default_factory=set)  # processes running an interpreter with a global lock
     agent_threads: dict[int, str] = field(default_factory=dict)  # tid -> its role in an in-process agent
+    agent_from: dict[int, int] = field(default_factory=dict)  # pid -> when its agent said hello (device timing)
     kernel_pids: set[int] = field(default_factory=set)  # processes the kernel source watched
     kernel_seen: bool = False  # whether a kernel (eBPF) source contributed at all
     off: frozenset[str] = frozenset()  # source families the capture ran without (gputrace.families)
@@ -316,6 +317,9 @@ def _interpreter(ld: _Loader, pid: int, exe: Any) -> None:
 
 
 def _agent(ld: _Loader, r: AgentInfo) -> None:
+    if type(r.ts) is int and type(r.pid) is int and r.ts > 0:
+        first = ld.cap.agent_from.get(r.pid)
+        ld.cap.agent_from[r.pid] = r.ts if first is None else min(first, r.ts)
     if type(r.interpreter) is str and r.interpreter.startswith(_GIL_AGENT) and type(r.pid) is int:
         ld.cap.gil_pids.add(r.pid)
 

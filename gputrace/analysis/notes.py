@@ -92,13 +92,26 @@ def cost_note(cap: dict[str, Any]) -> str:
     return cost_text(cap["overhead"]) if "overhead" in cap else ""
 
 
+def device_timing_note(cap: dict[str, Any]) -> str:
+    """Device timing that began after the capture did (an agent injected into a running process): what came
+    before on the GPU is not in the capture, and no stall is found there."""
+    start, late = cap.get("start_ns"), cap.get("device_timing_from_ns")
+    if type(start) is not int or type(late) is not int or late - start < 1_000_000:
+        return ""
+    how = ", ".join(f"pid {r['pid']} {r.get('method') or r.get('how')}"
+                    + (f", paused {r['pause_ms']:.1f} ms" if "pause_ms" in r else "")
+                    for r in cap.get("attached", []) if isinstance(r, dict))
+    return (f"note: device timing from +{(late - start) / 1e6:.1f} ms (when the GPU agent started"
+            + (f": {how}" if how else "") + "); GPU work before that is not in the capture")
+
+
 def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
     """(severity, text) of each caveat the capture has, in summary_lines' order: "warn" (no host side at all),
     "note", "alert" (records skipped) or "info" (what tracing cost). The threads still waiting are apart:
     waiting_lines."""
     notes = [("warn", no_ebpf_note(cap)), ("note", off_note(cap)), ("note", left_out_note(cap)),
              ("note", skipped_probes_note(cap)), ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
-             ("alert", malformed_note(cap)), ("info", cost_note(cap))]  # fmt: skip
+             ("note", device_timing_note(cap)), ("alert", malformed_note(cap)), ("info", cost_note(cap))]  # fmt: skip
     return [(severity, text) for severity, text in notes if text]
 
 

@@ -117,6 +117,27 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
     overhead = read_overhead(cap.trailer.get("overhead"))
     if overhead is not None:
         out["overhead"] = overhead
+    if cap.agent_from:  # GPU agents report device work from their hello on, not before (one attached late)
+        out["device_timing_from_ns"] = min(cap.agent_from.values())
+        out["device_timing_from"] = [{"pid": p, "ns": ns} for p, ns in sorted(cap.agent_from.items())]
+    attached = _attached(cap.trailer.get("attached"))
+    if attached:
+        out["attached"] = attached
+    return out
+
+
+def _attached(rows: Any) -> list[dict[str, Any]]:
+    """The session's explicit targets and how each got its agent (a file's values: checked, never trusted)."""
+    out: list[dict[str, Any]] = []
+    for r in rows[:64] if isinstance(rows, list) else []:
+        if not isinstance(r, dict) or type(r.get("pid")) is not int:
+            continue
+        row: dict[str, Any] = {"pid": r["pid"], "how": str(r.get("how", ""))[:20]}
+        if "method" in r:
+            row["method"] = str(r["method"])[:20]
+        if type(r.get("pause_ms")) in (int, float):
+            row["pause_ms"] = float(r["pause_ms"])
+        out.append(row)
     return out
 
 
