@@ -37,7 +37,8 @@ def job(tmp: Path, *, skew_ms: float = 0.0, header_ms: float = 0.0, comm_b: str 
         a.collective(PID, ca, "all_reduce", k + 1, 0, 2, comm="c0ffee")
         b.collective(PID, cb, "all_reduce", k + 1, 1, 2, comm=comm_b)
     return [a.write(tmp / "a.gputrace", header={"host": "host-a", "mono_to_realtime_ns": REALTIME}),
-            b.write(tmp / "b.gputrace", header={"host": "host-b", "mono_to_realtime_ns": REALTIME + int(header_ms * MS)})]
+            b.write(tmp / "b.gputrace",
+                    header={"host": "host-b", "mono_to_realtime_ns": REALTIME + int(header_ms * MS)})]
 
 
 def joined(paths: list[Path]) -> dict[str, Any]:
