@@ -454,6 +454,12 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
             attrs[f"gputrace.culprit.{key}"] = value
         elif key == "cpu_held_by" and isinstance(value, list) and value:
             attrs["gputrace.culprit.cpu_held_by"] = holders_text(value)
+    late = stall.get("late_rank")
+    if isinstance(late, dict):  # why the rank this collective stall waited for was late, on its own host
+        attrs["gputrace.late_rank.cause"] = str(late.get("cause", ""))
+        for key, value in (late.get("culprit") or {}).items():
+            if isinstance(value, (str, bool, int, float)):
+                attrs[f"gputrace.late_rank.culprit.{key}"] = value
     span = tracer.start_span(f"gpu.stall {cause}", context=ctx, attributes=attrs,
                              start_time=clock.to_realtime_ns(int(stall["start_ns"]), offset))
     child_ctx = trace.set_span_in_context(span)
