@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,6 @@ def blkio_group(majmin: str, bps: int) -> Iterator[str]:
                 g.rmdir()
                 break
             except OSError:
-                import time
-
                 time.sleep(0.02)
 
 

@@ -35,6 +35,7 @@ from gputrace.analysis.timeline import InstanceKey, Remote, instances
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
 
+UNCERTAINTY_QUANTILE = 0.8  # of the shared instances' deviations from the median correction
 MIN_ANCHORS = 3  # shared collective instances needed before their completions correct the headers' alignment
 MAX_CAPTURES = 4096
 MAX_TOP = 10
@@ -147,7 +148,10 @@ def _align(caps: list[Capture], names: Sequence[str], jobs: list[list[int]],
             base = out[anchor].shift_ns - a.header_shift_ns
             residuals = sorted(ends[anchor][k] + base - ends[i][k] for k in shared)
             a.correction_ns = int(median(residuals))
-            a.uncertainty_ns = int(max(abs(r - a.correction_ns) for r in residuals))
+            # the deviation most instances stay within: a completion seen late on one rank (its completion
+            # signal waited for a CPU) says nothing of the clocks, and one such outlier must not unjoin a job
+            deviations = sorted(abs(r - a.correction_ns) for r in residuals)
+            a.uncertainty_ns = int(deviations[int(UNCERTAINTY_QUANTILE * (len(deviations) - 1))])
             if abs(a.correction_ns) >= min_gap_ns:
                 a.notes.append(f"its clock and {names[anchor]}'s disagree by {fmt_ms(abs(a.correction_ns))} beyond "
                                "their headers' offsets (collectives complete together on every rank): aligned by "
