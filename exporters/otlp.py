@@ -2,8 +2,16 @@
 
 One trace per capture: a root span ``gputrace capture`` over the capture window, a child span
 ``gpu.stall <cause>`` per stall, and under each stall a child span per piece of evidence (the syscall,
-block request, off-CPU wait or wakeup that explains it). Times go out as epoch ns, converted with the
-capture header's monotonic->realtime offset through gputrace.clock.
+block request, off-CPU wait or wakeup that explains it).
+
+And one trace per collective instance, shared by every rank of the job on every host: its trace id is derived
+from the communicator id and the sequence number alone (``collective_trace_id``), so each host's capture,
+exported on its own, adds its ranks' spans ``collective <op> #<seq>`` to the same trace in the backend: no
+coordinator joins them. A rank's span runs from its arrival (its kernel's start) to the collective's
+completion, and carries the stall its arrival ended: why that rank got there when it did.
+
+Times go out as epoch ns, converted with the capture header's monotonic->realtime offset through
+gputrace.clock.
 
 Spans are recorded with the OpenTelemetry SDK and handed to the OTLP exporter here, batch by batch, instead
 of through a BatchSpanProcessor (which drops spans when its queue is full and only logs it): every span a
@@ -15,6 +23,7 @@ response).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -30,6 +39,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from gputrace import __version__, clock
 from gputrace.analysis.devices import SHARED, ReportDevices
@@ -238,7 +248,41 @@ def failure_detail(errors: Sequence[str]) -> str:
 
 def count_spans(report: dict[str, Any]) -> int:
     stalls = report.get("stalls", [])
-    return 1 + len(stalls) + sum(len(s.get("evidence", [])) for s in stalls)
+    return 1 + len(stalls) + sum(len(s.get("evidence", [])) for s in stalls) + len(_joinable(report))
+
+
+def _joinable(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's collective rows with an identity other hosts share (a communicator id)."""
+    return [r for r in report.get("collectives", []) if isinstance(r, dict) and r.get("comm")]
+
+
+def _digest(*parts: object) -> bytes:
+    return hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8", "replace")).digest()
+
+
+def collective_trace_id(comm: str, seq: int) -> int:
+    """The trace id of one collective instance: the same on every host that exports a rank of it."""
+    return int.from_bytes(_digest("gputrace.collective", comm, seq)[:16], "big") or 1
+
+
+def _rank_span_id(row: dict[str, Any]) -> int:
+    """A rank's span id, from what names it: exporting the same capture again gives the same span."""
+    return int.from_bytes(_digest(row.get("comm"), row.get("seq"), row.get("host"), row.get("pid"),
+                                  row.get("rank"), row.get("device"))[:8], "big") or 1
+
+
+class _Ids(IdGenerator):
+    """Random ids, except for the span started while ``fixed`` holds (trace id, span id)."""
+
+    def __init__(self) -> None:
+        self.fixed: tuple[int, int] | None = None
+        self._random = RandomIdGenerator()
+
+    def generate_trace_id(self) -> int:
+        return self.fixed[0] if self.fixed else self._random.generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        return self.fixed[1] if self.fixed else self._random.generate_span_id()
 
 
 class _BatchShipper(SpanProcessor):
@@ -317,7 +361,8 @@ def resource_for(report: dict[str, Any], header: dict[str, Any]) -> Resource:
 
 def record_spans(report: dict[str, Any], header: dict[str, Any], processor: SpanProcessor) -> None:
     """Record the capture's spans; each ends into ``processor``."""
-    provider = TracerProvider(resource=resource_for(report, header), shutdown_on_exit=False)
+    ids = _Ids()
+    provider = TracerProvider(resource=resource_for(report, header), shutdown_on_exit=False, id_generator=ids)
     provider.add_span_processor(processor)
     tracer = provider.get_tracer("gputrace", __version__)
     offset = int(header["mono_to_realtime_ns"])
@@ -332,7 +377,44 @@ def record_spans(report: dict[str, Any], header: dict[str, Any], processor: Span
     for stall in report.get("stalls", []):
         _stall_span(tracer, ctx, stall, offset, host, devices)
     root.end(end_time=clock.to_realtime_ns(max(end, start), offset))
+    for row in _joinable(report):
+        _rank_span(tracer, ids, row, offset)
     provider.shutdown()
+
+
+def _rank_span(tracer: trace.Tracer, ids: _Ids, row: dict[str, Any], offset: int) -> None:
+    """One rank's part in one collective instance, in the instance's own trace (no parent: every rank's span
+    is a root there, as no rank's capture is the others')."""
+    seq, op = int(row.get("seq", 0)), str(row.get("op", ""))
+    started, completed = int(row.get("started_ns", 0)), int(row.get("completed_ns", 0))
+    attrs: dict[str, Any] = {
+        "gputrace.collective.comm": str(row.get("comm", "")), "gputrace.collective.seq": seq,
+        "gputrace.collective.op": op, "gputrace.collective.bytes": int(row.get("bytes", -1)),
+        "gputrace.collective.rank": int(row.get("rank", -1)), "gputrace.collective.world": int(row.get("world", -1)),
+        "gputrace.collective.kernel": str(row.get("kernel", "")),
+        "gputrace.collective.enqueued_ns": clock.to_realtime_ns(int(row.get("enqueued_ns", started)), offset),
+        "gputrace.collective.waited_ns": int(row.get("waited_ns", 0)),
+        "gputrace.collective.ranks_captured": int(row.get("ranks_captured", 1)),
+        "gputrace.capture.host": str(row.get("host", "")), "process.pid": int(row.get("pid", 0)),
+        "gpu.device": int(row.get("device", 0)),
+    }
+    if isinstance(row.get("late"), bool):
+        attrs["gputrace.collective.late"] = row["late"]
+    arrival = row.get("arrival")
+    if isinstance(arrival, dict):
+        attrs["gputrace.arrival.cause"] = str(arrival.get("cause", ""))
+        attrs["gputrace.arrival.stall_ns"] = int(arrival.get("stall_ns", 0))
+        attrs["gputrace.arrival.via"] = [str(v) for v in arrival.get("via", [])]
+        for key, value in (arrival.get("culprit") or {}).items():
+            if isinstance(value, (str, bool, int, float)):
+                attrs[f"gputrace.arrival.culprit.{key}"] = value
+    ids.fixed = (collective_trace_id(str(row.get("comm", "")), seq), _rank_span_id(row))
+    try:
+        span = tracer.start_span(f"collective {op} #{seq}", context=trace.set_span_in_context(trace.INVALID_SPAN),
+                                 attributes=attrs, start_time=clock.to_realtime_ns(started, offset))
+    finally:
+        ids.fixed = None
+    span.end(end_time=clock.to_realtime_ns(max(completed, started), offset))
 
 
 def _capture_attrs(report: dict[str, Any], host: str) -> dict[str, Any]:
@@ -372,6 +454,12 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
             attrs[f"gputrace.culprit.{key}"] = value
         elif key == "cpu_held_by" and isinstance(value, list) and value:
             attrs["gputrace.culprit.cpu_held_by"] = holders_text(value)
+    late = stall.get("late_rank")
+    if isinstance(late, dict):  # why the rank this collective stall waited for was late, on its own host
+        attrs["gputrace.late_rank.cause"] = str(late.get("cause", ""))
+        for key, value in (late.get("culprit") or {}).items():
+            if isinstance(value, (str, bool, int, float)):
+                attrs[f"gputrace.late_rank.culprit.{key}"] = value
     span = tracer.start_span(f"gpu.stall {cause}", context=ctx, attributes=attrs,
                              start_time=clock.to_realtime_ns(int(stall["start_ns"]), offset))
     child_ctx = trace.set_span_in_context(span)

@@ -359,6 +359,9 @@ class Collective(NamedTuple):
     rank: int
     world: int
     nbytes: int
+    # The communicator every rank of the group shares (NCCL's unique id, the simulated group's id): with
+    # ``seq`` it names one collective instance across processes and hosts. "" in captures from before.
+    comm: str = ""
 
 
 class NvmlSample(NamedTuple):

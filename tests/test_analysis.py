@@ -677,7 +677,7 @@ def test_collective_names_the_late_rank(tmp_path: Path) -> None:
     assert len(r["stalls"]) == 2
     waiting, late = by_dev[TRAINER], by_dev[WORKER2]
     assert waiting["cause"] == "collective" and waiting["culprit"]["pid"] == WORKER2
-    assert waiting["culprit"]["object"] == "allreduce" and waiting["culprit"]["rank"] == 1
+    assert waiting["culprit"]["object"] == "allreduce #1" and waiting["culprit"]["rank"] == 1
     assert (waiting["start_ns"], waiting["end_ns"]) == (ns(10), ns(40))
     assert waiting["late_rank_cause"]["cause"] == "storage"
     assert late["cause"] == "storage" and late["culprit"]["object"] == "/data/rank1.bin"
@@ -707,7 +707,7 @@ def test_untraced_waker_is_unknown_with_an_empty_culprit(tmp_path: Path) -> None
 def test_no_kernel_source_means_unknown_not_cpu(tmp_path: Path) -> None:
     s = only_stall(run(trainer(), tmp_path))  # GPU records only: nothing says what the host did
     assert s["cause"] == "unknown" and s["culprit"] == {"pid": 0, "tid": 0, "comm": "", "op": "", "object": "",
-                                                         "bytes": 0, "duration_ns": 0}
+                                                         "bytes": 0, "duration_ns": 0, "host": s["host"]}
 
 
 def test_stalls_overlapping_losses_say_so(tmp_path: Path) -> None:
@@ -787,7 +787,7 @@ def test_single_rank_collective_wait_is_measured_against_its_fastest_run(tmp_pat
     b.op(TRAINER, TRAINER, 39.0, 40.0, 45.0, "next")
     b.collective(TRAINER, c1, "allreduce", 1, 0, 8).collective(TRAINER, c2, "allreduce", 2, 0, 8)
     s = only_stall(run(b, tmp_path))
-    assert (s["cause"], s["culprit"]["pid"], s["culprit"]["object"]) == ("collective", 0, "allreduce")
+    assert (s["cause"], s["culprit"]["pid"], s["culprit"]["object"]) == ("collective", 0, "allreduce #2")
     assert (s["start_ns"], s["end_ns"]) == (ns(12), ns(38))
 
 

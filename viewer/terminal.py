@@ -79,6 +79,21 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
     else:  # the totals are in the trailer, which a cut-off capture lacks
         console.print("drops: none counted before the cut (the final counts were never written)")
     _notes(cap, console)
+    if report.get("join"):
+        _join(report, console)
+
+
+def _join(report: dict[str, Any], console: Console) -> None:
+    """Several captures: each one's host, how its clock was put on the first's, and what the join says."""
+    for c in report.get("captures", []):
+        if c["shift_ns"] == 0 and c["anchors"] == 0 and c["uncertainty_ns"] is None:
+            how = "the reference clock" if c is report["captures"][0] else "header offset 0"
+        else:
+            unc = f" ± {ms(c['uncertainty_ns'])}" if c["uncertainty_ns"] is not None else " (uncertainty unknown)"
+            how = f"shifted {c['shift_ns'] / 1e6:+.3f} ms{unc}, {c['anchors']} shared collectives"
+        console.print(Text(f"capture {shown(c['name'])}: host {c['host'] or '?'}, {how}"))
+    for note in report["join"].get("notes", []):
+        console.print(Text(f"note: {note}", style="yellow"))
 
 
 _STYLES = {"warn": "bold yellow", "note": "yellow", "alert": "bold red", "info": ""}
@@ -177,6 +192,10 @@ def describe(s: dict[str, Any]) -> str:
     who = pid_text(c) if c.get("pid") else ""
     if who and s["cause"] in ("cpu", "cpu.runqueue") and c.get("tid") and c["tid"] != c["pid"]:
         who += f", thread {c['tid']}"  # not the process's main thread: a worker thread, a GIL holder
+    if who and c.get("host") and c["host"] != s.get("host"):  # a late rank on another host
+        who += f" on {c['host']}"
+    if who and s["cause"] == "collective" and "rank" in c:
+        who = f"rank {c['rank']} {who}"
     what = " ".join(x for x in (c.get("op", ""), c.get("object", "")) if x)
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):
@@ -199,9 +218,11 @@ def describe(s: dict[str, Any]) -> str:
         text += "; the CPU was held by " + holders_text(c["cpu_held_by"])
     if s["cause"] == "cpu.throttled":
         text += throttled_text(c)
-    if s.get("late_rank_cause"):
-        late = s["late_rank_cause"]
-        text += f"; late rank was in {late['cause']} {late['culprit'].get('object', '')}".rstrip()
+    late = s.get("late_rank") or s.get("late_rank_cause")
+    if isinstance(late, dict) and isinstance(late.get("culprit"), dict):
+        lc = late["culprit"]
+        who = f" ({pid_text(lc)})" if lc.get("pid") and lc.get("pid") != c.get("pid") else ""
+        text += f"; late rank was in {late.get('cause', '')} {lc.get('object', '')}".rstrip() + who
     return text
 
 

@@ -27,9 +27,14 @@ def launch_evidence(api: CudaApi) -> dict[str, Any]:
 
 
 class Attributor:
-    def __init__(self, cap: Capture) -> None:
+    """Explains the stalls of one capture. Of several captures of one job, ``peers`` holds each capture's
+    Attributor (by its index), so a late rank in another capture is explained on that capture's records."""
+
+    def __init__(self, cap: Capture, host: str = "") -> None:
         self.cap = cap
+        self.host = host
         self.explainer = Explainer(cap)
+        self.peers: list[Attributor] = []
 
     def stall(self, st: Stall) -> dict[str, Any]:
         base = {"device": st.device[1], "start_ns": st.start_ns, "end_ns": st.end_ns,
@@ -68,26 +73,58 @@ class Attributor:
     def _collective(self, st: Stall, w: CollectiveWait) -> dict[str, Any]:
         own = self.launch_of(w.op)
         ev = [gpu_evidence(w.op, own)]
+        what = collective_object(w.name, w.seq)
         if w.late is None:  # the other ranks were not captured: the wait is real, the late peer unknown
-            culprit = {**empty_culprit(), "op": w.op.name, "object": w.name}
+            culprit = {**empty_culprit(), "op": w.op.name, "object": what}
             return _verdict("collective", culprit, [], ev, why="ran past its shortest run; late rank not captured")
-        late_api = self.launch_of(w.late)
-        ev.append(gpu_evidence(w.late, late_api))
+        # the late rank's own capture: its launch, its threads and their time are there, on its clock
+        there = self.peers[w.late_capture] if 0 <= w.late_capture < len(self.peers) else self
+        late_api = there.launch_of(w.late)
+        late_ev = gpu_evidence(w.late, late_api)
         tid = late_api.tid if late_api else 0
-        culprit = {**empty_culprit(), "pid": w.late.pid, "tid": tid, "comm": self.cap.comm(tid or w.late.pid)
-                   or self.cap.comm(w.late.pid), "op": w.late.name, "object": w.name}
+        culprit = {**empty_culprit(), "pid": w.late.pid, "tid": tid, "comm": there.cap.comm(tid or w.late.pid)
+                   or there.cap.comm(w.late.pid), "op": w.late.name, "object": what, "host": there.host}
+        if there is not self:  # evidence times are this capture's: the late rank's are shifted onto its clock
+            late_ev = shifted(late_ev, w.late_shift_ns)
+            late_ev["host"] = there.host
+        ev.append(late_ev)
         if w.late_rank >= 0:
             culprit["rank"] = w.late_rank
         hop = f"collective:pid {w.late.pid}" + (f" rank {w.late_rank}" if w.late_rank >= 0 else "")
+        if there is not self:
+            hop += f" host {there.host}"
         out = _verdict("collective", culprit, [hop], ev)
-        if late_api is not None and late_api.start_ns > st.start_ns:
-            ev.append(launch_evidence(late_api))
-            parts = self.explainer.explain(late_api.tid, st.start_ns, late_api.start_ns)
+        start_there = st.start_ns - w.late_shift_ns  # the stall's start on the late rank's clock
+        if late_api is not None and late_api.start_ns > start_there:
+            launch_ev = launch_evidence(late_api)
+            ev.append(shifted(launch_ev, w.late_shift_ns) if there is not self else launch_ev)
+            parts = there.explainer.explain(late_api.tid, start_there, late_api.start_ns)
             if parts:
                 best = _dominant(parts)
-                out["late_rank_cause"] = {"cause": best.cause, "culprit": best.culprit, "via": best.via}
-                out["evidence"] = (ev + best.evidence)[:24]
+                # the same verdict the late rank's own stall would get (storage's dirty pauses, a run queue's
+                # holders), named on its host
+                mine = _from_parts(parts, [])
+                late = {"cause": mine["cause"], "culprit": {**mine["culprit"], "host": there.host},
+                        "via": mine["via"]}
+                out["late_rank"] = late
+                out["late_rank_cause"] = late  # the name this field had before it was named on its host
+                more = best.evidence if there is self else [shifted(e, w.late_shift_ns) for e in best.evidence]
+                out["evidence"] = (ev + more)[:24]
         return out
+
+
+def collective_object(name: str, seq: int) -> str:
+    """How a collective instance is named: "all_reduce #17" (its sequence number in its communicator)."""
+    return f"{name} #{seq}" if seq >= 0 else name
+
+
+def shifted(ev: dict[str, Any], shift_ns: int) -> dict[str, Any]:
+    """A piece of evidence from another capture, its times put on this capture's clock."""
+    out = dict(ev)
+    for k in ("start_ns", "end_ns"):
+        if type(out.get(k)) is int:
+            out[k] += shift_ns
+    return out
 
 
 def _verdict(cause: str, culprit: dict[str, Any], via: list[str], evidence: list[dict[str, Any]],

@@ -262,6 +262,20 @@ class _Loader:
         cap.ops = merged
 
 
+INT64 = 1 << 63
+MAX_COLLECTIVE_NAME = 64
+
+
+def _collective(ld: _Loader, r: Collective) -> None:
+    """A collective's identity goes out as it is (OTLP attributes, trace ids): a number past what those hold,
+    a negative sequence number, or an overlong name is a broken record, counted and skipped."""
+    if not (0 <= r.seq < INT64 and -1 <= r.rank < INT64 and -1 <= r.world < INT64 and -1 <= r.nbytes < INT64
+            and len(r.name) <= MAX_COLLECTIVE_NAME):
+        ld.cap.malformed += 1
+        return
+    ld.cap.collectives[(r.pid, r.correlation_id)] = r
+
+
 def _nvml(ld: _Loader, r: NvmlSample) -> None:
     if r.metric == "gpu_util_pct" and type(r.value) in (int, float):
         acc = ld.cap.nvml.setdefault(r.device, [0.0, 0.0])
@@ -375,7 +389,7 @@ _HANDLERS: dict[str, Any] = {
     "GpuMemset": _Loader.op,
     "GpuDevice": _Loader.device,
     "CudaApi": _api,
-    "Collective": lambda ld, r: ld.cap.collectives.__setitem__((r.pid, r.correlation_id), r),
+    "Collective": _collective,
     "Syscall": lambda ld, r: ld.per_tid("sys", r, r.start_ns, r.end_ns),
     "OffCpu": _offcpu,
     "BlockIO": _block,
@@ -411,7 +425,7 @@ _SHAPES = {
     "GpuMemcpy": _shape(GpuMemcpy, "pid device start_ns end_ns correlation_id"),
     "GpuMemset": _shape(GpuMemset, "pid device start_ns end_ns correlation_id"),
     "CudaApi": _shape(CudaApi, "pid tid start_ns end_ns correlation_id", "name"),
-    "Collective": _shape(Collective, "pid device correlation_id seq rank", "name"),
+    "Collective": _shape(Collective, "pid device correlation_id seq rank world nbytes", "name"),
     "Syscall": _shape(Syscall, "pid tid start_ns end_ns nbytes", "name obj"),
     "OffCpu": _shape(OffCpu, "pid tid start_ns end_ns wake_ns waker_pid waker_tid", "state waker_comm"),
     "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs comm"),

@@ -9,7 +9,17 @@ from gputrace.analysis import throttle, uring
 from gputrace.analysis.attribute import Attributor
 from gputrace.analysis.load import DIRTY_OP, Capture
 from gputrace.analysis.overhead import read_overhead
-from gputrace.analysis.timeline import DeviceTimeline, build, loss_windows, untimed_losses
+from gputrace.analysis.timeline import (
+    CollectiveWait,
+    DeviceTimeline,
+    InstanceKey,
+    Remote,
+    build,
+    comm_of,
+    instances,
+    loss_windows,
+    untimed_losses,
+)
 
 SCHEMA = "gputrace.report/1"
 CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "cpu.throttled", "sync", "sleep", "device",
@@ -18,18 +28,34 @@ CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "cpu.thrott
 INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH = 5.0, 20.0
 
 
-def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
-    timelines = build(cap, min_gap_ns)
-    attributor = Attributor(cap)
+MAX_HOST = 253  # a DNS name's length: a longer "host" in a header is cut there
+
+
+def host_of(cap: Capture) -> str:
+    return str(cap.header.get("host", ""))[:MAX_HOST]
+
+
+def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = None,
+             remote: dict[InstanceKey, list[Remote]] | None = None) -> dict[str, Any]:
+    """The report of one capture; of one of several captures of a job, with the ranks the others hold
+    (``remote``) and an ``attributor`` that knows the others' (analysis/join.py)."""
+    timelines, waits = build(cap, min_gap_ns, remote)
+    host = host_of(cap)
+    attributor = attributor or Attributor(cap, host)
     # a cut-off capture may miss records anywhere (sources flush batches late), so every stall is suspect
     losses, lost_anywhere = loss_windows(cap), untimed_losses(cap) or bool(cap.problem)
     stalls = []
+    arrivals: dict[int, dict[str, Any]] = {}  # id() of a collective kernel -> the idle stall its start ended
     for tl in timelines:
         for st in tl.stalls:
             s = attributor.stall(st)
             _namespaced(cap, s["culprit"])
+            s["host"] = host
+            s["culprit"].setdefault("host", host)
             s["overlaps_drops"] = lost_anywhere or any(a < st.end_ns and b > st.start_ns for a, b in losses)
             stalls.append(s)
+            if st.collective is None and st.op is not None:
+                arrivals[id(st.op)] = s
     stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -42,7 +68,51 @@ def assemble(cap: Capture, min_gap_ns: int) -> dict[str, Any]:
     report["top_culprits"] = top_culprits(stalls)
     report["top_processes"] = top_processes(cap, stalls)
     report["min_gap_ns"] = min_gap_ns
+    rows = collective_rows(cap, waits, arrivals, host, remote or {}, min_gap_ns)
+    if rows:
+        report["collectives"] = rows
     return report
+
+
+def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: dict[int, dict[str, Any]], host: str,
+                    remote: dict[InstanceKey, list[Remote]], min_gap_ns: int) -> list[dict[str, Any]]:
+    """Each rank's part in each collective instance this capture holds (those a Collective record names):
+    its identity, when it arrived (its launch: ``enqueued_ns``; its kernel's start: ``started_ns``), when
+    the collective completed, how long it waited for the others, and the stall its arrival ended (why it
+    arrived then, on its own records). ``late``: whether it arrived last, where other ranks were captured."""
+    rows = []
+    for key, members in instances(cap).items():
+        comm, name, seq = key
+        if seq < 0:
+            continue  # matched by kernel name alone: no identity to give
+        others = remote.get(key, [])
+        starts = [op.start_ns for op, _, _ in members] + [r.op.start_ns + r.shift_ns for r in others]
+        last = max(starts)
+        for op, rank, nbytes in members:
+            meta = cap.collectives.get((op.pid, op.correlation_id))
+            api = cap.launches.get((op.pid, op.correlation_id))
+            w = waits.get(id(op))
+            row: dict[str, Any] = {
+                "comm": comm, "seq": seq, "op": name, "bytes": nbytes, "rank": rank,
+                "world": int(meta.world) if meta is not None and type(meta.world) is int else -1,
+                "host": host, "pid": op.pid, "device": op.device, "kernel": op.name,
+                "enqueued_ns": api.start_ns if api is not None else op.start_ns, "started_ns": op.start_ns,
+                "completed_ns": op.end_ns, "waited_ns": w.wait_end - w.wait_start if w is not None else 0,
+                "ranks_captured": len(starts)}
+            if len(starts) > 1:  # who came last is known only when another rank was captured
+                row["late"] = op.start_ns == last and last - min(starts) >= min_gap_ns
+            stall = arrivals.get(id(op))
+            if stall is not None:
+                row["arrival"] = {"cause": stall["cause"], "culprit": stall["culprit"], "via": stall["via"],
+                                  "stall_ns": stall["duration_ns"]}
+            rows.append(row)
+    rows.sort(key=lambda r: (r["started_ns"], r["rank"]))
+    return rows
+
+
+def communicators(cap: Capture) -> set[str]:
+    """The communicator ids the capture's Collective records name."""
+    return {c for c in (comm_of(m) for m in cap.collectives.values()) if c}
 
 
 def _namespaced(cap: Capture, culprit: dict[str, Any]) -> None:
@@ -231,8 +301,13 @@ def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
         return "file", c["object"]
     if cause == "network" and c.get("object"):
         return "peer", c["object"]
-    if cause == "collective":
-        return "collective", c.get("object") or c.get("op", "")
+    if cause == "collective":  # by the late rank, not by instance: one line per process that kept the others
+        what = str(c.get("object") or c.get("op", "")).split(" #")[0]
+        if c.get("pid"):
+            rank = f"rank {c['rank']} " if "rank" in c else ""
+            where = f" on {c['host']}" if c.get("host") else ""
+            return "collective", f"{what}: late {rank}{pid_text(c)}{where}"
+        return "collective", what
     if cause == "tracing":  # gputrace's own agent in the job: what it did, and where
         return "tracing", f"{c.get('object', '')} in {pid_text(c)}"
     if c.get("pid"):

@@ -96,8 +96,9 @@ class Builder:
                                           (128, 1, 1)))
         return c
 
-    def collective(self, pid: int, corr: int, name: str, seq: int, rank: int, world: int, dev: int = 0) -> Builder:
-        self.records.append(Collective(pid, dev, corr, name, seq, rank, world, 4 << 20))
+    def collective(self, pid: int, corr: int, name: str, seq: int, rank: int, world: int, dev: int = 0,
+                   comm: str = "") -> Builder:
+        self.records.append(Collective(pid, dev, corr, name, seq, rank, world, 4 << 20, comm))
         return self
 
     def syscall(self, pid: int, tid: int, name: str, start_ms: float, end_ms: float, obj: str = "", nbytes: int = 0,

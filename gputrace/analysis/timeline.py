@@ -25,8 +25,11 @@ class CollectiveWait:
     name: str
     wait_start: int
     wait_end: int
-    late: GpuKernel | None  # the last rank's kernel, when that rank was captured
+    late: GpuKernel | None  # the last rank's kernel, when that rank was captured, on its own capture's clock
     late_rank: int = -1
+    seq: int = -1  # the collective's sequence number in its communicator, where a Collective record gave it
+    late_capture: int = -1  # which of several captures holds ``late`` (-1: this one)
+    late_shift_ns: int = 0  # added to a time of the late rank's capture, gives this capture's clock
 
 
 @dataclass
@@ -58,12 +61,28 @@ def is_collective(cap: Capture, op: GpuOp) -> bool:
 
 
 Member = tuple[GpuKernel, int, int]  # kernel, rank (-1 unknown), bytes (-1 unknown)
+# One collective instance: (communicator id, collective name, seq). Ranks of a communicator on other hosts
+# share its id. Kernels matched by name alone (no Collective record) are keyed by the n-th occurrence in their
+# process, with the communicator "" and a negative seq, and never join another capture's.
+InstanceKey = tuple[str, str, int]
 
 
-def collective_waits(cap: Capture, min_gap_ns: int) -> dict[int, CollectiveWait]:
-    """Waits by id() of the waiting kernel. Ranks are matched by (name, seq) from Collective records, or by
-    (name, n-th occurrence in its process) when only kernel names mark a collective."""
-    groups: dict[tuple[str, int], list[Member]] = {}
+@dataclass(frozen=True)
+class Remote:
+    """A rank of a collective instance in another capture: its kernel on that capture's clock, and the shift
+    that puts that clock on this capture's."""
+
+    op: GpuKernel
+    rank: int
+    nbytes: int
+    capture: int
+    shift_ns: int
+
+
+def instances(cap: Capture) -> dict[InstanceKey, list[Member]]:
+    """The collective kernels of a capture by instance. Ranks are matched by (communicator, name, seq) from
+    Collective records, or by (name, n-th occurrence in its process) when only kernel names mark a collective."""
+    groups: dict[InstanceKey, list[Member]] = {}
     nth: dict[tuple[int, str], int] = {}
     for ops in cap.ops.values():
         for op in ops:
@@ -72,25 +91,49 @@ def collective_waits(cap: Capture, min_gap_ns: int) -> dict[int, CollectiveWait]
             assert isinstance(op, GpuKernel)
             meta = cap.collectives.get((op.pid, op.correlation_id))
             if meta is not None:
-                groups.setdefault((meta.name, meta.seq), []).append((op, meta.rank, meta.nbytes))
+                groups.setdefault((comm_of(meta), meta.name, meta.seq), []).append((op, meta.rank, meta.nbytes))
             else:
                 n = nth.get((op.pid, op.name), 0)
                 nth[(op.pid, op.name)] = n + 1
-                groups.setdefault((op.name, n), []).append((op, -1, -1))
+                groups.setdefault(("", op.name, -1 - n), []).append((op, -1, -1))
+    return groups
+
+
+def comm_of(meta: Any) -> str:
+    """A Collective record's communicator id; anything but a short string (hostile input) is none."""
+    comm = getattr(meta, "comm", "")
+    return comm if type(comm) is str and len(comm) <= MAX_COMM_ID else ""
+
+
+MAX_COMM_ID = 128
+
+
+def collective_waits(cap: Capture, min_gap_ns: int,
+                     remote: dict[InstanceKey, list[Remote]] | None = None) -> dict[int, CollectiveWait]:
+    """Waits by id() of the waiting kernel, over this capture's ranks and, for instances ``remote`` names,
+    the ranks other captures hold (their kernels shifted onto this capture's clock)."""
+    groups = instances(cap)
+    remote = remote or {}
     waits: dict[int, CollectiveWait] = {}
-    fastest = _fastest_runs(groups)
-    for (name, _), members in groups.items():
-        if len(members) == 1:
-            _single(waits, name, members[0], fastest, min_gap_ns)
+    fastest = _fastest_runs({k: v for k, v in groups.items() if k not in remote})
+    for key, members in groups.items():
+        _comm, name, seq = key
+        others = remote.get(key, [])
+        if len(members) == 1 and not others:
+            _single(waits, name, members[0], fastest, min_gap_ns, seq)
             continue
-        late, late_rank, _ = max(members, key=lambda m: m[0].start_ns)
+        # the last to arrive, on this capture's clock: (start, kernel on its own clock, rank, capture, shift)
+        arrivals = [(op.start_ns, op, rank, -1, 0) for op, rank, _ in members]
+        arrivals += [(r.op.start_ns + r.shift_ns, r.op, r.rank, r.capture, r.shift_ns) for r in others]
+        late_start, late, late_rank, where, shift = max(arrivals, key=lambda a: a[0])
         for op, _rank, _n in members:
-            if late.start_ns - op.start_ns >= min_gap_ns and op is not late:
-                waits[id(op)] = CollectiveWait(op, name, op.start_ns, min(late.start_ns, op.end_ns), late, late_rank)
+            if late_start - op.start_ns >= min_gap_ns and op is not late:
+                waits[id(op)] = CollectiveWait(op, name, op.start_ns, min(late_start, op.end_ns), late, late_rank,
+                                               seq, where, shift)
     return waits
 
 
-def _fastest_runs(groups: dict[tuple[str, int], list[Member]]) -> dict[tuple[int, str, int], int]:
+def _fastest_runs(groups: dict[InstanceKey, list[Member]]) -> dict[tuple[int, str, int], int]:
     """For a rank captured alone, the fastest run of the same collective over the same bytes is the best
     estimate of its transfer time. Without a byte count runs are not comparable, so none is estimated."""
     best: dict[tuple[int, str, int], int] = {}
@@ -103,16 +146,22 @@ def _fastest_runs(groups: dict[tuple[str, int], list[Member]]) -> dict[tuple[int
 
 
 def _single(waits: dict[int, CollectiveWait], name: str, member: Member, best: dict[tuple[int, str, int], int],
-            min_gap_ns: int) -> None:
+            min_gap_ns: int, seq: int) -> None:
     op, _, nbytes = member
     fastest = best.get((op.pid, op.name, nbytes))
     if fastest is not None and (op.end_ns - op.start_ns) - fastest >= min_gap_ns:
-        waits[id(op)] = CollectiveWait(op, name, op.start_ns, op.start_ns + (op.end_ns - op.start_ns) - fastest, None)
+        waits[id(op)] = CollectiveWait(op, name, op.start_ns, op.start_ns + (op.end_ns - op.start_ns) - fastest, None,
+                                       seq=seq)
 
 
-def build(cap: Capture, min_gap_ns: int) -> list[DeviceTimeline]:
-    waits = collective_waits(cap, min_gap_ns)
-    return [_device(key, ops, waits, min_gap_ns) for key, ops in sorted(cap.ops.items()) if ops]
+Waits = dict[int, CollectiveWait]
+
+
+def build(cap: Capture, min_gap_ns: int,
+          remote: dict[InstanceKey, list[Remote]] | None = None) -> tuple[list[DeviceTimeline], Waits]:
+    """The device timelines, and the collective waits found on the way (by id() of the waiting kernel)."""
+    waits = collective_waits(cap, min_gap_ns, remote)
+    return [_device(key, ops, waits, min_gap_ns) for key, ops in sorted(cap.ops.items()) if ops], waits
 
 
 def _device(key: DeviceKey, ops: list[GpuOp], waits: dict[int, CollectiveWait], min_gap_ns: int) -> DeviceTimeline:

@@ -21,6 +21,9 @@ EXAMPLES = """\
   gputrace export run.gputrace --perfetto run.pftrace -f       overwrite an existing trace
   gputrace export run.gputrace --otlp localhost:4317           stall spans to an OTLP collector (gRPC)
   gputrace export run.gputrace --otlp http://tempo:4318 --protocol http
+  gputrace export hostA.gputrace hostB.gputrace --otlp tempo:4317
+                                                              each capture's spans; a collective instance's
+                                                              spans share one trace id on every host
 
 The Perfetto trace shows every traced thread (syscalls, off-CPU time and who woke it), block I/O per device,
 GPU streams, CUDA API calls with arrows to the work they launched, NVML counters, and per device a
@@ -31,7 +34,8 @@ delivered and 2 when none were (the counts are printed either way).
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("capture", metavar="CAPTURE", help="a .gputrace capture file")
+    p.add_argument("captures", metavar="CAPTURE", nargs="+",
+                   help="a .gputrace capture file (several: --otlp exports each, as on its own host)")
     dest = p.add_mutually_exclusive_group(required=True)
     dest.add_argument("--perfetto", metavar="OUT.pftrace", help="write a Perfetto trace")
     dest.add_argument("--otlp", metavar="ENDPOINT", help="send stall spans to an OTLP endpoint (host:port or URL)")
@@ -50,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_otlp(args, min_gap_ns)
     if not args.perfetto:
         raise UserError("--perfetto needs an output file name, such as run.pftrace")
+    if len(set(args.captures)) > 1:
+        raise UserError("--perfetto takes one capture; for several hosts' captures of one job use "
+                        "`gputrace report CAP CAP ...` (joined) or --otlp (one trace per collective instance)")
+    args.capture = args.captures[0]
     out = Path(args.perfetto)
     check_output_path(out, force=args.force, source=args.capture)
     with open_capture(args.capture) as reader:
@@ -98,10 +106,18 @@ def load_report(reader: CaptureReader, min_gap_ns: int) -> tuple[dict[str, Any] 
 
 
 def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
+    """Each capture on its own, as its host would send it: their collective spans meet by trace id."""
+    worst = 0
+    for path in dict.fromkeys(args.captures):
+        worst = max(worst, _otlp_one(args, path, min_gap_ns))
+    return worst
+
+
+def _otlp_one(args: argparse.Namespace, path: str, min_gap_ns: int) -> int:
     from gputrace.exporters.otlp import OtlpExporter, count_spans
 
     exporter = OtlpExporter(args.otlp, args.protocol, min_gap_ns=min_gap_ns)
-    with open_capture(args.capture) as reader:
+    with open_capture(path) as reader:
         with common.progress(reader, "analysing"):
             report, why = load_report(reader, min_gap_ns)
         if report is None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gputrace.cli import common
 from gputrace.errors import UserError
@@ -17,13 +19,16 @@ EXAMPLES = """\
   gputrace report run.gputrace --json | jq .summary the gputrace.report/1 JSON on stdout
   gputrace report run.gputrace --html run.html      a self-contained page to share
   gputrace report run.gputrace --min-gap-ms 5       count only GPU gaps of 5 ms or more
+  gputrace report hostA.gputrace hostB.gputrace     one job's captures from several hosts, on one clock:
+                                                    each collective stall names the late rank and its cause
 
 Reads only the capture file: re-run it with other options any time.
 """
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("capture", metavar="CAPTURE", help="a NAME.gputrace file")
+    p.add_argument("captures", metavar="CAPTURE", nargs="+",
+                   help="a NAME.gputrace file; several: one job's captures from several hosts, joined")
     p.add_argument("--json", action="store_true", help="print the gputrace.report/1 JSON to stdout")
     p.add_argument("--html", metavar="OUT.html", help="also write the report as a self-contained HTML page")
     common.add_force(p)
@@ -39,16 +44,23 @@ def run(args: argparse.Namespace) -> int:
     if args.html == "":
         raise UserError("--html needs a file name (e.g. --html report.html)")
     html_out = Path(args.html) if args.html is not None else None
+    paths = list(dict.fromkeys(args.captures))  # the same file twice is one capture, not two ranks
     if html_out is not None:
-        check_output_path(html_out, force=args.force, source=args.capture)
-    with open_capture(args.capture) as reader, common.progress(reader, "analysing"):
-        report = analyze(reader, min_gap_ns=max(1, int(args.min_gap_ms * 1e6)))
-        if reader.trailer and reader.trailer.get("stop_reason"):  # how the capture ended, for "complete" to say
-            report["capture"].setdefault("stop_reason", reader.trailer["stop_reason"])
+        for path in paths:
+            check_output_path(html_out, force=args.force, source=path)
+    min_gap_ns = max(1, int(args.min_gap_ms * 1e6))
+    title = " ".join(Path(p).name for p in paths)
+    if len(paths) > 1:
+        report = analyze_paths(paths, min_gap_ns)
+    else:
+        with open_capture(paths[0]) as reader, common.progress(reader, "analysing"):
+            report = analyze(reader, min_gap_ns=min_gap_ns)
+            if reader.trailer and reader.trailer.get("stop_reason"):  # how the capture ended, for "complete" to say
+                report["capture"].setdefault("stop_reason", reader.trailer["stop_reason"])
     if html_out is not None:
         from gputrace.viewer import html
 
-        html.write(report, html_out, title=Path(args.capture).name, force=args.force)
+        html.write(report, html_out, title=title, force=args.force)
     if args.json:
         # whole: json.dump hands stdout every token apart, a write() each where stdout is unbuffered
         common.write_stdout(json.dumps(report, indent=1) + "\n")
@@ -59,7 +71,17 @@ def run(args: argparse.Namespace) -> int:
 
     from gputrace.viewer import terminal
 
-    terminal.render(report, Console(), Path(args.capture).name)
+    terminal.render(report, Console(), title)
     if html_out is not None:
         print(f"Wrote {shown(str(html_out))}")
     return 0
+
+
+def analyze_paths(paths: list[str], min_gap_ns: int) -> dict[str, Any]:
+    """The joined report of several captures (gputrace.analysis.join)."""
+    from gputrace.analysis.join import analyze_many
+    from gputrace.capture import open_capture
+
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(open_capture(p)) for p in paths]
+        return analyze_many(readers, paths, min_gap_ns=min_gap_ns)

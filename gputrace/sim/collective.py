@@ -1,22 +1,27 @@
 """A simulated process group: ranks in separate processes meet over a socket for each collective.
 
 Rank 0 listens at ``address`` (``host:port`` for TCP, anything else is a unix socket path); the other
-ranks connect to it. For collective number ``seq`` each rank's stream reports its arrival when the
-collective kernel reaches the head of the stream; rank 0 answers every rank once all have arrived. So a
-rank that arrives late holds everyone else's collective kernel on the device, as NCCL's would.
-Line protocol: ``H <rank>`` (hello), ``A <seq>`` (arrived), ``G <seq>`` (go).
+ranks connect to it. Rank 0 makes the group's communicator id (or takes ``comm_id``) and hands it to every
+rank as it joins, as NCCL's unique id is made on one rank and sent to the others: all ranks of one group, on
+whatever hosts, share it, and two groups do not. For collective number ``seq`` each rank's stream reports its
+arrival when the collective kernel reaches the head of the stream; rank 0 answers every rank once all have
+arrived. So a rank that arrives late holds everyone else's collective kernel on the device, as NCCL's would.
+Line protocol: ``H <rank>`` (hello), ``C <comm id>`` (the answer to hello), ``A <seq>`` (arrived), ``G <seq>``
+(go).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
 
 CONNECT_TIMEOUT_S = 60.0
 MAX_LINE = 64
+COMM_ID = re.compile(r"^[0-9a-zA-Z_.-]{1,40}$")  # what a communicator id may be: it names a trace
 
 
 def _now() -> int:
@@ -41,6 +46,8 @@ class _LineReader:
         """What has arrived, as lines; None on EOF."""
         try:
             data = self.conn.recv(4096)
+        except TimeoutError:
+            raise
         except OSError:
             return None
         if not data:
@@ -60,10 +67,15 @@ def _parse(line: str, tag: str) -> int | None:
 class ProcessGroup:
     """``ProcessGroup(rank, world, address)``; blocks until all ranks joined (or ``timeout_s``)."""
 
-    def __init__(self, rank: int, world: int, address: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(self, rank: int, world: int, address: str, *, timeout_s: float = CONNECT_TIMEOUT_S,
+                 comm_id: str | None = None) -> None:
         if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
             raise ValueError(f"need 0 <= rank < world, got rank={rank!r} world={world!r}")
+        if comm_id is not None and not COMM_ID.match(comm_id):
+            raise ValueError(f"a communicator id is 1-40 letters, digits, '_', '.' or '-', not {comm_id!r}")
         self.rank, self.world, self.address = rank, world, address
+        # rank 0's is the group's; the others learn it when they join
+        self.comm_id = (comm_id or os.urandom(8).hex()) if rank == 0 else ""
         self.broken = ""
         self._seq = 0
         self._cond = threading.Condition()
@@ -93,6 +105,7 @@ class ProcessGroup:
                 for _ in range(self.world - 1):
                     conn, _ = ls.accept()
                     conn.settimeout(None)
+                    conn.sendall(f"C {self.comm_id}\n".encode())
                     self._peers.append(conn)
             except TimeoutError:
                 raise TimeoutError(f"rank 0: only {len(self._peers) + 1} of {self.world} ranks joined") from None
@@ -117,7 +130,24 @@ class ProcessGroup:
                 time.sleep(0.02)
         s.sendall(f"H {self.rank}\n".encode())
         self._peers.append(s)
-        threading.Thread(target=self._read_root, args=(s,), name="sim-pg-root", daemon=True).start()
+        reader = _LineReader(s)
+        self.comm_id = self._communicator(reader, deadline)
+        threading.Thread(target=self._read_root, args=(reader,), name="sim-pg-root", daemon=True).start()
+
+    def _communicator(self, reader: _LineReader, deadline: float) -> str:
+        """The group's id, rank 0's first line to a joining rank (nothing else comes before it: rank 0 sends
+        ``G`` only once this rank has said ``A``)."""
+        reader.conn.settimeout(max(deadline - time.monotonic(), 0.1))
+        try:
+            while (lines := reader.lines()) is not None:
+                for line in lines:
+                    parts = line.split()
+                    if len(parts) == 2 and parts[0] == "C" and COMM_ID.match(parts[1]):
+                        reader.conn.settimeout(None)
+                        return parts[1]
+        except TimeoutError:
+            pass
+        raise TimeoutError(f"rank {self.rank}: rank 0 at {self.address} sent no communicator id")
 
     # -------------------------------------------------------------------------------- messaging ---
     def _read_peer(self, conn: socket.socket) -> None:
@@ -132,8 +162,7 @@ class ProcessGroup:
                     self._arrive(seq, rank)
         self._break(f"rank {rank} left")
 
-    def _read_root(self, conn: socket.socket) -> None:
-        reader = _LineReader(conn)
+    def _read_root(self, reader: _LineReader) -> None:
         while (lines := reader.lines()) is not None:
             for line in lines:
                 seq = _parse(line, "G")

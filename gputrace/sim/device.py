@@ -113,7 +113,7 @@ class Stream:
                             duration_ms, nbytes, rendezvous=lambda start: group.rendezvous(seq, start))
         if BACKEND.enabled:
             BACKEND.emit([Collective(os.getpid(), self.device.id, cid, "all_reduce", seq, group.rank, group.world,
-                                     int(nbytes))])
+                                     int(nbytes), group.comm_id)])
         return cid
 
     def synchronize(self) -> None:
