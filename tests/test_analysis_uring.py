@@ -122,7 +122,7 @@ def test_hostile_request_records_are_counted_and_skipped(tmp_path: Path) -> None
     ])  # fmt: skip
     huge = (1 << 63) - 1  # the most msgpack holds
     # every flag bit but "in flight at stop" (such a request completed nothing a wait could end on)
-    w.write_rows("IoUringRequest", [[*row[:5], -huge, -1, "/data/huge.bin", huge, RING, ~uring.UNFINISHED, 999, "x"]])
+    w.write_rows("IoUringRequest", [[*row[:5], -huge, -1, "/data/huge.bin", huge, RING, ~uring.UNFINISHED, 999, huge]])
     bad = w.close({"end_ns": ns(60), "drops": {}})
     with open_capture(bad) as reader:
         from gputrace.analysis import analyze
