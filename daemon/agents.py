@@ -41,7 +41,7 @@ from gputrace.agent.listen import (
     unlink_if_ours,
 )
 from gputrace.agent.pidns import PeerIds
-from gputrace.records import AgentInfo, SourceStatus
+from gputrace.records import AgentInfo, AgentThread, SourceStatus
 from gputrace.source import Sink
 
 from .agents_peer import Peer
@@ -540,6 +540,7 @@ class AgentServer:
             self.rejected_records += _countable(msg.get("records"))
             raise
         peer.records += len(records)
+        peer.gpu_records += sum(type(r) is not AgentThread for r in records)
         self.stats["records"] += len(records)
         assert peer.hello is not None
         for r in records:

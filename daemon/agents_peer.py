@@ -29,6 +29,7 @@ class Peer:
         self.said_bye = False
         self.sent_stop = False
         self.records = 0
+        self.gpu_records = 0  # records of GPU work: an agent's naming of its own threads is not any
         self.drops: dict[str, int] = {}
         self.cpu_ns = 0  # the agent's own CPU time this session, as it last said
         self.over_budget = 0  # records in batches dropped for going over its budget (see AgentLimits)
@@ -40,7 +41,7 @@ class Peer:
     @property
     def active(self) -> bool:
         """Had GPU work to report: only then does losing it mid-capture matter."""
-        return self.records > 0 or bool(self.hello and self.hello["backends"])
+        return self.gpu_records > 0 or bool(self.hello and self.hello["backends"])
 
     def exited(self) -> bool:
         return self.vanished or (self.pidfd is not None and pidfd_exited(self.pidfd))

@@ -511,8 +511,8 @@ class Explainer:
             return Part("sleep", ns, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev)
         if kind in ("sync", "gpu"):
             return Part("sync", ns, self.culprit(sc.tid, sc.name, "", 0, dur), evidence=ev)
-        if blocked:  # blocked in a call we cannot interpret: say so rather than guess
-            return Part("unknown", ns, empty_culprit(), evidence=ev)
+        if blocked or "sched" in self.cap.off:  # blocked (or maybe) in a call we cannot interpret: say so
+            return Part("unknown", ns, empty_culprit(), evidence=ev, extra=self._no_sched_why())
         return Part("cpu", ns, self.cpu_culprit(sc.tid, sc.start_ns, sc.end_ns), evidence=ev)
 
     def _request(self, kind: str, sc: Syscall, requests: list[IoUringRequest], ns: int,
@@ -601,7 +601,8 @@ class Explainer:
             if blocked:  # on CPU inside the call around the recorded blocking
                 parts.append(Part("cpu", rest, self.cpu_culprit(sc.tid, x, y), evidence=[evidence_syscall(sc)]))
             else:  # no off-CPU record tells who ended this wait
-                parts.append(Part("unknown", rest, empty_culprit(), evidence=[evidence_syscall(sc)]))
+                parts.append(Part("unknown", rest, empty_culprit(), evidence=[evidence_syscall(sc)],
+                                  extra=self._no_sched_why()))
         return parts
 
     def _timed_wait(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int, end: int) -> list[Part]:
@@ -624,7 +625,14 @@ class Explainer:
                          extra={"why": f"{sc.name} timed out"})]
         # A futex timeout alone says nothing: a timed sleep, or a lock's or the GIL's timed wait whose
         # holder let go while this thread was on its way back
-        return [Part("unknown", y - x, empty_culprit(), evidence=ev)]
+        return [Part("unknown", y - x, empty_culprit(), evidence=ev, extra=self._no_sched_why())]
+
+    def _no_sched_why(self) -> dict[str, Any]:
+        """Why a wait's end is not known, where the capture ran without the scheduler hooks (their wakeups
+        name who ended a wait); nothing otherwise."""
+        if "sched" not in self.cap.off:
+            return {}
+        return {"why": "the scheduler hooks were off (--off sched): who ended the wait is not known"}
 
     def _shared_lock(self, sc: Syscall) -> bool:
         """Whether ``sc`` is a futex wait on a word that several threads of its process waited on and timed

@@ -102,10 +102,13 @@ def score(name: str, report: dict[str, Any], truth: dict[int, list[dict[str, Any
             sc.correct_ns += ns
             continue
         named = bool(s["culprit"]["pid"] or s["culprit"]["object"])
-        # the GPU process itself waiting for a CPU blames no one else: a miss (the workloads cannot label the
-        # machine's load), not a wrong culprit
+        # the GPU process itself waiting for a CPU blames no one else, nor does the tool naming its own cost
+        # (its session holding the CPU a traced thread waited for): misses (the workloads cannot label the
+        # machine's load or the tool's), not wrong culprits
         own_runqueue = s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == s.get("device_pid")
-        if named and not own_runqueue and ns >= WRONG_CULPRIT_MIN_NS and (t is None or not same_culprit(s, t)):
+        tools_own = s["cause"] == "tracing"
+        if (named and not own_runqueue and not tools_own and ns >= WRONG_CULPRIT_MIN_NS
+                and (t is None or not same_culprit(s, t))):
             sc.wrong_culprits.append(s)
         why = f", why: {s['why']}" if s.get("why") else ""  # an unknown stall's reason, for a CI log to show
         sc.misses.append(f"{ns / 1e6:.1f} ms {s['cause']} {s['culprit']['object'] or s['culprit']['pid']} "
