@@ -38,7 +38,7 @@ def read_overhead(raw: Any) -> dict[str, Any] | None:
     if not isinstance(raw, dict):
         return None
     share = raw.get("cpu_share")
-    if type(share) not in (int, float) or not 0 <= share < 1e6:
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share < 1e6:
         return None
     out: dict[str, Any] = {"cpu_share": float(share), "by_source": _int_map(raw.get("by_source"))}
     for key in ("window_ns", "host_cpus"):
