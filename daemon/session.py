@@ -12,7 +12,6 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from gputrace.signals import on_signals
 from .cost import CostMeter
 from .launch import HeldChild
 from .session_targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
+from .sockdir import make_socket_dir, remove_stale_socket_dirs
 from .writer import QueueSink
 
 Log = Callable[[str], None]
@@ -167,8 +167,11 @@ class _Session:
         """The agent server, its socket in a directory of its own that any traced process may pass through."""
         from gputrace.daemon.agents import AgentServer
 
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
-        os.chmod(self.sock_dir, 0o711)
+        # A session killed with SIGKILL leaves its directory behind: the first that starts after it tidies up.
+        if stale := remove_stale_socket_dirs():
+            self.log(f"gputrace: removed the agent-socket directories of {len(stale)} killed session(s): "
+                     f"{', '.join(stale)}")
+        self.sock_dir = make_socket_dir()
         self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
         return self.agents
 
