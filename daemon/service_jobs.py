@@ -168,7 +168,9 @@ class JobTable:
         from gputrace.daemon.session import CaptureOptions, run_capture
 
         def note(msg: str) -> None:
-            if str(job.stage) in msg or msg.strip() == "Next:":
+            if msg.startswith("gputrace: error: "):  # named as the caller knows the file: by its name alone
+                msg = msg.replace(f"{job.stage}/", "")
+            elif str(job.stage) in msg or msg.strip() == "Next:":
                 return  # the session's hints name the staging path, which the caller never sees
             job.log.append(msg)
             self.log(f"job {job.id}: {msg}")

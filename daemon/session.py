@@ -73,6 +73,7 @@ class CaptureResult:
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
     cut_off: str = ""  # why writing the capture failed part way (a full disk); the file holds what came before
+    export_error: str = ""  # why the Perfetto trace could not be written (the capture itself is whole)
 
 
 def run_capture(opts: CaptureOptions, stop: threading.Event | None = None, log: Log = _stderr) -> CaptureResult:

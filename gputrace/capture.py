@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 
 from gputrace import __version__, clock
-from gputrace.errors import CaptureCutOff, CorruptCapture, PermissionDenied, UserError
+from gputrace.errors import CaptureCutOff, CorruptCapture, OutputError, PermissionDenied, UserError
 from gputrace.records import RECORD_TYPES
 
 FORMAT = "gputrace.capture/1"
@@ -184,11 +184,16 @@ class CaptureWriter:
         self._frame(["T", trailer])
         assert self._fd is not None
         try:
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = None
-        os.rename(self.partial_path, self.path)
+            os.fsync(self._fd)  # a device that failed a write earlier (EIO) or a network filesystem says so here
+        except OSError as e:
+            self.abort()  # its pages were not written: nothing under the final name claims to be whole
+            raise OutputError(self.path, e) from None
+        os.close(self._fd)
+        self._fd = None
+        try:
+            os.rename(self.partial_path, self.path)
+        except OSError as e:
+            raise OutputError(self.path, e, f"the capture is whole under {self.partial_path} (rename it)") from None
         return self.path
 
     def abort(self) -> None:
