@@ -21,7 +21,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.agent.arming import is_armed
-from gputrace.capture import CaptureWriter, check_output_path, cut_off_captures, host_header
+from gputrace.capture import CaptureWriter, WriteBudget, check_output_path, cut_off_captures, host_header
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
@@ -60,6 +60,7 @@ class CaptureOptions:
     # program) is dropped from the trace, as the kernel would refuse this user ptrace or perf on it.
     owner_uid: int | None = None
     off: frozenset[str] = frozenset()  # source families turned off (gputrace.families)
+    budget: WriteBudget | None = None  # bytes the capture file may take (gputraced's per-user quota)
 
 
 @dataclass
@@ -143,7 +144,7 @@ class _Session:
             "threshold_ns": int(self.opts.threshold_us * 1000),
             "off": sorted(self.opts.off),
         }
-        self.writer = CaptureWriter(self.output, header, force=self.opts.force)
+        self.writer = CaptureWriter(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
         self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)
