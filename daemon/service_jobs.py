@@ -9,6 +9,8 @@ and never follows a link), then unlinked from staging.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import itertools
 import os
 import pwd
@@ -199,6 +201,7 @@ class JobTable:
                 self._dir_bytes.pop(job.uid, None)  # its files moved there: measured again when next asked
             job.ended = time.time()
             self.log(f"job {job.id}: {job.state}" + (f": {job.error}" if job.error else f", {len(job.files)} files"))
+            _give_back_memory()
             job.done.set()
 
     def _capture(self, job: Job) -> Any:
@@ -310,6 +313,15 @@ class _QuotaBudget:
     def refusal(self) -> str:
         return (f"over your quota of {self.table.limits.user_quota_bytes / MIB:,.0f} MiB here "
                 "(gputraced --user-quota-mib)")
+
+
+def _give_back_memory() -> None:
+    """A job's records, report and export are garbage once it ends, but glibc keeps freed heap in its arenas
+    (one per thread that allocated: each job and source thread): the service would stay at its largest job's
+    size for good. Collect, then have glibc return free pages to the kernel."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _dir_bytes(d: Path) -> int:
