@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gputrace.capture import CaptureReader
+from gputrace.errors import UserError
 
 if TYPE_CHECKING:
     from .session import CaptureOptions, CaptureResult
@@ -34,10 +35,18 @@ def analyse_and_export(result: CaptureResult, opts: CaptureOptions, log: Callabl
     log(f"Wrote {result.capture_path}")
     if opts.perfetto:
         out = perfetto_path_for(result.capture_path)
-        with CaptureReader(result.capture_path) as reader:
-            PerfettoExporter(out, report=result.report).write(reader)
-        result.perfetto_path = out
-        log(f"Wrote {out}")
+        try:
+            with CaptureReader(result.capture_path) as reader:
+                PerfettoExporter(out, report=result.report).write(reader)
+            result.perfetto_path = out
+            log(f"Wrote {out}")
+        except UserError as e:
+            # The capture is written and whole: a failed trace (a full disk) costs only the trace, and the
+            # command's exit code still comes back; the run fails so that a script notices.
+            cap = shlex.quote(str(result.capture_path))
+            result.export_error = (f"{e} (the capture {result.capture_path} is whole: `gputrace export {cap} "
+                                   f"--perfetto {shlex.quote(str(out))}` writes the trace where there is room)")
+            log(f"gputrace: error: {result.export_error}")
     log("Next:")
     log(f"  gputrace report {shlex.quote(str(result.capture_path))}")
     if result.perfetto_path:

@@ -29,7 +29,7 @@ from gputrace.errors import UserError
 
 from .service_auth import Caller, authorize, caller_of, confirm_caller
 from .service_caps import close_pidfds, peer_credentials, pidfd_support
-from .service_jobs import Job, JobTable, Limits, prepare_state_dir, salvage_staging
+from .service_jobs import DEFAULT_USER_QUOTA_MIB, MIB, Job, JobTable, Limits, prepare_state_dir, salvage_staging
 from .service_protocol import MAX_REPLY as MAX_REPLY  # re-exported: `gputrace daemon` imports it from here
 from .service_protocol import MAX_REQUEST, ProtocolError, recv_frame, send_frame, validate
 
@@ -234,6 +234,10 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-duration-s", type=float, default=3600.0, help="longest capture a client may ask for")
     p.add_argument("--max-jobs", type=int, default=4, help="captures running at once, all users (default 4)")
     p.add_argument("--max-jobs-per-user", type=int, default=2, help="captures running at once per user")
+    p.add_argument("--user-quota-mib", type=float, default=DEFAULT_USER_QUOTA_MIB, metavar="MIB",
+                   help="bytes each user's kept and running captures may take in the state directory together: a "
+                        "request over it is refused, a capture that reaches it is cut off and kept "
+                        f"(default {DEFAULT_USER_QUOTA_MIB}; 0: no quota)")
     p.add_argument("--otlp", metavar="ENDPOINT", help="also send each capture's stalls to this OTLP collector")
     p.add_argument("--otlp-protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument("--keep-caps", action="store_true", help="do not drop unneeded capabilities at startup")
@@ -243,7 +247,9 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
 def serve_from_args(args: argparse.Namespace) -> int:
     from .service_caps import drop_privileges
 
-    limits = Limits(args.max_duration_s, args.max_jobs, args.max_jobs_per_user)
+    if not 0 <= args.user_quota_mib < float("inf"):
+        raise UserError("--user-quota-mib must be a number of MiB >= 0 (0: no quota)")
+    limits = Limits(args.max_duration_s, args.max_jobs, args.max_jobs_per_user, int(args.user_quota_mib * MIB))
     prepare_state_dir(args.state_dir)
     salvage_staging(args.state_dir, _log)
     stopping = threading.Event()  # before the socket exists: a stop sent once it appears is never lost

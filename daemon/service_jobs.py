@@ -9,6 +9,8 @@ and never follows a link), then unlinked from staging.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import itertools
 import os
 import pwd
@@ -33,11 +35,18 @@ KEEP_FINISHED = 100
 STOP_WAIT_S = 60.0
 
 
+MIB = 1 << 20
+DEFAULT_USER_QUOTA_MIB = 2048
+QUOTA_MIN_ROOM = MIB  # a request needs this much of the quota left
+DIR_BYTES_TTL_S = 1.0  # how long a user directory's size is taken as known while captures write
+
+
 @dataclass
 class Limits:
     max_duration_s: float = 3600.0
     max_jobs: int = 4
     max_jobs_per_user: int = 2
+    user_quota_bytes: int = DEFAULT_USER_QUOTA_MIB * MIB  # a user's kept and running captures together; 0: none
 
 
 @dataclass
@@ -63,6 +72,8 @@ class Job:
     pidfds: dict[int, int] = field(default_factory=dict, repr=False)  # target pid -> pidfd, closed at the end
     confirmed: bool = False
     lost: str = ""
+    written: int = 0  # bytes its capture took so far, counted against the user's quota while it runs
+    over_quota: bool = False  # its capture was cut off at the quota
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "uid": self.uid, "pids": self.pids, "name": self.name, "state": self.state,
@@ -95,6 +106,7 @@ class JobTable:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False  # stop_all was called: no job may start after the ones it stopped
+        self._dir_bytes: dict[int, tuple[float, int]] = {}  # uid -> (when measured, bytes in <state>/<uid>)
 
     def start(self, uid: int, gid: int, req: dict[str, Any], pidfds: dict[int, int] | None = None) -> Job:
         """Start a capture; the job owns ``pidfds`` once this returns (on an error they stay the caller's)."""
@@ -109,6 +121,7 @@ class JobTable:
                 raise UserError(f"busy: {len(running)} captures running (limit {self.limits.max_jobs})")
             if sum(j.uid == uid for j in running) >= self.limits.max_jobs_per_user:
                 raise UserError(f"you already run {self.limits.max_jobs_per_user} captures; wait or stop one")
+            self._check_quota(uid)
             if req.get("name"):
                 self._check_name(uid, req["name"], running)
             job_id = next(self._ids)
@@ -135,6 +148,26 @@ class JobTable:
             if job.uid == uid and job.name == name:
                 raise UserError(f"{name} is the name of your running job {job.id}; choose another name")
 
+    # ------------------------------------------------------------------------------------- quota ---
+    def user_bytes(self, uid: int, fresh: bool = False) -> int:
+        """What ``uid`` holds here: its directory's files and what its running captures wrote so far.
+        Called with the lock held."""
+        now = time.monotonic()
+        at, size = self._dir_bytes.get(uid, (0.0, 0))
+        if fresh or now - at > DIR_BYTES_TTL_S:
+            size = _dir_bytes(self.state_dir / str(uid))
+            self._dir_bytes[uid] = (now, size)
+        return size + sum(j.written for j in self._jobs.values() if j.uid == uid and j.state == "running")
+
+    def _check_quota(self, uid: int) -> None:
+        quota = self.limits.user_quota_bytes
+        # Less room than a capture's header and first moments would be a capture cut off as it starts: refused.
+        if quota and (used := self.user_bytes(uid, fresh=True)) > quota - QUOTA_MIN_ROOM:
+            raise UserError(f"over your quota: your captures here take {used / MIB:,.1f} MiB of the "
+                            f"{quota / MIB:,.0f} MiB each user may keep, less than {QUOTA_MIN_ROOM // MIB} MiB "
+                            f"left (gputraced --user-quota-mib); remove some from {self.state_dir / str(uid)} and "
+                            "try again")
+
     def _forget_old(self) -> None:
         finished = [j.id for j in self._jobs.values() if j.state != "running"]
         for job_id in finished[: max(0, len(finished) - KEEP_FINISHED)]:
@@ -146,13 +179,17 @@ class JobTable:
             result = self._capture(job)
             if job.lost or (job.pidfds and not job.confirmed):
                 raise UserError(job.lost or "tracing started unconfirmed; capture discarded")
-            if result.cut_off:  # a full state dir: a capture cut off is not published
+            if result.cut_off and not job.over_quota:  # a full state dir: a capture cut off is not published
                 raise UserError(result.cut_off.split("; the capture is cut off")[0] + "; capture discarded")
             job.summary = _summary(result)
+            if result.cut_off:  # at the quota: kept, cut off at a frame, as `gputrace report` reads it
+                job.error = result.cut_off.replace(f"{job.stage}/", "")
+            else:
+                self._charge_trace(job, result)
             if self.otlp and result.report is not None:
                 self._export_otlp(job, result)
             job.files = [str(p) for p in publish(job, self.state_dir / str(job.uid))]
-            job.state = "done"
+            job.state = "cut_off" if result.cut_off else "done"
         except UserError as e:
             job.state, job.error = "failed", str(e)
         except Exception as e:  # noqa: BLE001 - one job's bug must not take the service down
@@ -161,15 +198,20 @@ class JobTable:
         finally:
             close_pidfds(job.pidfds)
             shutil.rmtree(job.stage, ignore_errors=True)
+            with self._lock:
+                self._dir_bytes.pop(job.uid, None)  # its files moved there: measured again when next asked
             job.ended = time.time()
             self.log(f"job {job.id}: {job.state}" + (f": {job.error}" if job.error else f", {len(job.files)} files"))
+            _give_back_memory()
             job.done.set()
 
     def _capture(self, job: Job) -> Any:
         from gputrace.daemon.session import CaptureOptions, run_capture
 
         def note(msg: str) -> None:
-            if str(job.stage) in msg or msg.strip() == "Next:":
+            if msg.startswith("gputrace: error: "):  # named as the caller knows the file: by its name alone
+                msg = msg.replace(f"{job.stage}/", "")
+            elif str(job.stage) in msg or msg.strip() == "Next:":
                 return  # the session's hints name the staging path, which the caller never sees
             job.log.append(msg)
             self.log(f"job {job.id}: {msg}")
@@ -178,7 +220,8 @@ class JobTable:
         opts = CaptureOptions(output=job.stage / job.name, pids=job.pids, duration_s=job.duration_s, force=False,
                               min_gap_ms=job.min_gap_ms, progress=False,
                               argv=["gputraced", f"job={job.id}", f"uid={job.uid}", *map(str, job.pids)],
-                              on_tracing=lambda: _confirm_targets(job), owner_uid=job.uid or None, off=job.off)
+                              on_tracing=lambda: _confirm_targets(job), owner_uid=job.uid or None, off=job.off,
+                              budget=_QuotaBudget(self, job) if self.limits.user_quota_bytes else None)
         result = run_capture(opts, stop=job.stop, log=note)
         left_out = _left_out(result)
         if left_out:
@@ -186,6 +229,24 @@ class JobTable:
 
             note(f"gputrace: {left_out} processes left out: {LEFT_OUT_WHY}")
         return result
+
+    def _charge_trace(self, job: Job, result: Any) -> None:
+        """The Perfetto trace counts too: one that would take the user over the quota is not kept (the capture
+        is, and the user can export it where there is room)."""
+        quota = self.limits.user_quota_bytes
+        if not quota or result.perfetto_path is None:
+            return
+        trace = Path(result.perfetto_path)
+        size = trace.stat().st_size
+        with self._lock:
+            fits = self.user_bytes(job.uid, fresh=True) + size <= quota
+            if fits:
+                job.written += size
+        if not fits:
+            trace.unlink()
+            job.log.append(f"gputrace: {trace.name} ({size / MIB:,.1f} MiB) would take you over your quota of "
+                           f"{quota / MIB:,.0f} MiB: not kept (`gputrace export {job.name} --perfetto "
+                           f"{trace.name}` writes it where you have room)")
 
     def _export_otlp(self, job: Job, result: Any) -> None:
         from gputrace.capture import CaptureReader
@@ -233,6 +294,44 @@ class JobTable:
             if not job.done.is_set():
                 self.log(f"job {job.id}: still finishing after {STOP_WAIT_S:g} s; stopped without it, its capture "
                          f"is lost (what it wrote stays in {job.stage})")
+
+
+class _QuotaBudget:
+    """A job's capture takes its bytes from its user's quota (a gputrace.capture.WriteBudget): what the user's
+    directory holds and what all their running captures wrote, together."""
+
+    def __init__(self, table: JobTable, job: Job) -> None:
+        self.table, self.job = table, job
+
+    def take(self, n: int) -> bool:
+        with self.table._lock:
+            if self.table.user_bytes(self.job.uid) + n > self.table.limits.user_quota_bytes:
+                self.job.over_quota = True
+                return False
+            self.job.written += n
+            return True
+
+    def refusal(self) -> str:
+        return (f"over your quota of {self.table.limits.user_quota_bytes / MIB:,.0f} MiB here "
+                "(gputraced --user-quota-mib)")
+
+
+def _give_back_memory() -> None:
+    """A job's records, report and export are garbage once it ends, but glibc keeps freed heap in its arenas
+    (one per thread that allocated: each job and source thread): the service would stay at its largest job's
+    size for good. Collect, then have glibc return free pages to the kernel."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _dir_bytes(d: Path) -> int:
+    """Bytes of the files in a user's capture directory (not followed into links or subdirectories)."""
+    try:
+        with os.scandir(d) as entries:
+            return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
 
 
 def _confirm_targets(job: Job) -> None:

@@ -12,7 +12,6 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.agent.arming import is_armed
-from gputrace.capture import CaptureWriter, check_output_path, cut_off_captures, host_header
+from gputrace.capture import CaptureWriter, WriteBudget, check_output_path, cut_off_captures, host_header
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
@@ -30,6 +29,7 @@ from gputrace.signals import on_signals
 from .cost import CostMeter
 from .launch import HeldChild
 from .session_targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
+from .sockdir import make_socket_dir, remove_stale_socket_dirs
 from .writer import QueueSink
 
 Log = Callable[[str], None]
@@ -60,6 +60,7 @@ class CaptureOptions:
     # program) is dropped from the trace, as the kernel would refuse this user ptrace or perf on it.
     owner_uid: int | None = None
     off: frozenset[str] = frozenset()  # source families turned off (gputrace.families)
+    budget: WriteBudget | None = None  # bytes the capture file may take (gputraced's per-user quota)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class CaptureResult:
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
     cut_off: str = ""  # why writing the capture failed part way (a full disk); the file holds what came before
+    export_error: str = ""  # why the Perfetto trace could not be written (the capture itself is whole)
 
 
 def run_capture(opts: CaptureOptions, stop: threading.Event | None = None, log: Log = _stderr) -> CaptureResult:
@@ -142,7 +144,7 @@ class _Session:
             "threshold_ns": int(self.opts.threshold_us * 1000),
             "off": sorted(self.opts.off),
         }
-        self.writer = CaptureWriter(self.output, header, force=self.opts.force)
+        self.writer = CaptureWriter(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
         self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)
@@ -167,8 +169,11 @@ class _Session:
         """The agent server, its socket in a directory of its own that any traced process may pass through."""
         from gputrace.daemon.agents import AgentServer
 
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="gputrace-"))
-        os.chmod(self.sock_dir, 0o711)
+        # A session killed with SIGKILL leaves its directory behind: the first that starts after it tidies up.
+        if stale := remove_stale_socket_dirs():
+            self.log(f"gputrace: removed the agent-socket directories of {len(stale)} killed session(s): "
+                     f"{', '.join(stale)}")
+        self.sock_dir = make_socket_dir()
         self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
         return self.agents
 

@@ -23,14 +23,16 @@ Flows: launch → kernel/copy (correlation id), waker → wakee, stall evidence 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
 from gputrace.capture import CaptureReader
-from gputrace.errors import UserError
+from gputrace.errors import OutputError, UserError
 from gputrace.probes import uring
 from gputrace.records import (
     AgentInfo,
@@ -91,30 +93,58 @@ class PerfettoExporter:
         self.pending_cap = pending_cap
 
     def write(self, reader: CaptureReader) -> ExportResult:
+        """Write the trace, under a temporary name renamed into place: a failed write (a full disk) leaves
+        nothing behind and is an OutputError naming the file (write() errors carry no name); the reader's own
+        errors pass through as they are."""
         tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
-        fd = _create_new(tmp)
+        fd = _create_new(tmp, self.out_path)
+        f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
         try:
-            with open(fd, "wb", buffering=1 << 20) as f:
-                run = _Run(PacketSink(f), reader.header, self.report, self.pending_cap)
-                run.start()
-                for rec in reader.records():
-                    run.record(rec)
-                run.finish()
+            run = _Run(PacketSink(_Named(f, self.out_path)), reader.header, self.report, self.pending_cap)
+            run.start()
+            for rec in reader.records():
+                run.record(rec)
+            run.finish()
+            with _writing(self.out_path):
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.out_path)
+                f.close()
+                os.replace(tmp, self.out_path)
         except BaseException:
+            with contextlib.suppress(OSError):  # flushing the rest fails again: the first error is the one told
+                f.close()
             tmp.unlink(missing_ok=True)
             raise
         return ExportResult(target=str(self.out_path), items=run.sink.count, notes=run.notes(reader))
 
 
-def _create_new(path: Path) -> int:
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(out, e) from None
+
+
+class _Named:
+    """The output file, its write errors named after the trace being written."""
+
+    def __init__(self, f: BinaryIO, out: Path) -> None:
+        self._f, self._out = f, out
+
+    def write(self, data: bytes) -> int:
+        with _writing(self._out):
+            return self._f.write(data)
+
+
+def _create_new(path: Path, out: Path) -> int:
     """A fresh file at ``path``: never an existing one, nor one a symlink planted there points to."""
     try:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except FileExistsError:
         raise UserError(f"{path} exists (an earlier export was cut off, or planted); remove it") from None
+    except OSError as e:  # a full directory or inode table; a permission check lost since
+        raise OutputError(out, e) from None
 
 
 class _Run(Canvas):

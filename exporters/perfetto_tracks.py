@@ -9,17 +9,21 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from . import perfetto_proto as pp
 
 UNTRACED = "not traced by gputrace; shown because it woke a traced thread"
 
 
+class Writes(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
 class PacketSink:
     """Writes framed packets to the output as they are made, and counts them."""
 
-    def __init__(self, out: BinaryIO) -> None:
+    def __init__(self, out: BinaryIO | Writes) -> None:
         self._write = out.write
         self.count = 0
 

@@ -25,12 +25,12 @@ import socket
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import msgpack
 
 from gputrace import __version__, clock
-from gputrace.errors import CaptureCutOff, CorruptCapture, PermissionDenied, UserError
+from gputrace.errors import CaptureCutOff, CorruptCapture, OutputError, PermissionDenied, UserError
 from gputrace.records import RECORD_TYPES
 
 FORMAT = "gputrace.capture/1"
@@ -132,11 +132,25 @@ def cut_off_captures(path: Path) -> list[Path]:
     return out
 
 
+class WriteBudget(Protocol):
+    """Bytes a capture may take (gputraced's per-user quota, daemon/service_jobs.py)."""
+
+    def take(self, n: int) -> bool:
+        """Take ``n`` bytes if they are there; False (nothing taken) when they are not."""
+        ...
+
+    def refusal(self) -> str:
+        """Why a take failed, as the end of "writing FILE: ..." says it."""
+        ...
+
+
 class CaptureWriter:
     """Writes one capture. Not thread-safe: one thread (the session's writer) owns it."""
 
-    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], *, force: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], *, force: bool = False,
+                 budget: WriteBudget | None = None) -> None:
         self.path = Path(path)
+        self.budget = budget  # bytes this capture may still take (gputraced's per-user quota); None: no limit
         self.counts: dict[str, int] = {}
         self._packer = msgpack.Packer(use_bin_type=True)
         self._good = 0  # bytes of whole frames written: where a failed write cuts the capture
@@ -184,11 +198,16 @@ class CaptureWriter:
         self._frame(["T", trailer])
         assert self._fd is not None
         try:
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = None
-        os.rename(self.partial_path, self.path)
+            os.fsync(self._fd)  # a device that failed a write earlier (EIO) or a network filesystem says so here
+        except OSError as e:
+            self.abort()  # its pages were not written: nothing under the final name claims to be whole
+            raise OutputError(self.path, e) from None
+        os.close(self._fd)
+        self._fd = None
+        try:
+            os.rename(self.partial_path, self.path)
+        except OSError as e:
+            raise OutputError(self.path, e, f"the capture is whole under {self.partial_path} (rename it)") from None
         return self.path
 
     def abort(self) -> None:
@@ -205,20 +224,25 @@ class CaptureWriter:
             data = self._packer.pack(valid_text(obj))
         if self._fd is None:
             raise ValueError("capture writer is closed")
+        if self.budget is not None and not self.budget.take(len(data)):
+            self._stop_at_frame(self.budget.refusal())  # as a full disk would, but before the frame is written
         view = memoryview(data)
         try:
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
         except OSError as e:
-            kept = self._cut_off() if self._good else None
-            if kept is None:  # not even the header: nothing worth keeping
-                self.abort()
-                raise UserError(f"writing {self.path}: {e.strerror}; nothing was written under that name") from None
-            raise CaptureCutOff(f"writing {self.path}: {e.strerror}; the capture is cut off there: {kept} "
-                                f"holds its first {self._good:,} bytes (gputrace report reads it up to the cut)",
-                                kept) from None
+            self._stop_at_frame(e.strerror or str(e))
         self._good += len(data)
+
+    def _stop_at_frame(self, why: str) -> NoReturn:
+        kept = self._cut_off() if self._good else None
+        if kept is None:  # not even the header: nothing worth keeping
+            self.abort()
+            raise UserError(f"writing {self.path}: {why}; nothing was written under that name") from None
+        raise CaptureCutOff(f"writing {self.path}: {why}; the capture is cut off there: {kept} "
+                            f"holds its first {self._good:,} bytes (gputrace report reads it up to the cut)",
+                            kept) from None
 
     def _cut_off(self) -> Path | None:
         """Keep what was written (a full disk mid-capture must not cost the whole capture): the partial frame

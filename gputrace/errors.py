@@ -26,3 +26,12 @@ class CaptureCutOff(UserError):
     def __init__(self, message: str, path: object) -> None:
         super().__init__(message)
         self.path = path
+
+
+class OutputError(UserError):
+    """Writing a named output failed (a full disk, a failing device): the message names the file, since the
+    OSError of a write() carries no file name; ``errno`` keeps why, for callers that advise on it."""
+
+    def __init__(self, path: object, err: OSError, consequence: str = "nothing was written under that name") -> None:
+        super().__init__(f"writing {path}: {err.strerror or err}" + (f"; {consequence}" if consequence else ""))
+        self.path, self.errno = path, err.errno

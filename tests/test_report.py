@@ -145,7 +145,8 @@ def test_json_cut_by_a_full_disk_is_told(tmp_path: Path, unbuffered: str) -> Non
                            stderr=subprocess.PIPE, text=True, timeout=60,
                            env={"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": unbuffered})
     assert r.returncode == 1, r.stderr
-    assert r.stderr == "gputrace: error: writing the output: No space left on device; it is incomplete\n"
+    assert r.stderr == (f"gputrace: error: writing the output ({tiny}/r.json): No space left on device; "
+                        "it is incomplete\n")
 
 
 def test_pid_text_without_a_process_name() -> None:

@@ -789,3 +789,40 @@ def test_a_non_dumpable_process_of_the_caller_is_refused() -> None:
             c.wait()
             assert c.stdout is not None
             c.stdout.close()
+
+
+def test_user_quota_cuts_off_a_capture_and_refuses_the_next() -> None:
+    """A 1 MiB quota: a capture that grows past it is cut off and kept (readable to the cut), the user is then
+    refused up front."""
+    # every sleep is a system call over the service's 100 us threshold: the capture grows by ~100 KiB/s
+    code = "import time\nwhile True: time.sleep(0.0002)"
+    with running_service("gputraced-quota-", "--user-quota-mib", "1") as service:
+        child = subprocess.Popen([*NOBODY, sys.executable, "-c", code])
+        try:
+            r = service.client("capture", "-p", str(child.pid), "-d", "120", "--name", "big", "--json", user=NOBODY)
+            refused = service.client("capture", "-p", str(child.pid), "-d", "1", user=NOBODY)
+        finally:
+            child.kill()
+        assert r.returncode == 1, r.stdout + r.stderr  # ended, but not as asked: the client says so
+        job = json.loads(r.stdout)["job"]
+        assert job["state"] == "cut_off", job
+        assert job["error"].startswith("writing big.gputrace: over your quota of 1 MiB here (gputraced "
+                                       "--user-quota-mib); the capture is cut off there: "), job["error"]
+        cap = service.state / "65534" / "big.gputrace"
+        assert job["files"] == [str(cap)] and cap.stat().st_size <= 1 << 20
+        assert time.time() - job["started"] < 100, "cut off at the quota, not at the end of its duration"
+        with CaptureReader(cap) as reader:
+            assert not reader.complete and any(True for _ in reader.records())
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines()[-1].startswith(
+            "gputrace: error: gputraced refused: over your quota: your captures here take 1.0 MiB of the 1 MiB each "
+            "user may keep, less than 1 MiB left (gputraced --user-quota-mib); remove some from "
+            f"{service.state / '65534'} and try again"), refused.stderr
+        assert not list((service.state / ".staging").iterdir()), "staging left behind"
+
+
+def test_user_quota_option_is_checked() -> None:
+    r = subprocess.run([sys.executable, "-m", "gputrace", "daemon", "--user-quota-mib", "nan", "--socket",
+                        "/nonexistent/s", "--state-dir", "/nonexistent/st"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr == "gputrace: error: --user-quota-mib must be a number of MiB >= 0 (0: no " \
+        "quota)\n", r.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote_to_bytes
 
-from gputrace.errors import UserError
+from gputrace.errors import OutputError, UserError
 
 UI_ORIGIN = "https://ui.perfetto.dev"
 UI_PORT = 9001  # the one port the UI's Content-Security-Policy lets it fetch from (connect-src http://127.0.0.1:9001)
@@ -217,11 +217,11 @@ def trace_for(path: Path, tmpdir: Path, log: Callable[[str], None]) -> Path:
         f"(to keep one: gputrace export {path} --perfetto {beside.name})")
     try:
         export_perfetto(path, out, log)
-    except OSError as e:
+    except OutputError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
-        raise UserError(f"cannot write the temporary Perfetto trace in {tmpdir}: {e.strerror} (point TMPDIR at a "
-                        f"directory with room, or write it elsewhere: gputrace export {path} --perfetto "
+        raise UserError(f"cannot write the temporary Perfetto trace in {tmpdir}: {os.strerror(e.errno)} (point "
+                        f"TMPDIR at a directory with room, or write it elsewhere: gputrace export {path} --perfetto "
                         f"DIR/{beside.name}, then gputrace view DIR/{beside.name})") from None
     return out
 

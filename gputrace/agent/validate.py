@@ -9,7 +9,7 @@ namespace names itself and its threads by its own ids; they are rewritten to the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 from gputrace.agent.pidns import PeerIds
 from gputrace.agent.wire import PROTOCOL, FrameError
@@ -36,7 +36,7 @@ MAX_INT = (1 << 64) - 1
 MIN_INT = -(1 << 63)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return type(v) is int and MIN_INT <= v <= MAX_INT
 
 

@@ -9,6 +9,7 @@ import importlib
 import os
 import pkgutil
 import signal
+import stat
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -90,16 +91,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         return 1
     except OSError as e:
-        if e.filename is not None or e.errno not in _OUTPUT_ERRNOS:
+        if e.errno not in _OUTPUT_ERRNOS:
             raise
+        if e.filename is not None:  # an output the command opened by name, met outside the checks that name it
+            print(f"gputrace: error: writing {e.filename}: {e.strerror}", file=sys.stderr)
+            return 1
+        where = _stdout_name()  # write() errors carry no name: stdout's is what failed (the commands name theirs)
         _drop_stdout()
-        print(f"gputrace: error: writing the output: {e.strerror}; it is incomplete", file=sys.stderr)
+        print(f"gputrace: error: writing the output{where}: {e.strerror}; it is incomplete", file=sys.stderr)
         return 1
     finally:
         restore()
 
 
 _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}  # stdout's file or device failed
+
+
+def _stdout_name() -> str:
+    """ " (PATH)" when stdout is a file (`report --json > r.json`), so the error names it; "" for a pipe or a
+    terminal, which have no name worth giving."""
+    try:
+        if not stat.S_ISREG(os.fstat(sys.stdout.fileno()).st_mode):
+            return ""
+        return f" ({os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')})"
+    except (OSError, ValueError):
+        return ""
 
 
 def _drop_stdout() -> None:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return 128 + e.signum if isinstance(e, common.Terminated) else 130
     if result.exit_code is not None:  # -- CMD: its exit code, even when writing the capture failed part way
         return result.exit_code
-    return UserError.exit_code if result.cut_off else 0
+    return UserError.exit_code if result.cut_off or result.export_error else 0
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -87,10 +87,7 @@ def export_perfetto(capture_path: str | os.PathLike[str], out_path: str | os.Pat
 def perfetto_from_reader(reader: CaptureReader, out: Path, *, report: dict[str, Any] | None) -> ExportResult:
     from gputrace.exporters.perfetto import PerfettoExporter
 
-    try:
-        return PerfettoExporter(out, report=report).write(reader)
-    except OSError as e:
-        raise UserError(f"writing {out}: {e.strerror}; nothing was written under that name") from None
+    return PerfettoExporter(out, report=report).write(reader)  # a failed write names ``out`` (UserError)
 
 
 def load_report(reader: CaptureReader, min_gap_ns: int) -> tuple[dict[str, Any] | None, str]:

@@ -82,10 +82,12 @@ def drop_cache(path: Path) -> None:
 
 
 @contextmanager
-def small_tmpfs(path: Path, size: str = "64k") -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (made here): a real disk that fills up."""
+def small_tmpfs(path: Path, size: str = "64k", inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made here): a real disk that fills up; with ``inodes``, one
+    that holds that many inodes, its root directory one of them (2: room for one file, then ENOSPC)."""
     path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "gputrace-test", str(path)], check=True)
+    opts = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "gputrace-test", str(path)], check=True)
     try:
         yield path
     finally:
