@@ -39,6 +39,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+SESSION_NICE = 10  # the session's threads yield the CPU to the traced job's (nice 0) when both want it
 MAX_LIVE_OFFERS = 512  # offer sockets held at once (one fd each): far more armed processes than a job runs
 
 
@@ -106,6 +107,7 @@ class _Session:
         self.started_ns = 0  # when tracing began: the capture's start (the header's start_ns is earlier)
         self.cut_off = ""  # why the capture file was cut off, when writing it failed part way
         self.cost: CostMeter | None = None
+        self._nice: int | None = None  # the calling thread's nice value before the session lowered it
         self._uncatch: Callable[[], None] = _nothing  # puts back the signal handlers the session replaced
 
     # ---------------------------------------------------------------------------------- lifecycle ---
@@ -120,7 +122,26 @@ class _Session:
             raise
         finally:
             self._cleanup_socket_dir()
+            self._restore_priority()
         return self._after(path, reason)
+
+    def _yield_to_the_job(self) -> None:
+        """From here on this thread, and every thread it starts (the sources'), runs at SESSION_NICE: when
+        the job and the session want the same CPU, the job gets it, and the session's work (draining rings,
+        naming stacks) waits a little (the rings hold seconds of events). Called after the command was forked,
+        which keeps its own priority."""
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            self._nice = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, max(self._nice, SESSION_NICE))
+
+    def _restore_priority(self) -> None:
+        """The calling thread's priority as it was (a caller that runs captures in-process, a test, goes on);
+        without CAP_SYS_NICE it stays low, which harms no one."""
+        if self._nice is not None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            self._nice = None
 
     def _start(self) -> None:
         if self.opts.command:  # the agent server first, so that the child's environment can name it
@@ -144,6 +165,7 @@ class _Session:
             "threshold_ns": int(self.opts.threshold_us * 1000),
             "off": sorted(self.opts.off),
         }
+        self._yield_to_the_job()
         self.writer = CaptureWriter(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
