@@ -19,15 +19,21 @@ Track layout (see docs/perfetto.md):
     gputrace                            source states; drop counters
 
 Flows: launch → kernel/copy (correlation id), waker → wakee, stall evidence → stall.
+
+One job's captures from several hosts (``write_joined``): each capture is written by a run of its own, its
+records moved onto the first capture's clock by the join's shift, its pids and tids moved to a span of their
+own and its top-level tracks named by its host; the joined report's stalls come last, each on its capture's
+device, with arrows from evidence on any host (a late rank's read, on its host, into the wait it caused).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
@@ -71,9 +77,12 @@ from . import ExportResult
 from . import perfetto_proto as pp
 from .perfetto_args import activity_slice, header_int, stall_args, unit_of, uring_flags
 from .perfetto_canvas import Canvas
-from .perfetto_links import FlowIds, LaunchMatcher, StallLinks, evidence_key
-from .perfetto_samples import CpuSamples
-from .perfetto_tracks import LaneSet, PacketSink
+from .perfetto_links import CaptureLinks, FlowIds, LaunchMatcher, StallLinks, evidence_key
+from .perfetto_samples import CpuSamples, StackInterner
+from .perfetto_tracks import ID_SPAN, LaneSet, PacketSink, Tracks
+
+if TYPE_CHECKING:
+    from gputrace.analysis.join import Joined
 
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
 # Known kinds not placed on the timeline: fd and mapped-file paths (and what epoll data words stand for) are
@@ -81,6 +90,13 @@ _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", 
 # they are expected in every capture.
 _NOT_DRAWN = {"FdInfo", "EpollEntry", "SyscallAgg", "FileMap"}
 _COLLECTIVE_CAP = 10_000
+# Captures one joined trace holds: each takes a span of ID_SPAN pids, and Perfetto's pids are 32-bit.
+MAX_JOINED = (1 << 31) // ID_SPAN - 1
+# Record fields that are times on the capture's clock (a joined trace shifts them onto the first capture's);
+# in the second set 0 means "not seen" and stays 0.
+_TIME_FIELDS = frozenset({"ts", "start_ns", "end_ns", "issue_ns", "complete_ns", "at_ns", "wake_ns", "prev_ts"})
+_ZERO_IS_NONE = frozenset({"wake_ns", "prev_ts"})
+_time_index: dict[type, tuple[tuple[int, bool], ...]] = {}
 
 
 class PerfettoExporter:
@@ -96,15 +112,74 @@ class PerfettoExporter:
         """Write the trace, under a temporary name renamed into place: a failed write (a full disk) leaves
         nothing behind and is an OutputError naming the file (write() errors carry no name); the reader's own
         errors pass through as they are."""
-        tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
-        fd = _create_new(tmp, self.out_path)
-        f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
-        try:
-            run = _Run(PacketSink(_Named(f, self.out_path)), reader.header, self.report, self.pending_cap)
+        def body(sink: PacketSink) -> list[str]:
+            run = _Run(sink, reader.header, self.report, self.pending_cap)
             run.start()
             for rec in reader.records():
                 run.record(rec)
             run.finish()
+            return run.notes(reader)
+
+        return self._to_file(body)
+
+    def write_joined(self, readers: Sequence[CaptureReader], names: Sequence[str], joined: Joined) -> ExportResult:
+        """One trace of a job's captures from several hosts, on the joined report's clock (``joined``:
+        gputrace.analysis.join.join of the same readers, in the same order)."""
+        if len(readers) > MAX_JOINED:
+            raise UserError(f"{len(readers)} captures given; one Perfetto trace holds at most {MAX_JOINED}")
+        report, parts = joined.report, joined.parts
+        rows = report.get("captures", [])
+        if len(parts) != len(readers) or len(rows) != len(readers):
+            raise ValueError("the joined report is not of these captures")
+        hosts = [str(row.get("host", "")) for row in rows]
+        labels = _labels(hosts, names)
+        cap_of = {id(st): i for i, part in enumerate(parts) for st in part.get("stalls", [])}
+
+        def locate(stall: dict[str, Any], ev: Any) -> int:
+            own = cap_of.get(id(stall), -1)
+            host = ev.get("host") if isinstance(ev, dict) else None
+            if own < 0 or not isinstance(host, str) or not host:
+                return own  # untagged evidence is the stall's own capture's
+            # tagged evidence is another capture's (a late rank's), even where two hosts share a name
+            others = [j for j, h in enumerate(hosts) if h == host and j != own]
+            return others[0] if others else (own if hosts[own] == host else -1)
+
+        def body(sink: PacketSink) -> list[str]:
+            flows = FlowIds()
+            links = StallLinks(report, flows, locate)
+            interner = StackInterner()  # interned ids belong to the trace's one sequence, not to a capture
+            runs: list[_Run] = []
+            notes: list[str] = []
+            for i, reader in enumerate(readers):
+                shift = rows[i].get("shift_ns", 0)
+                part = _Part(i, shift if type(shift) is int else 0, labels[i], flows, links, interner)
+                run = _Run(sink, reader.header, parts[i], self.pending_cap, part=part)
+                if i == 0:  # every capture is on the first's clock: its snapshot places them all
+                    run.start()
+                for rec in reader.records():
+                    run.record(rec)
+                run.finish()
+                runs.append(run)
+                notes += [f"{names[i]}: {n}" for n in run.notes(reader)]
+            for k, st in enumerate(links.stalls):
+                i = cap_of.get(id(st), -1)
+                if i >= 0:
+                    runs[i].guarded(runs[i].write_stall, st, links.flows_of(k))
+            if links.malformed:
+                notes.append(f"{links.malformed} malformed stall(s) in the report skipped")
+            if links.unmatched:
+                notes.append(f"{links.unmatched} stall evidence entr(ies) matched no slice: no flow")
+            return notes
+
+        return self._to_file(body)
+
+    def _to_file(self, body: Callable[[PacketSink], list[str]]) -> ExportResult:
+        tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
+        fd = _create_new(tmp, self.out_path)
+        f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
+        try:
+            sink = PacketSink(_Named(f, self.out_path))
+            notes = body(sink)
             with _writing(self.out_path):
                 f.flush()
                 os.fsync(f.fileno())
@@ -115,7 +190,42 @@ class PerfettoExporter:
                 f.close()
             tmp.unlink(missing_ok=True)
             raise
-        return ExportResult(target=str(self.out_path), items=run.sink.count, notes=run.notes(reader))
+        return ExportResult(target=str(self.out_path), items=sink.count, notes=notes)
+
+
+def _labels(hosts: list[str], names: Sequence[str]) -> list[str]:
+    """What each capture's tracks are named by: its host, and its file too where hosts share a name."""
+    out = [h or str(n) for h, n in zip(hosts, names, strict=True)]
+    return [f"{lab} [{n}]" if out.count(lab) > 1 else lab for lab, n in zip(out, names, strict=True)]
+
+
+@dataclass
+class _Part:
+    """What sets one capture of a joined trace apart, and what its runs share."""
+
+    index: int
+    shift_ns: int
+    host: str
+    flows: FlowIds
+    links: StallLinks
+    interner: StackInterner
+
+
+def _on_clock(rec: tuple[Any, ...], by: int) -> tuple[Any, ...]:
+    """A record with its times moved by ``by`` (fields of the wrong type are left for its handler to refuse)."""
+    t = type(rec)
+    idx = _time_index.get(t)
+    if idx is None:
+        fields = getattr(t, "_fields", ())
+        idx = _time_index[t] = tuple((i, f in _ZERO_IS_NONE) for i, f in enumerate(fields) if f in _TIME_FIELDS)
+    if not idx:
+        return rec
+    values = list(rec)
+    for i, zero_is_none in idx:
+        v = values[i]
+        if type(v) is int and not (zero_is_none and v == 0):
+            values[i] = v + by
+    return t._make(values)  # type: ignore[attr-defined, no-any-return]
 
 
 @contextlib.contextmanager
@@ -151,13 +261,19 @@ class _Run(Canvas):
     """The state of one export: tracks, lanes and pending flow ends — nothing per event."""
 
     def __init__(self, sink: PacketSink, header: dict[str, Any], report: dict[str, Any] | None,
-                 pending_cap: int) -> None:
-        super().__init__(sink)
+                 pending_cap: int, *, part: _Part | None = None) -> None:
+        tracks = None
+        if part is not None:  # 2^32 uuids a capture: no two captures' tracks meet
+            tracks = Tracks(sink, uuid_base=part.index << 32, id_base=part.index * ID_SPAN, host=part.host)
+        super().__init__(sink, tracks)
         self.header = header
-        self.flows = FlowIds()
-        self.stall_links = StallLinks(report, self.flows)
+        self.flows = part.flows if part is not None else FlowIds()
+        self.stall_links: StallLinks | CaptureLinks = (
+            CaptureLinks(part.links, part.index) if part is not None else StallLinks(report, self.flows))
+        self.shift_ns = part.shift_ns if part is not None else 0
         self.launches = LaunchMatcher(self.flows, pending_cap)
-        self.samples = CpuSamples(sink.put, self.tracks.thread, pending_cap)
+        self.samples = CpuSamples(sink.put, self.tracks.thread, pending_cap,
+                                  interner=part.interner if part is not None else None, ids=self.tracks.perfetto_id)
         self.report = report
         self.devices = ReportDevices(report)
         self.collectives: dict[tuple[int, int], Collective] = {}
@@ -190,6 +306,8 @@ class _Run(Canvas):
     def record(self, rec: tuple[Any, ...]) -> None:
         handler = self.handlers.get(type(rec))
         if handler is not None:
+            if self.shift_ns:
+                rec = _on_clock(rec, self.shift_ns)
             self.guarded(handler, rec)
             return
         kind = type(rec).__name__
@@ -468,9 +586,9 @@ class _Run(Canvas):
 
     def _write_stalls(self) -> None:
         for i, stall in enumerate(self.stall_links.stalls):
-            self.guarded(self._write_stall, stall, self.stall_links.flows_of(i))
+            self.guarded(self.write_stall, stall, self.stall_links.flows_of(i))
 
-    def _write_stall(self, st: dict[str, Any], flows: list[int]) -> None:
+    def write_stall(self, st: dict[str, Any], flows: list[int]) -> None:
         num, pid = st.get("device", 0), st.get("device_pid", SHARED)
         dev = (pid if type(pid) is int and pid >= 0 else SHARED, num if type(num) is int else 0)
         s, e = self.span(int(st["start_ns"]), int(st["end_ns"]))

@@ -16,9 +16,9 @@ _NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitima
 class Canvas:
     """The drawing state of one export: tracks, lanes per key, and how many spans had to be fixed."""
 
-    def __init__(self, sink: PacketSink) -> None:
+    def __init__(self, sink: PacketSink, tracks: Tracks | None = None) -> None:
         self.sink, self.put = sink, sink.put
-        self.tracks = Tracks(sink)
+        self.tracks = tracks if tracks is not None else Tracks(sink)
         self.lanes: dict[tuple[object, ...], LaneSet] = {}
         self.fixed = 0
 

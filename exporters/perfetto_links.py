@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gputrace.records import CudaApi
@@ -108,16 +108,24 @@ def evidence_key(kind: str, pid: int, tid: int, start_ns: int) -> tuple[str, int
     return (kind, pid, 0 if kind == "gpu" else tid, start_ns)
 
 
+EvidenceKey = tuple[str, int, int, int]
+# Which capture an evidence entry's slice is in (-1: none here), for a trace of several hosts' captures.
+Locate = Callable[[dict[str, Any], Any], int]
+
+
 class StallLinks:
     """Flow ids from report evidence to stalls, assigned before the pass so evidence slices can carry them.
 
-    A stall gets a flow from an evidence slice only if that slice was actually written (``take``).
+    A stall gets a flow from an evidence slice only if that slice was actually written (``take``). Of
+    several captures, ``locate`` names the capture each entry's slice is in: pids and times alone do not
+    (hosts have their own pid spaces), and a late rank's evidence is on its own host.
     """
 
-    def __init__(self, report: dict[str, Any] | None, flows: FlowIds) -> None:
+    def __init__(self, report: dict[str, Any] | None, flows: FlowIds, locate: Locate | None = None) -> None:
         self.stalls: list[dict[str, Any]] = []
-        self._by_key: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+        self._by_key: dict[tuple[int, str, int, int, int], list[tuple[int, int]]] = {}
         self._stall_flows: list[list[int]] = []
+        self._locate = locate
         self.malformed = 0
         for stall in (report or {}).get("stalls", []) or []:
             self._add_stall(stall, flows)
@@ -131,18 +139,21 @@ class StallLinks:
         index = len(self.stalls)
         self.stalls.append(stall)
         self._stall_flows.append([])
-        seen: set[tuple[str, int, int, int]] = set()
+        seen: set[tuple[int, str, int, int, int]] = set()
         for ev in stall.get("evidence", []) or []:
             key = _evidence_entry_key(ev)
             # An arrow runs forward in time: evidence that began after the stall ended cannot point at it.
-            if key is None or key in seen or not (key[3] <= end and start <= end):
+            if key is None or not (key[3] <= end and start <= end):
                 continue
-            seen.add(key)
-            self._by_key.setdefault(key, []).append((flows.new(), index))
+            where = self._locate(stall, ev) if self._locate is not None else 0
+            if where < 0 or (where, *key) in seen:
+                continue
+            seen.add((where, *key))
+            self._by_key.setdefault((where, *key), []).append((flows.new(), index))
 
-    def take(self, key: tuple[str, int, int, int]) -> list[int]:
-        """Flow ids for a slice being written under ``key``; each evidence entry is used once."""
-        links = self._by_key.pop(key, None)
+    def take(self, key: EvidenceKey, capture: int = 0) -> list[int]:
+        """Flow ids for a slice of ``capture`` being written under ``key``; each evidence entry is used once."""
+        links = self._by_key.pop((capture, *key), None)
         if not links:
             return []
         for flow, index in links:
@@ -155,6 +166,24 @@ class StallLinks:
     @property
     def unmatched(self) -> int:
         return sum(len(v) for v in self._by_key.values())
+
+
+class CaptureLinks:
+    """One capture's side of a joined trace's StallLinks: its slices take flows under its own index; the
+    stalls, and the notes on them, are the joined export's (empty here)."""
+
+    malformed = 0
+    unmatched = 0
+
+    def __init__(self, links: StallLinks, capture: int) -> None:
+        self._links, self._capture = links, capture
+        self.stalls: list[dict[str, Any]] = []
+
+    def take(self, key: EvidenceKey) -> list[int]:
+        return self._links.take(key, self._capture)
+
+    def flows_of(self, index: int) -> list[int]:
+        return []
 
 
 def _evidence_entry_key(ev: Any) -> tuple[str, int, int, int] | None:

@@ -89,10 +89,14 @@ class CpuSamples:
     ``thread(pid, tid)`` must describe the sample's thread track before its packet is written.
     """
 
-    def __init__(self, put: Callable[[bytes], None], thread: Callable[[int, int], int], pending_cap: int) -> None:
+    def __init__(self, put: Callable[[bytes], None], thread: Callable[[int, int], int], pending_cap: int, *,
+                 interner: StackInterner | None = None, ids: Callable[[int], int] = int) -> None:
+        """``interner``: the trace's, shared by the captures of several hosts (interned ids are the
+        sequence's, not a capture's); ``ids``: a pid or tid as the trace writes it (tracks.Tracks.perfetto_id)."""
         self._put, self._thread = put, thread
         self._cap = pending_cap
-        self.interner = StackInterner()
+        self._ids = ids
+        self.interner = interner if interner is not None else StackInterner()
         self._stacks: dict[Key, list[str] | int] = {}  # frames until first drawn, then the callstack iid
         self._pending: OrderedDict[Key, deque[Ready]] = OrderedDict()
         self._npending = 0
@@ -167,5 +171,6 @@ class CpuSamples:
                 raise ValueError("StackSample pid/tid must be 32-bit unsigned integers")
             if not (type(r.cpu) is int and -1 <= r.cpu < _U32):
                 raise ValueError("StackSample cpu must be -1 or a 32-bit unsigned integer")
-            fields = self._fields[(r.pid, r.tid, r.cpu)] = pp.sample_fields(r.pid, r.tid, r.cpu)
+            fields = self._fields[(r.pid, r.tid, r.cpu)] = pp.sample_fields(self._ids(r.pid), self._ids(r.tid),
+                                                                            r.cpu)
         return pp.clamp_ts(r.ts), r.pid, r.tid, fields

@@ -14,6 +14,7 @@ from typing import BinaryIO, Protocol
 from . import perfetto_proto as pp
 
 UNTRACED = "not traced by gputrace; shown because it woke a traced thread"
+ID_SPAN = 1 << 22  # pid_max's ceiling: each host's pids and tids get a span of their own in a joined trace
 
 
 class Writes(Protocol):
@@ -130,8 +131,14 @@ class LaneSet:
 class Tracks:
     """Allocates track uuids and writes each descriptor before the track's first event."""
 
-    def __init__(self, sink: PacketSink) -> None:
+    def __init__(self, sink: PacketSink, *, uuid_base: int = 0, id_base: int = 0, host: str = "") -> None:
+        """``uuid_base``, ``id_base`` and ``host`` set one capture apart in a trace of several hosts: its track
+        uuids, its pids and tids as Perfetto sees them (Perfetto merges processes by pid, and two hosts' pids
+        may be equal), and the host its top-level tracks and processes are named by."""
         self._put = sink.put
+        self._uuid_base = uuid_base
+        self._id_base = id_base
+        self.host = host
         self._uuids: dict[tuple[object, ...], int] = {}
         self._described: set[int] = set()
         self.proc_name: dict[int, tuple[str, list[str]]] = {}
@@ -142,8 +149,16 @@ class Tracks:
     def _uuid(self, key: tuple[object, ...]) -> int:
         u = self._uuids.get(key)
         if u is None:
-            u = self._uuids[key] = len(self._uuids) + 1
+            u = self._uuids[key] = self._uuid_base + len(self._uuids) + 1
         return u
+
+    def perfetto_id(self, n: int) -> int:
+        """A pid or tid as this capture's host writes it into the trace (0, the idle task, and ids no kernel
+        hands out are left as they are: a hostile one is the record's problem, not another host's)."""
+        return n + self._id_base if self._id_base and type(n) is int and 0 < n < ID_SPAN else n
+
+    def _named(self, name: str) -> str:
+        return f"{self.host}: {name}" if self.host else name
 
     # -- processes and threads -------------------------------------------------------------------------
 
@@ -156,8 +171,11 @@ class Tracks:
     def _describe_process(self, pid: int, u: int) -> None:
         name, cmdline = self.proc_name.get(pid, (f"pid {pid}", []))
         untraced = pid in self.untraced_pids
+        shown = f"{name} (untraced)" if untraced else name
+        if self._id_base:  # the pid Perfetto shows is this host's span's: say the real one
+            shown += f" (pid {pid})"
         self._put(pp.track_descriptor(u, description=UNTRACED if untraced else "",
-                                      process=(pid, f"{name} (untraced)" if untraced else name, cmdline)))
+                                      process=(self.perfetto_id(pid), self._named(shown), cmdline)))
         self._described.add(u)
 
     def note_process(self, pid: int, comm: str, cmdline: list[str] | None = None) -> None:
@@ -182,7 +200,8 @@ class Tracks:
     def _describe_thread(self, pid: int, tid: int, u: int) -> None:
         name = self.thread_name.get((pid, tid)) or self._default_thread_name(pid, tid)
         desc = UNTRACED if (pid, tid) in self.untraced_threads else ""
-        self._put(pp.track_descriptor(u, description=desc, thread=(pid, tid, name)))
+        self._put(pp.track_descriptor(u, description=desc,
+                                      thread=(self.perfetto_id(pid), self.perfetto_id(tid), name)))
         self._described.add(u)
 
     def _default_thread_name(self, pid: int, tid: int) -> str:
@@ -223,7 +242,8 @@ class Tracks:
         """A plain track (a child of ``parent`` when given), described on first use."""
         u = self._uuid(key)
         if u not in self._described:
-            self._put(pp.track_descriptor(u, name=name, parent=parent, description=description))
+            self._put(pp.track_descriptor(u, name=name if parent else self._named(name), parent=parent,
+                                          description=description))
             self._described.add(u)
         return u
 
@@ -231,12 +251,14 @@ class Tracks:
         """Re-describe a plain track already written (e.g. a device whose name arrived late)."""
         u = self._uuids.get(key)
         if u is not None and u in self._described:
-            self._put(pp.track_descriptor(u, name=name, parent=parent, description=description))
+            self._put(pp.track_descriptor(u, name=name if parent else self._named(name), parent=parent,
+                                          description=description))
 
     def counter(self, key: tuple[object, ...], name: str, parent: int, unit: str) -> int:
         u = self._uuid(key)
         if u not in self._described:
-            self._put(pp.track_descriptor(u, name=name, parent=parent, counter_unit=unit))
+            self._put(pp.track_descriptor(u, name=name if parent else self._named(name), parent=parent,
+                                          counter_unit=unit))
             self._described.add(u)
         return u
 

@@ -169,3 +169,25 @@ def test_separate_otlp_exports_make_one_trace_per_collective(job: dict[str, Any]
         # each span runs from its rank's arrival to the completion: rank 0's holds the wait for the cold read
         took = {h: s.end_time_unix_nano - s.start_time_unix_nano for h, s in ranks}
         assert took["host-a"] >= 50_000_000 and took["host-b"] < took["host-a"] / 2, took
+
+
+def test_perfetto_export_of_two_hosts_draws_the_late_ranks_read_into_the_waits(job: dict[str, Any]) -> None:
+    from gputrace.exporters.perfetto_check import check_trace
+    from gputrace.exporters.perfetto_tracks import ID_SPAN
+
+    out = job["tmp"] / "job.pftrace"
+    r = subprocess.run([*GPUTRACE, "export", str(job["caps"]["A"]), str(job["caps"]["B"]), "--perfetto", str(out),
+                        "-f"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    check = check_trace(out)
+    assert check.problems == [], check.problems
+    procs = [t for t in check.tracks.values() if t.kind == "process"]
+    late = [t for t in procs if t.pid == job["late_pid"] + ID_SPAN]
+    assert len(late) == 1 and late[0].name.startswith("host-b: "), [(t.name, t.pid) for t in procs]
+    assert any(t.name.startswith("host-a: ") and t.pid < ID_SPAN for t in procs)
+    stalls_a = [t for t in check.tracks.values()
+                if t.name == "stalls" and (check.parent_name(t) or "").startswith("host-a: ")]
+    reads = [(src, dst) for t in stalls_a for src, dst in check.flows_into(t)
+             if src.args.get("obj") in job["files"] and (check.track_of(src).pid or 0) >= ID_SPAN]
+    assert len({dst.ts for _, dst in reads}) >= STEPS - 1, [(s.name, s.args) for s, _ in reads]
+    assert all(src.ts <= dst.ts for src, dst in reads)

@@ -97,7 +97,7 @@ class Attributor:
         start_there = st.start_ns - w.late_shift_ns  # the stall's start on the late rank's clock
         if late_api is not None and late_api.start_ns > start_there:
             launch_ev = launch_evidence(late_api)
-            ev.append(shifted(launch_ev, w.late_shift_ns) if there is not self else launch_ev)
+            ev.append(_elsewhere(launch_ev, w.late_shift_ns, there.host) if there is not self else launch_ev)
             parts = there.explainer.explain(late_api.tid, start_there, late_api.start_ns)
             if parts:
                 best = _dominant(parts)
@@ -108,7 +108,8 @@ class Attributor:
                         "via": mine["via"]}
                 out["late_rank"] = late
                 out["late_rank_cause"] = late  # the name this field had before it was named on its host
-                more = best.evidence if there is self else [shifted(e, w.late_shift_ns) for e in best.evidence]
+                more = best.evidence if there is self else [_elsewhere(e, w.late_shift_ns, there.host)
+                                                            for e in best.evidence]
                 out["evidence"] = (ev + more)[:24]
         return out
 
@@ -116,6 +117,12 @@ class Attributor:
 def collective_object(name: str, seq: int) -> str:
     """How a collective instance is named: "all_reduce #17" (its sequence number in its communicator)."""
     return f"{name} #{seq}" if seq >= 0 else name
+
+
+def _elsewhere(ev: dict[str, Any], shift_ns: int, host: str) -> dict[str, Any]:
+    """Evidence from the late rank's capture: on this capture's clock, and naming its host (its pid and tid
+    are that host's, which an exporter must know to find its slice)."""
+    return {**shifted(ev, shift_ns), "host": host}
 
 
 def shifted(ev: dict[str, Any], shift_ns: int) -> dict[str, Any]:

@@ -57,9 +57,23 @@ class Alignment:
         return self.header_shift_ns + self.correction_ns
 
 
+@dataclass
+class Joined:
+    """A joined report and the per-capture reports it was merged from (the same stall dicts, on the first
+    capture's clock): an exporter draws each capture's stalls with that capture's records."""
+
+    report: dict[str, Any]
+    parts: list[dict[str, Any]]
+
+
 def analyze_many(readers: Sequence[CaptureReader], names: Sequence[str], *,
                  min_gap_ns: int = 1_000_000) -> dict[str, Any]:
     """The joined report of several captures (``names`` label them: their paths)."""
+    return join(readers, names, min_gap_ns=min_gap_ns).report
+
+
+def join(readers: Sequence[CaptureReader], names: Sequence[str], *, min_gap_ns: int = 1_000_000) -> Joined:
+    """analyze_many's report with its parts."""
     if min_gap_ns <= 0:
         raise ValueError("min_gap_ns must be > 0")
     if len(readers) > MAX_CAPTURES:
@@ -86,7 +100,7 @@ def analyze_many(readers: Sequence[CaptureReader], names: Sequence[str], *,
                     if key in keys[i]:
                         remote.setdefault(key, []).extend(Remote(op, rank, n, j, shift) for op, rank, n in members)
         reports.append(assemble(cap, min_gap_ns, attributor=atts[i], remote=remote))
-    return _merge(reports, caps, names, hosts, align, jobs, notes, min_gap_ns)
+    return Joined(_merge(reports, caps, names, hosts, align, jobs, notes, min_gap_ns), reports)
 
 
 def _jobs(caps: list[Capture], names: Sequence[str], notes: list[str]) -> list[list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -21,6 +22,10 @@ EXAMPLES = """\
   gputrace export run.gputrace --perfetto run.pftrace -f       overwrite an existing trace
   gputrace export run.gputrace --otlp localhost:4317           stall spans to an OTLP collector (gRPC)
   gputrace export run.gputrace --otlp http://tempo:4318 --protocol http
+  gputrace export hostA.gputrace hostB.gputrace --perfetto job.pftrace
+                                                              one trace of the job, on one clock: each host's
+                                                              processes and GPUs named by the host, arrows
+                                                              from a late rank's cause to the waits it caused
   gputrace export hostA.gputrace hostB.gputrace --otlp tempo:4317
                                                               each capture's spans; a collective instance's
                                                               spans share one trace id on every host
@@ -35,7 +40,8 @@ delivered and 2 when none were (the counts are printed either way).
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("captures", metavar="CAPTURE", nargs="+",
-                   help="a .gputrace capture file (several: --otlp exports each, as on its own host)")
+                   help="a .gputrace capture file (several: one job's captures from several hosts; --perfetto "
+                        "writes one trace of them joined, --otlp exports each, as on its own host)")
     dest = p.add_mutually_exclusive_group(required=True)
     dest.add_argument("--perfetto", metavar="OUT.pftrace", help="write a Perfetto trace")
     dest.add_argument("--otlp", metavar="ENDPOINT", help="send stall spans to an OTLP endpoint (host:port or URL)")
@@ -54,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_otlp(args, min_gap_ns)
     if not args.perfetto:
         raise UserError("--perfetto needs an output file name, such as run.pftrace")
-    if len(set(args.captures)) > 1:
-        raise UserError("--perfetto takes one capture; for several hosts' captures of one job use "
-                        "`gputrace report CAP CAP ...` (joined) or --otlp (one trace per collective instance)")
-    args.capture = args.captures[0]
+    paths = list(dict.fromkeys(args.captures))  # the same file twice is one capture, not two hosts
+    if len(paths) > 1:
+        return _run_perfetto_joined(args, paths, min_gap_ns)
+    args.capture = paths[0]
     out = Path(args.perfetto)
     check_output_path(out, force=args.force, source=args.capture)
     with open_capture(args.capture) as reader:
@@ -70,6 +76,32 @@ def run(args: argparse.Namespace) -> int:
     _print_notes(result)
     _warn_losses(reader, "the trace has what was readable")
     print(f"Wrote {out} ({result.items:,} packets)")
+    print("Next:")
+    print(f"  gputrace view {shlex.quote(str(out))}")
+    return 0
+
+
+def _run_perfetto_joined(args: argparse.Namespace, paths: list[str], min_gap_ns: int) -> int:
+    """One trace of one job's captures from several hosts, on the joined report's clock."""
+    from gputrace.analysis.join import join
+    from gputrace.exporters.perfetto import PerfettoExporter
+
+    out = Path(args.perfetto)
+    for path in paths:
+        check_output_path(out, force=args.force, source=path)
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(open_capture(p)) for p in paths]
+        joined = join(readers, paths, min_gap_ns=min_gap_ns)
+        notes = joined.report["join"]["notes"]
+        if len(joined.report["join"]["jobs"]) > 1:  # the report's own words: these are not one job
+            raise UserError(f"{notes[0]}; one Perfetto trace is of one job: export each capture on its own")
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        result = PerfettoExporter(out).write_joined(readers, paths, joined)
+        _print_notes(result)
+        for path, reader in zip(paths, readers, strict=True):
+            _warn_losses(reader, f"the trace has what was readable of {path}")
+    print(f"Wrote {out} ({result.items:,} packets, {len(paths)} captures on the clock of {paths[0]})")
     print("Next:")
     print(f"  gputrace view {shlex.quote(str(out))}")
     return 0
