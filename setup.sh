@@ -8,7 +8,7 @@
 #   4. with --test, what only the tests need: a Python 3.14 in build/python3.14 to attach to with
 #      sys.remote_exec (the distribution's is older), from Debian's python3.14 packages (see below),
 #      and PyTorch (its CPU build where the machine has one) in .venv, for a scenario that runs
-#      PyTorch's own DataLoader.
+#      PyTorch's own DataLoader, and Chromium, to render the HTML report headless.
 # Every step says what it did. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -130,6 +130,20 @@ if [ "$with_test" = 1 ]; then
     else
         .venv/bin/python -m pip install -q 'torch==2.13.0' || die "cannot install PyTorch 2.13.0 into .venv (needed by --test)"
         say "installed PyTorch $(torch_version) into .venv for the tests"
+    fi
+    # Chromium renders the HTML report headless (tests/test_html_render.py): a screenshot and the DOM after its
+    # script ran. Debian packages it as chromium; without it that test would skip, so its absence stops --test.
+    if command -v chromium >/dev/null; then
+        say "chromium already installed ($(chromium --version 2>/dev/null | head -n 1))"
+    else
+        [ "$apt_updated" = 1 ] || { apt-get update -qq; apt_updated=1; }
+        policy=$(apt-cache policy chromium 2>/dev/null)  # whole: grep -q closing the pipe early fails pipefail
+        if grep -q 'Candidate: [0-9]' <<<"$policy"; then
+            apt-get install -y -qq --no-install-recommends chromium >/dev/null
+            say "installed chromium ($(chromium --version 2>/dev/null | head -n 1)) for the HTML rendering test"
+        else
+            die "no chromium package in this host's apt sources (needed by --test for the HTML rendering test)"
+        fi
     fi
 fi
 say "ready: .venv/bin/gputrace doctor   # checks this host"

@@ -16,6 +16,7 @@ from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.analysis.report import causes_text, culprit_label, holders_text, pid_text
 from gputrace.analysis.throttle import quota_text
 from gputrace.analysis.timefmt import size_text
+from gputrace.viewer import timeline
 
 TOP_STALLS = 10
 PROCESS_COLUMNS = ("process", "runs a GPU", "stall time", "share", "stalls", "causes")
@@ -48,6 +49,7 @@ def render(report: dict[str, Any], console: Console, capture_name: str = "") -> 
         _no_gpu(report, console)
         return
     console.print(_devices(report))
+    _strips(report, console)
     if report["stalls"]:
         console.print(_budget(report))
         console.print(_culprits(report))
@@ -145,6 +147,34 @@ def _devices(report: dict[str, Any]) -> Table:
         t.add_row(*_cells(name, ms(d["window_ns"]), f"{ms(d['busy_ns'])} ({pct(d['busy_ns'], d['window_ns'])})",
                           d["stalls"], f"{ms(d['stall_ns'])} ({pct(d['stall_ns'], d['window_ns'])})", nvml))
     return t
+
+
+# Colours of the strip's letters; the letters alone still read on a console without colour.
+STRIP_STYLES = {"storage": "blue", "network": "dark_orange", "collective": "magenta", "cpu": "red",
+                "cpu.runqueue": "bright_red", "cpu.throttled": "yellow", "sync": "cyan", "sleep": "bright_yellow",
+                "device": "bright_magenta", "launch": "bright_black", "tracing": "bright_black", "unknown": "white"}
+STRIP_LABEL = 16  # characters of the device's label before its strip
+
+
+def _strips(report: dict[str, Any], console: Console) -> None:
+    """One line per device: the capture from start to end, a character per equal slice, as wide as the console."""
+    t0, t1 = timeline.span(report)
+    width = max(10, console.width - STRIP_LABEL - 2)
+    console.print(Text(f"Timeline ({ms(t1 - t0)}, {ms((t1 - t0) // width)} a character)", style="bold"))
+    seen: dict[str, str] = {}
+    for d in report["devices"]:
+        label = shown(f"{d['host']} {d['id']}" if "host" in d else f"dev {d['id']}")
+        line = Text(f"{label[:STRIP_LABEL - 1]:<{STRIP_LABEL - 1}} |")
+        causes = {s["cause"]: timeline.letter(s["cause"]) for s in timeline.device_stalls(report, d)}
+        styles = {ch: STRIP_STYLES.get(cause, "") for cause, ch in causes.items()}
+        seen.update({ch: cause for cause, ch in causes.items()})
+        for ch in timeline.strip(report, d, width):
+            line.append(ch, style="dim" if ch in (timeline.BUSY, timeline.OUTSIDE) else styles.get(ch, ""))
+        line.append("|")
+        console.print(line, no_wrap=True, overflow="crop")
+    legend = [f"{timeline.BUSY} busy", f"{timeline.OUTSIDE} no GPU work",
+              *(f"{ch} {cause}" for ch, cause in sorted(seen.items(), key=lambda kv: kv[1]))]
+    console.print(Text("  ".join(legend)))
 
 
 def _budget(report: dict[str, Any]) -> Table:
