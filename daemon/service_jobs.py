@@ -33,6 +33,7 @@ from .service_caps import close_pidfds, pidfd_exited
 STAGING = ".staging"
 KEEP_FINISHED = 100
 STOP_WAIT_S = 60.0
+UNLOAD_WAIT_S = 10.0  # a job's end waits this long at most for its BPF programs to be unloaded
 
 
 MIB = 1 << 20
@@ -200,9 +201,9 @@ class JobTable:
             shutil.rmtree(job.stage, ignore_errors=True)
             with self._lock:
                 self._dir_bytes.pop(job.uid, None)  # its files moved there: measured again when next asked
-            job.ended = time.time()
-            self.log(f"job {job.id}: {job.state}" + (f": {job.error}" if job.error else f", {len(job.files)} files"))
             _give_back_memory()
+            job.ended = time.time()  # once its memory is given back: a client sees the service as the job left it
+            self.log(f"job {job.id}: {job.state}" + (f": {job.error}" if job.error else f", {len(job.files)} files"))
             job.done.set()
 
     def _capture(self, job: Job) -> Any:
@@ -319,7 +320,11 @@ class _QuotaBudget:
 def _give_back_memory() -> None:
     """A job's records, report and export are garbage once it ends, but glibc keeps freed heap in its arenas
     (one per thread that allocated: each job and source thread): the service would stay at its largest job's
-    size for good. Collect, then have glibc return free pages to the kernel."""
+    size for good. Wait for the job's BPF programs to be unloaded (their modules are freed then), collect,
+    then have glibc return free pages to the kernel."""
+    from gputrace.probes.ebpf_host import wait_for_unloads
+
+    wait_for_unloads(UNLOAD_WAIT_S)
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

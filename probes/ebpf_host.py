@@ -4,6 +4,7 @@ source asks of the host: its program text, which tracepoints exist, and unloadin
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import platform
@@ -95,10 +96,31 @@ _compiling = threading.Lock()
 def compile_bpf(bpf_class: Any, **kwargs: Any) -> Any:
     """``bpf_class(**kwargs)`` (bcc's BPF: compile and load), one at a time in this process."""
     with _compiling:
-        return bpf_class(**kwargs)
+        # Made in two steps so a failed compile can still be forgotten: bcc registers the object with atexit
+        # before it compiles, and gputraced would keep every failed attempt until it exits.
+        bpf = bpf_class.__new__(bpf_class)
+        try:
+            bpf.__init__(**kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # half made: whatever it opened is closed, as far as it got
+                bpf.cleanup()
+            forget(bpf)
+            raise
+        return bpf
+
+
+def forget(bpf: Any) -> None:
+    """Take a BPF object off bcc's atexit list once it is cleaned up. bcc registers ``cleanup`` (and
+    ``donothing`` on a failed load) as bound methods: the list would keep the object, its tables and their
+    callbacks (with them the source, its sink and the capture writer) for the life of the process, one set
+    per capture in gputraced."""
+    for name in ("cleanup", "donothing"):
+        if hasattr(bpf, name):
+            atexit.unregister(getattr(bpf, name))
 
 
 _unloading: list[threading.Thread] = []
+_unloading_lock = threading.Lock()
 _UNLOAD_WAIT_S = 30.0
 
 
@@ -106,15 +128,23 @@ def unload_in_background(bpf: Any) -> None:
     """unload() on a thread of its own, so stopping a source does not wait for it. The interpreter waits
     for it at exit: bcc freeing its modules while Python tears down crashes the process."""
     t = threading.Thread(target=unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True)
-    if not _unloading:
-        atexit.register(_wait_for_unloads)
-    _unloading.append(t)
-    t.start()
+    with _unloading_lock:
+        if not _unloading:
+            atexit.register(wait_for_unloads)
+        # Only unloads still running are waited for: a service unloads for every capture it runs. The first
+        # stays, so the list is never empty again and the exit hook is registered once.
+        _unloading[1:] = [u for u in _unloading[1:] if u.is_alive()]
+        _unloading.append(t)
+        t.start()  # under the lock: a thread on the list has started, and can be joined
 
 
-def _wait_for_unloads() -> None:
-    deadline = time.monotonic() + _UNLOAD_WAIT_S
-    for t in _unloading:
+def wait_for_unloads(timeout_s: float = _UNLOAD_WAIT_S) -> None:
+    """Wait (at most ``timeout_s``) for the unloads started so far: until then their programs' memory is
+    not yet freed."""
+    deadline = time.monotonic() + timeout_s
+    with _unloading_lock:
+        pending = list(_unloading)
+    for t in pending:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
@@ -123,7 +153,7 @@ def unload(bpf: Any) -> None:
     (70 ms to seconds on a busy machine); concurrent closes share them."""
     from bcc.libbcc import lib
 
-    atexit.unregister(bpf.cleanup)  # an exiting interpreter drops the links itself; never twice
+    forget(bpf)  # an exiting interpreter drops the links itself; never twice
     fds = list(bpf.tracepoint_fds.values())
     links = list(bpf.raw_tracepoint_fds.values())  # bpf links, not perf events: a plain close
     bpf.tracepoint_fds.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -690,6 +691,75 @@ def test_a_user_s_running_python_3_14_gets_the_agent_through_the_service(svc: Sv
     with CaptureReader(svc.state / "65534" / "attached.gputrace") as reader:
         kernels = [rec for rec in reader.records() if type(rec).__name__ == "GpuKernel"]
     assert len(kernels) > 20 and {k.pid for k in kernels} == {child.pid}
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _ended_job(svc: Svc, job_id: int, timeout_s: float = 60) -> dict[str, Any]:
+    """The job once the service has ended it: its end time is set after its memory was given back."""
+    deadline = time.monotonic() + timeout_s
+    while (job := next(j for j in svc.ask({"op": "list"})["jobs"] if j["id"] == job_id))["ended"] is None:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    return job
+
+
+# A Python 3.14 target the service arms with the agent, launching simulated kernels: each launch is two records
+# its agent sends (the call and the kernel), up to ~10,000 a second, within the agent's budget (200,000): what
+# a busy training process sends, and few enough that the service's report on two cores takes seconds.
+_LAUNCHER = ("import time\nfrom gputrace.sim import Device\ns = Device(0).stream()\nprint('ready', flush=True)\n"
+             "while True:\n    for _ in range(100):\n        s.launch('k', duration_ms=0)\n"
+             "    s.synchronize()\n    time.sleep(0.02)\n")
+
+
+def test_the_service_s_memory_returns_to_its_warm_level_after_large_jobs() -> None:
+    """Idle is the service's level after its first job: libbcc, LLVM and clang (~90 MiB of text mapped at
+    the first compile) and the modules a capture imports stay for the life of the process. From there, a
+    job's records, report and BPF objects are given back when it ends: after a large job (a target making
+    system calls as fast as it can, and an armed Python target whose agent sends thousands of records a
+    second) the service is within 64 MiB of that level, and a second such job does not take it beyond."""
+    py314 = ROOT / "build" / "python3.14" / "usr" / "bin" / "python3.14"
+    assert py314.is_file(), f"{py314} is missing: run ./setup.sh --test"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}, "PYTHONPATH": str(ROOT)}
+    stats = "import os\nwhile True: os.stat('/')"
+
+    def job(duration_s: float, armed: bool) -> dict[str, Any]:
+        children = [subprocess.Popen([*NOBODY, sys.executable, "-c", stats])]
+        try:
+            if armed:
+                children.append(subprocess.Popen([*NOBODY, str(py314), "-c", _LAUNCHER], stdout=subprocess.PIPE,
+                                                 env=env))
+                assert children[-1].stdout is not None and children[-1].stdout.readline() == b"ready\n"
+            reply = service.ask({"op": "capture", "pids": [c.pid for c in children], "duration_s": duration_s})
+            assert reply["ok"], reply
+            ended = _ended_job(service, reply["job"]["id"])
+        finally:
+            for c in children:
+                c.kill()
+                c.wait(timeout=10)
+        assert ended["state"] == "done", ended
+        return ended
+
+    with running_service("gputraced-memory-") as service:
+        idle = _rss_mib(service.proc.pid)
+        job(1, armed=False)
+        warm = _rss_mib(service.proc.pid)
+        big = job(3, armed=True)
+        after_one = _rss_mib(service.proc.pid)
+        with CaptureReader(big["files"][0]) as reader:
+            kinds = collections.Counter(type(r).__name__ for r in reader.records())
+        job(3, armed=True)
+        after_two = _rss_mib(service.proc.pid)
+    print(f"gputraced RSS: idle {idle:.0f} MiB, warm {warm:.0f} MiB, after a large job {after_one:.0f} MiB, "
+          f"after a second {after_two:.0f} MiB; the large job's records: {dict(kinds)}")
+    assert kinds["GpuKernel"] > 2_000 and kinds["Syscall"] + kinds["SyscallAgg"] > 0, kinds
+    assert after_one <= warm + 64, f"{after_one:.0f} MiB after a large job, warm level {warm:.0f} MiB"
+    assert after_two <= warm + 64, f"{after_two:.0f} MiB after a second large job, warm level {warm:.0f} MiB"
 
 
 def test_a_capture_cut_off_by_a_killed_service_is_handed_over_at_its_next_start() -> None:

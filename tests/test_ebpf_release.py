@@ -1,0 +1,77 @@
+"""A BPF object is freed once unloaded, or once its compile failed: bcc registers each with atexit, and a
+long-lived process (gputraced, one set of programs per capture) would otherwise keep every one, with its
+tables, their callbacks and what those reach (the source, its sink, the capture writer)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from gputrace.probes.ebpf_host import compile_bpf, unload, unload_in_background, wait_for_unloads
+
+GOOD = b"int probe(void *ctx) { return 0; }"
+BAD = b"int probe(void *ctx) { return no_such_name; }"
+
+
+def _still_kept(ref: weakref.ref[Any]) -> str:
+    gc.collect()
+    kept = ref()
+    return "" if kept is None else f"kept by {[type(r).__name__ for r in gc.get_referrers(kept)]}"
+
+
+def test_an_unloaded_bpf_object_is_freed() -> None:
+    bcc = pytest.importorskip("bcc")
+    for release in (unload, unload_in_background):
+        bpf = compile_bpf(bcc.BPF, text=GOOD)
+        ref = weakref.ref(bpf)
+        release(bpf)
+        del bpf
+        wait_for_unloads()
+        assert not _still_kept(ref), f"after {release.__name__}: {_still_kept(ref)}"
+
+
+def test_a_bpf_object_whose_compile_failed_is_freed() -> None:
+    bcc = pytest.importorskip("bcc")
+    made: list[weakref.ref[Any]] = []
+
+    class Recorded(bcc.BPF):  # type: ignore[misc,name-defined]
+        def __init__(self, **kwargs: Any) -> None:
+            made.append(weakref.ref(self))  # the object bcc registered, though it is never returned
+            super().__init__(**kwargs)
+
+    with pytest.raises(Exception, match="Failed to compile") as failed:
+        compile_bpf(Recorded, text=BAD)
+    del failed  # its traceback holds the frames that held the object
+    assert len(made) == 1 and not _still_kept(made[0]), _still_kept(made[0])
+
+
+class _Sink:
+    def emit(self, records: Sequence[tuple[Any, ...]]) -> None:
+        pass
+
+    def emit_kernel(self, blob: bytes, nevents: int) -> None:
+        pass
+
+    def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_stopped_uprobe_source_keeps_neither_its_programs_nor_its_sink() -> None:
+    """The ring buffer's callback is the source's: an object kept by bcc keeps the source and the sink it
+    writes to (in a capture, the session's queue and writer)."""
+    pytest.importorskip("bcc")
+    from gputrace.probes.uprobes import UprobeSource
+
+    sink = _Sink()
+    src = UprobeSource([os.getpid()], library="libno-such-library.so")
+    src.start(sink)
+    programs, sink_ref = weakref.ref(src._bpf), weakref.ref(sink)
+    src.stop()
+    del src, sink
+    assert not _still_kept(programs), _still_kept(programs)
+    assert not _still_kept(sink_ref), _still_kept(sink_ref)
