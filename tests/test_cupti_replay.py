@@ -81,3 +81,19 @@ def test_the_h100_torch_loop_replays_as_the_loop_ran() -> None:
     assert not [a for a in apis if a.name.startswith("cudaGetDevice_")]  # recorded, then dropped as quiet
     assert conv.skipped.get("quiet_api", 0) > len(apis)  # they outnumbered all other API records
     assert meta["driver_version"] == "580.159.04" and meta["cupti_python"] == "13.4.0"
+
+
+def test_a_one_rank_nccl_communicator_shows_its_calls_as_nvtx_ranges_and_no_kernel() -> None:
+    """What NCCL shows on one H100 with world size 1 (README.md here): each call as an NVTX range of NCCL's
+    own, inside the user's; no NCCL kernel (nothing to exchange); the quiet lookups dropped."""
+    records, conv = replay(str(DATA / "h100-nccl-one-rank.jsonl.gz"))
+    ranges = [r for r in records if type(r) is NvtxRange]
+    names = [r.name for r in ranges]
+    assert names.count("ncclAllReduce") == 12 and names.count("ncclBroadcast") == 12, names
+    users = sorted((r for r in ranges if r.name.startswith("all_reduce ")), key=lambda r: r.start_ns)
+    assert [r.name for r in users] == [f"all_reduce {4096 << i} B" for i in range(len(users))] and len(users) >= 10
+    calls = [r for r in ranges if r.name.startswith("nccl")]
+    assert all(any(u.start_ns <= c.start_ns and c.end_ns <= u.end_ns for u in users) for c in calls[: 2 * len(users)])
+    kernels = [r.name for r in records if type(r) is GpuKernel]
+    assert kernels and not [k for k in kernels if "nccl" in k.lower()], kernels
+    assert conv.skipped.get("quiet_api", 0) > 1000
