@@ -106,7 +106,10 @@ def test_many_connections_with_unfinished_frames_stay_within_the_bound(tmp_path:
     h.finish()
     assert h.reader is not None
     drops = h.server.drops()
-    assert drops["connections_refused"] > 0 and drops.get("cut_off_unfinished", 0) > 0
+    # which of the two bounds a connection meets depends on timing (a process's earlier connections may be
+    # cut off before its later ones arrive); that the flood met them, and was counted, does not
+    assert drops.get("cut_off_unfinished", 0) > 0, drops
+    assert drops.get("connections_refused", 0) + drops["cut_off_unfinished"] >= 9 * 30 - 4 * 9, drops
     print(f"flood: peak growth {grown:.0f} MiB, drops {drops}")
 
 
@@ -159,12 +162,13 @@ def test_running_out_of_descriptors_sheds_connections_and_keeps_the_listener(tmp
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     clients: list[socket.socket] = []
     try:
-        # Clients opened first (they count against the same limit), then the limit lowered to what is open.
-        for _ in range(8):
-            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            c.connect(str(h.server.sock_path))
-            clients.append(c)
+        # Client sockets made first (they count against the same limit), the limit lowered to what is open,
+        # then connected: connecting takes the client no descriptor, and each connection then waits for an
+        # accept that has none to give it
+        clients = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(8)]
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        for c in clients:
+            c.connect(str(h.server.sock_path))
         wait_for(lambda: h.server.shed.get("connections_shed", 0) > 0, what="a connection shed for want of fds")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
