@@ -17,7 +17,7 @@ from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import DIRTY_OP, FAULT_OP, Capture
 from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
-from gputrace.analysis.throttle import Throttles
+from gputrace.analysis.throttle import Throttles, runnable_wait
 from gputrace.analysis.timefmt import size_text
 from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
@@ -202,8 +202,8 @@ class Explainer:
         Creation times strictly decrease up that chain, so it ends. A creator in another process (a fork)
         adds ``fork:pid P`` to ``via``; a thread created by its own process's thread adds no hop."""
         role = self.cap.agent_threads.get(tid)
-        if role is not None:  # gputrace's own agent: whatever it did, the tracing took that time
-            return [self._tracing(tid, role, b - a)] if b > a else []
+        if role is not None:  # gputrace's own agent: what it did took the tracing's time
+            return self._agent_thread(tid, role, a, b)
         parts: list[Part] = []
         hops: list[str] = []
         hop_tids: list[int] = []
@@ -716,6 +716,21 @@ class Explainer:
                 if index else Counter()
             self._interpreted[tid] = True if kinds["python"] else False if kinds["native"] >= NATIVE_SAMPLES else None
         return self._interpreted[tid]
+
+    def _agent_thread(self, tid: int, role: str, a: int, b: int) -> list[Part]:
+        """[a, b) of an agent's thread: the tracing's, but for what its cgroup's CPU quota held it off (the
+        job's own threads there would have been held as well: the quota is the cause, not the agent)."""
+        if b <= a:
+            return []
+        index = self.cap.offcpu.get(tid)
+        waits = [(o, max(o.start_ns, a), min(o.end_ns, b)) for o in (index.overlapping(a, b) if index else ())
+                 if runnable_wait(o)]
+        cut = self.throttles.split(tid, waits) if waits else None
+        if cut is None or cut.ns <= 0:
+            return [self._tracing(tid, role, b - a)]
+        culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields, "throttled_ns": cut.ns}
+        parts = [Part("cpu.throttled", cut.ns, culprit, evidence=cut.evidence[:MAX_EVIDENCE])]
+        return parts + ([self._tracing(tid, role, b - a - cut.ns)] if b - a > cut.ns else [])
 
     def _tracing(self, tid: int, role: str, ns: int) -> Part:
         """Time an agent's thread took in the target: gputrace's own, named by what the agent does there."""

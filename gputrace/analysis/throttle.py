@@ -28,6 +28,10 @@ from typing import Any
 
 from gputrace.records import CpuThrottle, OffCpu
 
+# The kernel adds a throttle's time to the group's counters a moment after the group may run again (the
+# unthrottle completes on another CPU): a sample read just after the thread was back on its CPU can still
+# miss it (seen: 40 us), so a wait that ended this much before a window's start may have been its throttle
+UPDATE_SLACK_NS = 1_000_000
 Wait = tuple[OffCpu, int, int]  # an off-CPU span and the window [a, b) of it that was a wait for a CPU
 
 
@@ -102,10 +106,10 @@ class Throttles:
                 # in the group when it began waiting (an exiting process leaves its group while it waits to be
                 # reaped, after the throttle that held it)
                 waits = [(o.end_ns - wait_start(o), tid, o) for o in (index.overlapping(lo, hi) if index else ())
-                         if runnable_wait(o) and o.end_ns > w.start_ns
+                         if runnable_wait(o) and o.end_ns > w.start_ns - UPDATE_SLACK_NS
                          and _inside(cgroup_at(rows, wait_start(o)), w.path)]
-                if waits:
-                    best.append(max(waits, key=lambda x: x[0]))
+                if waits:  # a wait the window's throttle ended ends in the window; one ending later, only if none
+                    best.append(max(waits, key=lambda x: (x[2].end_ns <= hi, x[0])))
         for length, tid, o in best:
             spans = spans_by_tid.setdefault(tid, {})
             start = wait_start(o)
