@@ -39,7 +39,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-SESSION_NICE = 10  # the session's threads yield the CPU to the traced job's (nice 0) when both want it
+SESSION_NICE = 5  # the session's threads yield the CPU to the traced job's (nice 0) when both want it (to a third)
 MAX_LIVE_OFFERS = 512  # offer sockets held at once (one fd each): far more armed processes than a job runs
 
 

@@ -160,7 +160,7 @@ class StackSampler:
             bpf, self._bpf = self._bpf, None
             unload(bpf)
             if isinstance(e, Exception) and not isinstance(e, UserError):
-                raise UserError(f"setting up the sampler failed: {e}") from None
+                raise UserError(f"setting up the sampler failed: {type(e).__name__}: {e}") from None
             raise
         sink.emit_meta(self.name, {"hz": self.hz, "stack": "user", "max_frames": MAX_FRAMES})
         detail = f"{self.hz} Hz CPU-clock samples of user stacks"

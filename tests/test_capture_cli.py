@@ -296,12 +296,15 @@ def test_a_capture_writer_takes_strings_python_decoded_with_surrogate_escapes(tm
 
 FORKS_AND_EXITS = """
 import os
+from gputrace.agent import arming
 from gputrace.sim import Device
 s = Device(0).stream()
 for _ in range(24):
     pid = os.fork()
     if pid == 0:  # each child connects its own agent, then leaves by os._exit: no goodbye
         s.launch("child", duration_ms=1.0)
+        agent = arming.current()
+        assert agent is not None and agent.answered.wait(30)  # taken by the session, however busy the machine
         os._exit(0)
     os.waitpid(pid, 0)
 s.launch("parent", duration_ms=1.0)

@@ -100,6 +100,7 @@ class Agent:
         self._sock: socket.socket | None = None
         self._closing = threading.Event()
         self._done = threading.Event()
+        self.answered = threading.Event()  # the session took this agent (start) or sent it away (stop)
         self._lock = threading.Lock()
         self._io: int | None = None  # ident of the thread serving a session
         self._pending = False  # connect() called, its thread maybe not running yet
@@ -270,6 +271,7 @@ class Agent:
 
     def _handle(self, msg: dict[str, Any]) -> bool:
         """React to a session message; True when this session is over."""
+        self.answered.set()
         if msg["type"] == "start":
             flush_ms = msg.get("flush_ms")
             if isinstance(flush_ms, int) and 10 <= flush_ms <= 10_000:
@@ -358,6 +360,7 @@ class Agent:
         self._pending = False
         self._closing = threading.Event()
         self._done = threading.Event()
+        self.answered = threading.Event()  # the session took this agent (start) or sent it away (stop)
         self.started = self.eager
         self._hello_sent = False
         # A backend that ran in the parent stays with the parent unless it declares itself fork-safe: CUDA

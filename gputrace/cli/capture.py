@@ -20,13 +20,14 @@ EXAMPLES = """\
   gputrace capture -p 4242 -d 30                      trace pid 4242 and its children for 30 s
   gputrace capture -p 4242 -p 4243 -o run1.gputrace   several processes, named output
   gputrace capture --min-gap-ms 5 -- ./train.sh       count only GPU gaps of 5 ms or more
+  gputrace capture --off sampler,nvml -p 4242 -d 30   leave the CPU sampler and NVML out (cheaper)
 
 -p takes process ids; a thread id stands for its process (said before tracing starts).
 Ctrl-C ends the capture cleanly. Writes NAME.gputrace (the capture: re-analyse it any time) and
 NAME.pftrace (open it with `gputrace view`). Needs root (or CAP_BPF + CAP_PERFMON and a readable
 tracefs).
 OVERHEAD: measured in every capture and printed at its end ("tracing cost: ... of host CPU"), with each
-kernel program's run time in the report; see docs/probes.md. Source families (--off FAMILY):
+kernel program's run time in the report; see docs/capture.md. Source families (--off FAMILY):
 """ + help_text() + "\n"
 
 
