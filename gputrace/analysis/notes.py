@@ -96,11 +96,11 @@ def device_timing_note(cap: dict[str, Any]) -> str:
     """Device timing that began after the capture did (an agent injected into a running process): what came
     before on the GPU is not in the capture, and no stall is found there."""
     start, late = cap.get("start_ns"), cap.get("device_timing_from_ns")
-    if type(start) is not int or type(late) is not int or late - start < 1_000_000:
-        return ""
+    attached = [r for r in cap.get("attached") or [] if isinstance(r, dict) and r.get("how") == "injected"]
+    if not attached or type(start) is not int or type(late) is not int or late - start < 1_000_000:
+        return ""  # an agent armed at launch (capture -- CMD, an armed service) missed nothing
     how = ", ".join(f"pid {r['pid']} {r.get('method') or r.get('how')}"
-                    + (f", paused {r['pause_ms']:.1f} ms" if "pause_ms" in r else "")
-                    for r in cap.get("attached", []) if isinstance(r, dict))
+                    + (f", paused {r['pause_ms']:.1f} ms" if "pause_ms" in r else "") for r in attached)
     return (f"note: device timing from +{(late - start) / 1e6:.1f} ms (when the GPU agent started"
             + (f": {how}" if how else "") + "); GPU work before that is not in the capture")
 
