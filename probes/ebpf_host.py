@@ -17,6 +17,7 @@ from typing import Any
 
 from gputrace.caps import missing_tracing_caps
 from gputrace.errors import PermissionDenied, UserError
+from gputrace.probes import bpfstats
 from gputrace.probes.btf import VMLINUX
 from gputrace.records import SourceStatus
 
@@ -227,9 +228,7 @@ def program_runs(bpf: Any, *, final: dict[str, tuple[int, int]] | None = None) -
     (probes/bpfstats.py), by the tracepoint it serves; ``final``: as read at stop."""
     if final is not None:
         return dict(final)
-    from gputrace.probes.bpfstats import program_runs as runs
-
-    return runs(bpf, _program_short_name)
+    return bpfstats.program_runs(bpf, _program_short_name)
 
 
 def parse_recursion_misses(fdinfo: str) -> int:

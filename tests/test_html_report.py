@@ -15,7 +15,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-import pytest
 from rich.console import Console
 
 from gputrace.analysis import analyze
@@ -229,8 +228,8 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (./setup.sh --test installs it)")
 def test_chromium_draws_the_page_and_runs_its_script(tmp_path: Path) -> None:
+    assert CHROMIUM is not None, "no chromium binary: ./setup.sh --test installs it"
     page = tmp_path / "mixed.html"
     html_report.write(mixed_report(tmp_path), page, title="mixed.gputrace")
     shot = tmp_path / "mixed.png"

@@ -3,12 +3,10 @@ under its name. Real small filesystems (tmpfs mounted by the test), real `gputra
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from workloads.loopdev import small_tmpfs
 
 from gputrace.analysis.synth import Builder
@@ -17,7 +15,6 @@ GPUTRACE = [sys.executable, "-m", "gputrace"]
 TRAINER = 100
 NOSPACE = "No space left on device"
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs, and captures need eBPF")
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -37,7 +34,6 @@ def _synthetic(path: Path, ops: int = 3000) -> Path:
     return b.write(path)
 
 
-@needs_root
 def test_capture_whose_perfetto_trace_finds_no_room(tmp_path: Path) -> None:
     """The capture fits; the disk is full (no inode left) when its .pftrace is made."""
     with small_tmpfs(tmp_path / "tiny", size="64m", inodes=2) as tiny:
@@ -51,7 +47,6 @@ def test_capture_whose_perfetto_trace_finds_no_room(tmp_path: Path) -> None:
     assert left == ["run.gputrace"]
 
 
-@needs_root
 def test_capture_cut_off_by_a_full_disk(tmp_path: Path) -> None:
     """A process making system calls without end, every one recorded: the capture fills the disk and ends."""
     busy = subprocess.Popen([sys.executable, "-c", "import os\nwhile True: os.stat('/')"])
@@ -70,7 +65,6 @@ def test_capture_cut_off_by_a_full_disk(tmp_path: Path) -> None:
     assert left == ["run.gputrace"]
 
 
-@needs_root
 def test_export_perfetto_to_a_full_disk(tmp_path: Path) -> None:
     cap = _synthetic(tmp_path / "run.gputrace")
     with small_tmpfs(tmp_path / "tiny", size="64k") as tiny:
@@ -82,7 +76,6 @@ def test_export_perfetto_to_a_full_disk(tmp_path: Path) -> None:
     assert left == []
 
 
-@needs_root
 def test_report_html_to_a_full_disk(tmp_path: Path) -> None:
     cap = _synthetic(tmp_path / "run.gputrace")
     with small_tmpfs(tmp_path / "tiny", size="64k") as tiny:
