@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gputrace.agent import arming
 from gputrace.capture import CaptureWriter, host_header
-from gputrace.daemon.agents import AgentServer
+from gputrace.daemon.agents.server import AgentServer
 from gputrace.daemon.writer import QueueSink
 
 LAUNCHES = """

@@ -18,8 +18,9 @@ import time
 import warnings
 from pathlib import Path
 
-from gputrace.probes import ebpf_build, ebpf_hooks
-from gputrace.probes.ebpf_host import BPF_DIR, check_host
+from gputrace.probes.ebpf import build as ebpf_build
+from gputrace.probes.ebpf import hooks as ebpf_hooks
+from gputrace.probes.ebpf.host import BPF_DIR, check_host
 from gputrace.probes.sampler import StackSampler
 
 MAIN_SHIPPED = "#include <asm/ptrace.h>\n"

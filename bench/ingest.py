@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.daemon.writer import QueueSink
-from gputrace.probes.ebpf import EbpfSource
+from gputrace.probes.ebpf.source import EbpfSource
 
 LOAD = """
 import os, sys, time

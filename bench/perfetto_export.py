@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
-from gputrace.exporters.perfetto import PerfettoExporter
+from gputrace.exporters.perfetto.export import PerfettoExporter
 from gputrace.records import (
     BlockIO,
     CudaApi,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.daemon.writer import source_capture
-from gputrace.probes.ebpf import EbpfSource
+from gputrace.probes.ebpf.source import EbpfSource
 
 LOOP = """
 import os, sys, time

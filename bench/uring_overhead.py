@@ -26,7 +26,7 @@ from typing import Any
 from _common import TimedLoop, build_loop
 
 from gputrace.daemon.writer import source_capture
-from gputrace.probes.ebpf import EbpfSource
+from gputrace.probes.ebpf.source import EbpfSource
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = r"""

@@ -2,7 +2,7 @@
 
 Three kinds of CPU time are tracing's, and only tracing's:
 - the kernel programs' run time (each source's ``program_runs()``, timed by the kernel's BPF statistics,
-  turned on for the capture through probes/bpfstats.py and off again after it), paid by whichever task
+  turned on for the capture through probes/ebpf/bpfstats.py and off again after it), paid by whichever task
   hit the hook, traced or not;
 - the capturing process's own CPU time (its threads drain the ring buffers, write the file, sample NVML);
 - each agent's CPU time inside its traced process (its I/O thread, CUPTI flushes and conversions), as the
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gputrace import clock
-from gputrace.probes.bpfstats import RunStats
+from gputrace.probes.ebpf.bpfstats import RunStats
 from gputrace.records import TracingCost
 from gputrace.source import Sink
 

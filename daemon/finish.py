@@ -6,25 +6,22 @@ import shlex
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gputrace import pipeline
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
 
 if TYPE_CHECKING:
-    from .session import CaptureOptions, CaptureResult
+    from gputrace.daemon.session import CaptureOptions, CaptureResult
 
 
 def analyse(path: Any, min_gap_ms: float) -> dict[str, Any]:
-    from gputrace.analysis import analyze
-
     with CaptureReader(path) as reader:
-        return analyze(reader, min_gap_ns=int(min_gap_ms * 1e6))
+        return pipeline.analyse(reader, int(min_gap_ms * 1e6))
 
 
 def analyse_and_export(result: CaptureResult, opts: CaptureOptions, log: Callable[[str], None]) -> None:
     from gputrace.analysis import summary_lines
-    from gputrace.exporters.perfetto import PerfettoExporter
-
-    from .session_targets import perfetto_path_for
+    from gputrace.daemon.targets import perfetto_path_for
 
     result.report = analyse(result.capture_path, opts.min_gap_ms)
     for line in summary_lines(result.report):
@@ -37,7 +34,7 @@ def analyse_and_export(result: CaptureResult, opts: CaptureOptions, log: Callabl
         out = perfetto_path_for(result.capture_path)
         try:
             with CaptureReader(result.capture_path) as reader:
-                PerfettoExporter(out, report=result.report).write(reader)
+                pipeline.write_perfetto(reader, out, result.report)
             result.perfetto_path = out
             log(f"Wrote {out}")
         except UserError as e:

@@ -22,15 +22,14 @@ from typing import Any
 from gputrace import clock
 from gputrace.agent.arming import is_armed
 from gputrace.capture import CaptureWriter, WriteBudget, check_output_path, cut_off_captures, host_header
+from gputrace.daemon.agents.sockdir import make_socket_dir, remove_stale_socket_dirs
+from gputrace.daemon.cost import CostMeter
+from gputrace.daemon.launch import HeldChild
+from gputrace.daemon.targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
+from gputrace.daemon.writer import QueueSink
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
-
-from .cost import CostMeter
-from .launch import HeldChild
-from .session_targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
-from .sockdir import make_socket_dir, remove_stale_socket_dirs
-from .writer import QueueSink
 
 Log = Callable[[str], None]
 
@@ -189,7 +188,7 @@ class _Session:
 
     def _new_agents(self) -> Any:
         """The agent server, its socket in a directory of its own that any traced process may pass through."""
-        from gputrace.daemon.agents import AgentServer
+        from gputrace.daemon.agents.server import AgentServer
 
         # A session killed with SIGKILL leaves its directory behind: the first that starts after it tidies up.
         if stale := remove_stale_socket_dirs():
@@ -211,7 +210,7 @@ class _Session:
         return self.ebpf is not None and bool(self.ebpf.is_traced(pid))
 
     def _start_sources(self, pids: list[int]) -> None:
-        from gputrace.probes.ebpf import EbpfSource
+        from gputrace.probes.ebpf.source import EbpfSource
 
         assert self.sink is not None
         off = self.opts.off
@@ -520,7 +519,7 @@ class _Session:
             self.sock_dir.rmdir()
 
     def _after(self, path: Path, reason: str) -> CaptureResult:
-        from .finish import analyse_and_export
+        from gputrace.daemon.finish import analyse_and_export
 
         result = CaptureResult(path, None, None, not any(self.drops.values()), self.drops, None, reason)
         if self.cut_off:

@@ -46,8 +46,7 @@ from gputrace.analysis.devices import SHARED, ReportDevices
 from gputrace.analysis.report import holders_text
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
-
-from . import ExportResult
+from gputrace.exporters import ExportResult
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_PORTS = {"grpc": 4317, "http": 4318}

@@ -5,7 +5,7 @@
     ["M", source, meta]      a source's metadata, before its records (e.g. the eBPF syscall table); the
                              session's ("session") says when tracing began: {"tracing_ns": N}
     ["R", kind, [row, ...]]  a batch of typed records of one kind (gputrace.records), rows positional
-    ["K", blob]              raw kernel events, decoded on read by gputrace.probes.events
+    ["K", blob]              raw kernel events, decoded on read by gputrace.probes.ebpf.events
     ["T", trailer]           last frame: end time, when tracing began (tracing_ns), counts, drops, source states
 
 The writer appends to a temporary file beside the output and renames it when the capture is complete, so
@@ -133,7 +133,7 @@ def cut_off_captures(path: Path) -> list[Path]:
 
 
 class WriteBudget(Protocol):
-    """Bytes a capture may take (gputraced's per-user quota, daemon/service_jobs.py)."""
+    """Bytes a capture may take (gputraced's per-user quota, daemon/service/jobs.py)."""
 
     def take(self, n: int) -> bool:
         """Take ``n`` bytes if they are there; False (nothing taken) when they are not."""
@@ -506,7 +506,7 @@ class CaptureReader:
                     if not isinstance(frame[2], dict):
                         raise ValueError(f"{frame[1][:64]!r} metadata is not a map")
                     if frame[1] == "ebpf":
-                        from gputrace.probes.events import KernelDecoder
+                        from gputrace.probes.ebpf.events import KernelDecoder
 
                         try:
                             decoder = KernelDecoder(frame[2])

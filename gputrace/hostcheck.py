@@ -127,14 +127,14 @@ def check_lockdown() -> Check:
 
 def check_btf() -> Check:
     name = "BTF"
-    from gputrace.probes.btf import VMLINUX as path
+    from gputrace.probes.ebpf.btf import VMLINUX as path
 
     if not path.is_file():
         return Check(name, WARN, f"{path} missing", "the scheduler hooks fall back to classic tracepoints (the "
                      "kernel skips some wakeups) and page-fault waits are not named; use a kernel with "
                      "CONFIG_DEBUG_INFO_BTF")
-    from gputrace.probes.ebpf_hooks import task_pid_offset, uring_hook
-    from gputrace.probes.ebpf_host import uring_supported
+    from gputrace.probes.ebpf.hooks import task_pid_offset, uring_hook
+    from gputrace.probes.ebpf.host import uring_supported
 
     size = f"{path} ({path.stat().st_size // 1024} KiB)"
     if task_pid_offset() is None:
@@ -179,7 +179,7 @@ def check_tracefs() -> Check:
 
 def wanted_tracepoints() -> list[tuple[str, str, str]] | None:
     try:
-        from gputrace.probes.ebpf import wanted_tracepoints as wanted
+        from gputrace.probes.ebpf.source import wanted_tracepoints as wanted
     except Exception:  # noqa: BLE001 - an unusable probe module is reported as "probe list unavailable"
         return None
     return [(str(t[0]), str(t[1]), str(t[2]) if len(t) > 2 else "") for t in wanted()]
@@ -188,7 +188,7 @@ def wanted_tracepoints() -> list[tuple[str, str, str]] | None:
 def check_tracepoints(tracepoints: list[tuple[str, str, str]] | None = None) -> list[Check]:
     wanted = tracepoints if tracepoints is not None else wanted_tracepoints()
     if wanted is None:
-        return [Check("tracepoints", WARN, "the probe list is unavailable (gputrace.probes.ebpf did not load)",
+        return [Check("tracepoints", WARN, "the probe list is unavailable (gputrace.probes.ebpf.source did not load)",
                       "reinstall gputrace (pip install -e .)")]
     d = tracefs_dir()
     if d is None:
@@ -201,7 +201,7 @@ def check_tracepoints(tracepoints: list[tuple[str, str, str]] | None = None) -> 
 def tracepoint_fields() -> dict[tuple[str, str], tuple[str, ...]]:
     """The fields the eBPF source reads from tracepoints whose layout changed between kernels."""
     try:
-        from gputrace.probes.syscalls import URING_FIELDS
+        from gputrace.probes.ebpf.syscalls import URING_FIELDS
     except Exception:  # noqa: BLE001 - the probe list is reported unavailable elsewhere
         return {}
     return {("io_uring", tp): f for tp, f in URING_FIELDS.items()}
@@ -363,7 +363,7 @@ def check_nvml() -> Check:
 
 
 def check_attach(yama: str = "/proc/sys/kernel/yama/ptrace_scope") -> Check:
-    """Whether `capture -p` can inject the agent into an unarmed Python >= 3.14 (gputrace.agent.inject)."""
+    """Whether `capture -p` can inject the agent into an unarmed Python >= 3.14 (gputrace.daemon.attach.inject)."""
     name = "attach to Python 3.14"
     try:
         scope = int(Path(yama).read_text().strip())

@@ -17,7 +17,7 @@ class Sink(Protocol):
         """Typed records (gputrace.records) of any kinds."""
 
     def emit_kernel(self, blob: bytes, nevents: int) -> None:
-        """Raw kernel events, decoded on read by gputrace.probes.events."""
+        """Raw kernel events, decoded on read by gputrace.probes.ebpf.events."""
 
     def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
         """A source's metadata (written before the records that need it)."""

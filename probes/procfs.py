@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gputrace import clock
-from gputrace.probes.epolls import EVENTPOLL
-from gputrace.probes.events import AT_FDCWD
+from gputrace.probes.ebpf.epolls import EVENTPOLL
+from gputrace.probes.ebpf.events import AT_FDCWD
 from gputrace.records import EpollEntry, FdInfo, ProcExec, ProcFork, ProcInfo, ThreadInfo
 
 PROC = Path("/proc")

@@ -21,7 +21,7 @@ from typing import Any
 from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.probes import elfsyms
-from gputrace.probes.ebpf_host import (
+from gputrace.probes.ebpf.host import (
     BPF_DIR,
     check_host,
     compile_bpf,
@@ -31,7 +31,7 @@ from gputrace.probes.ebpf_host import (
     program_skips,
     unload,
 )
-from gputrace.probes.ebpf_owner import foreign, owner_cflags
+from gputrace.probes.ebpf.owner import foreign, owner_cflags
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
 
@@ -206,11 +206,11 @@ class StackSampler:
         unload(bpf)
 
     def skipped(self) -> dict[str, int]:
-        """How often the kernel skipped each of this source's programs (see ebpf_host.program_skips)."""
+        """How often the kernel skipped each of this source's programs (see ebpf.host.program_skips)."""
         return program_skips(self._bpf, final=self._final_skips)
 
     def program_runs(self) -> dict[str, tuple[int, int]]:
-        """(run count, run time ns) of each of this source's kernel programs (see ebpf_host.program_runs)."""
+        """(run count, run time ns) of each of this source's kernel programs (see ebpf.host.program_runs)."""
         return program_runs(self._bpf, final=self._final_runs)
 
     def drops(self) -> dict[str, int]:

@@ -18,8 +18,8 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import PermissionDenied, UserError
-from gputrace.probes.ebpf_host import compile_bpf, forget, program_runs
-from gputrace.probes.ebpf_owner import LEFT_OUT_WHY, foreign, owner_cflags
+from gputrace.probes.ebpf.host import compile_bpf, forget, program_runs
+from gputrace.probes.ebpf.owner import LEFT_OUT_WHY, foreign, owner_cflags
 from gputrace.records import CudaApi, SourceStatus
 from gputrace.source import Sink
 
@@ -163,7 +163,7 @@ class UprobeSource:
             self._status("stopped", f"{left} calls not recorded, of processes left out: {LEFT_OUT_WHY}")
 
     def program_runs(self) -> dict[str, tuple[int, int]]:
-        """(run count, run time ns) of each of this source's kernel programs (see ebpf_host.program_runs)."""
+        """(run count, run time ns) of each of this source's kernel programs (see ebpf.host.program_runs)."""
         return program_runs(self._bpf, final=self._final_runs)
 
     def drops(self) -> dict[str, int]:

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
-from gputrace.daemon.agents import AgentServer
+from gputrace.daemon.agents.server import AgentServer
 from gputrace.daemon.writer import QueueSink
 
 PYTHON = sys.executable

@@ -39,7 +39,7 @@ class CaseTimeout(Exception):
 def base_capture(path: Path) -> bytes:
     """A small capture with every frame kind: metadata (eBPF, NVML), records of several kinds, raw kernel
     events, a trailer."""
-    from gputrace.analysis.synth import Builder
+    from gputrace.testing.synth import Builder
 
     b = Builder().proc(100, "python").thread(100, 101, "python").device(100).nvml_devices("uuid-100-0")
     b.op(100, 101, 1, 2, 5)

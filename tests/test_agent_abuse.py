@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agent_harness import Harness, RawPeer, wait_for
 
-from gputrace.daemon.agents import AgentLimits
+from gputrace.daemon.agents.server import AgentLimits
 
 MiB = 1 << 20
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from agent_harness import Harness, clean_env, of
 
-from gputrace.agent import arming, inject
+from gputrace.agent import arming
+from gputrace.daemon.attach import inject
 from gputrace.errors import UserError
 
 

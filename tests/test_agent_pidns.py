@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from agent_harness import PYTHON, Harness, of, wait_for
 
-from gputrace.agent.pidns import PeerIds
+from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.probes import procfs
 from gputrace.probes.procfs import ns_chain
 

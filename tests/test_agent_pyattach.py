@@ -1,4 +1,4 @@
-"""The agent injected into running, unarmed CPython < 3.14 with our ptrace injector (gputrace.agent.pyattach):
+"""The agent injected into running, unarmed CPython < 3.14 with our ptrace injector (gputrace.daemon.attach.pyattach):
 the distribution's /usr/bin/python3.11 and, through the same path, the python3.14 that ``./setup.sh --test``
 unpacks. Real processes, real ptrace, real captures. Each workload measures its own loop: the largest gap
 between two iterations around the moment its agent appeared, which is what the attach cost it."""
@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from agent_harness import Harness, clean_env, of, wait_for
 
-from gputrace.agent import elfsyms, inject, pyattach
 from gputrace.capture import CaptureReader
+from gputrace.daemon.attach import inject, pyattach
+from gputrace.daemon.attach import symbols as elfsyms
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.probes import procfs
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from agent_harness import Harness, clean_env, of, wait_for
 
-from gputrace.agent import inject, nsexec
+from gputrace.daemon.attach import inject, nsexec
 from gputrace.errors import UserError
 from gputrace.probes import procfs
 
@@ -313,7 +313,7 @@ def test_without_cap_sys_admin_a_container_is_refused_with_the_way_out(
         container: tuple[subprocess.Popen[str], int, Path]) -> None:  # fmt: skip
     """As under gputraced, which does not keep CAP_SYS_ADMIN: entering a container is impossible, said so."""
     _, host_pid, _ = container
-    code = ("from gputrace.agent import inject\nfrom gputrace.errors import UserError\n"
+    code = ("from gputrace.daemon.attach import inject\nfrom gputrace.errors import UserError\n"
             f"try:\n    inject.inject({host_pid}, '/run/none/agent.sock')\nexcept UserError as e:\n    print(e)\n")
     r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)

@@ -263,7 +263,7 @@ def test_what_counts_as_a_container_seen_from_the_sandbox(host: Host, container:
     and trusted under Yama like any host process; the container's mount and pid namespaces and its root are
     its own. foreign_root (where its files are made) is true of both: our /tmp is not theirs."""
     pid = host.workload()
-    code = ("import json, sys\nfrom gputrace.agent import listen, nsexec\n"
+    code = ("import json, sys\nfrom gputrace.daemon.agents import listen\nfrom gputrace.daemon.attach import nsexec\n"
             "kinds = (*nsexec.NAMESPACES, 'user')\n"
             "print(json.dumps({p: [[n for n in kinds if listen.in_container(p, n)], listen.container_root(p), "
             "listen.foreign_root(p), [n for n in kinds if not listen.own_namespace(p, n)]] "

@@ -10,10 +10,10 @@ import pytest
 from rich.console import Console
 
 from gputrace.analysis import analyze, summary_lines
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
-from gputrace.exporters.perfetto_args import stall_args
+from gputrace.exporters.perfetto.args import stall_args
 from gputrace.records import CudaApi
+from gputrace.testing.synth import Builder, ns
 from gputrace.viewer.terminal import describe, render
 
 TRAINER, WORKER, WORKER2 = 100, 200, 300
@@ -539,7 +539,7 @@ def test_an_event_loop_wait_is_named_by_the_fd_it_found_ready(tmp_path: Path) ->
 
 EPFD, FILE_FD, SOCK_FD = 3, 5, 7
 PEER = "10.0.0.7:29500"
-DATA_OK = 1 << 32  # a0 of an epoll event: a1 holds a data word (probes/events.py EPOLL_DATA_OK)
+DATA_OK = 1 << 32  # a0 of an epoll event: a1 holds a data word (probes/ebpf/events.py EPOLL_DATA_OK)
 
 
 def epoll_loop(b: Builder, ready: int, registered: int | None = None, created: bool = True) -> Builder:

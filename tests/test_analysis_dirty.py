@@ -8,8 +8,8 @@ from pathlib import Path
 from test_analysis import TRAINER, only_stall, run, trainer
 from test_analysis_uring import MOUNTS
 
-from gputrace.analysis.synth import ns
 from gputrace.records import DirtyPause
+from gputrace.testing.synth import ns
 from gputrace.viewer.terminal import describe
 
 SAVE = "/data/state-001.bin"

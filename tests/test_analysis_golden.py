@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.analysis import analyze
-from gputrace.analysis.synth import BASE_NS, Builder
 from gputrace.capture import open_capture
+from gputrace.testing.synth import BASE_NS, Builder
 
 GOLDEN = Path(__file__).parent / "data" / "analysis" / "mixed_stalls.json"
 TRAINER, WORKER, PEER_RANK = 100, 200, 300

@@ -1,5 +1,5 @@
 """Wait chains through many round trips, the GIL's possible holders, and the tracing's own time, on small
-synthetic captures (gputrace.analysis.synth): records in, expected stalls out."""
+synthetic captures (gputrace.testing.synth): records in, expected stalls out."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.analysis import analyze
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
 from gputrace.records import AgentThread
+from gputrace.testing.synth import Builder, ns
 
 TRAINER, WORKER = 100, 200
 FEEDER, SHARER = WORKER + 1, WORKER + 2  # the worker's queue feeder and resource-sharer threads

@@ -8,9 +8,9 @@ from typing import Any
 
 from test_analysis import PATH, TRAINER, WORKER, only_stall, run, trainer, worker_reads
 
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import CaptureWriter, host_header, open_capture
-from gputrace.probes import uring
+from gputrace.probes.ebpf import uring
+from gputrace.testing.synth import Builder, ns
 
 RING, FILE_FD = 4, 5
 WRK = TRAINER + 5  # the trainer's io-wq worker thread
@@ -143,8 +143,8 @@ def test_requests_alone_change_nothing_outside_io_uring_waits(tmp_path: Path) ->
 
 def test_perfetto_draws_the_request_and_an_arrow_from_it_to_the_stall(tmp_path: Path) -> None:
     from gputrace.analysis import analyze
-    from gputrace.exporters.perfetto import PerfettoExporter
-    from gputrace.exporters.perfetto_check import check_trace
+    from gputrace.exporters.perfetto.export import PerfettoExporter
+    from gputrace.testing.perfetto_check import check_trace
 
     b = waiting(trainer()).uring(TRAINER, TRAINER, 9.05, 39.8, PATH, 64 << 10, flags=2)
     b.uring(TRAINER, TRAINER, 9.06, 30.0, PATH, 4096)  # in flight beside it: a second lane

@@ -17,11 +17,11 @@ from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
 from gputrace.analysis import analyze
 from gputrace.analysis.objects import block_device_of
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
-from gputrace.exporters.perfetto import PerfettoExporter
-from gputrace.exporters.perfetto_check import check_trace
+from gputrace.exporters.perfetto.export import PerfettoExporter
 from gputrace.records import BlockIO, Syscall
+from gputrace.testing.perfetto_check import check_trace
+from gputrace.testing.synth import Builder, ns
 from gputrace.viewer.terminal import describe
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"

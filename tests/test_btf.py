@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gputrace.probes import btf
+from gputrace.probes.ebpf import btf
 
 
 class Blob:
@@ -137,7 +137,7 @@ def test_tracepoint_arguments_from_their_btf_trace_typedef() -> None:
 def test_io_uring_programs_are_raw_only_with_the_layout_they_read() -> None:
     """This kernel's BTF gives every prototype and member the raw io_uring programs read; a kernel whose
     prototypes differ, or with no BTF, keeps the classic tracepoints and says why."""
-    from gputrace.probes import ebpf_hooks as hooks
+    from gputrace.probes.ebpf import hooks
 
     flags, why = hooks.uring_layout(btf.kernel_btf())
     assert why == "" and {f.split("=")[0] for f in flags} == {f"-D{m}" for m, *_ in hooks._URING_FIELDS} | {

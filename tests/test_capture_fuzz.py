@@ -12,10 +12,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from gputrace.analysis.synth import Builder
 from gputrace.capture import CaptureReader, open_capture
 from gputrace.errors import UserError
 from gputrace.records import GpuKernel, Syscall
+from gputrace.testing.synth import Builder
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).with_name("fuzz_capture_runner.py")

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from gputrace.analysis import analyze
-from gputrace.analysis.synth import BASE_NS, Builder, ns
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.cli import main
 from gputrace.daemon.session import CaptureOptions, run_capture
 from gputrace.records import ProcExec
+from gputrace.testing.synth import BASE_NS, Builder, ns
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TRAINER = 100

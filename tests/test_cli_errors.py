@@ -20,11 +20,11 @@ import pytest
 from agent_harness import wait_for
 from test_capture_cli import capture_until_exit
 
-from gputrace.analysis.synth import Builder
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.cli import main
 from gputrace.errors import UserError
-from gputrace.exporters.perfetto import PerfettoExporter
+from gputrace.exporters.perfetto.export import PerfettoExporter
+from gputrace.testing.synth import Builder
 from gputrace.viewer.serve import trace_for
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gputrace.analysis.synth import Builder, ns
+from gputrace.testing.synth import Builder, ns
 
 TRAINER, WORKER = 100, 200
 PATH = "/data/shard-0042.bin"

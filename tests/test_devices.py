@@ -11,11 +11,11 @@ from typing import Any
 
 from gputrace.analysis import analyze
 from gputrace.analysis.devices import DeviceMap, ReportDevices, nvml_uuids
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import CaptureReader
-from gputrace.exporters.perfetto import PerfettoExporter
-from gputrace.exporters.perfetto_check import check_trace
+from gputrace.exporters.perfetto.export import PerfettoExporter
 from gputrace.records import GpuDevice
+from gputrace.testing.perfetto_check import check_trace
+from gputrace.testing.synth import Builder, ns
 
 RANK0, RANK1 = 100, 200
 GPU_A = "GPU-5e0c1a7e-2b1f-4a8e-9d3c-7f1e2a3b4c5d"

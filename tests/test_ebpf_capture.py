@@ -15,7 +15,7 @@ from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
 from gputrace.probes import procfs
-from gputrace.probes.syscalls import syscall_numbers
+from gputrace.probes.ebpf.syscalls import syscall_numbers
 from gputrace.records import BlockIO, OffCpu, ProcFork, Syscall, SyscallAgg
 
 WORKLOADS = Path(__file__).parent / "workloads"

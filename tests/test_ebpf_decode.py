@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from gputrace.probes import events, procfs
-from gputrace.probes.epolls import EVENTPOLL
-from gputrace.probes.events import KernelDecoder, sockaddr_str, task_state
-from gputrace.probes.syscalls import SPECS
+from gputrace.probes import procfs
+from gputrace.probes.ebpf import events
+from gputrace.probes.ebpf.epolls import EVENTPOLL
+from gputrace.probes.ebpf.events import KernelDecoder, sockaddr_str, task_state
+from gputrace.probes.ebpf.syscalls import SPECS
 from gputrace.records import DirtyPause, EpollEntry, FdInfo, FileMap, PageFault, ProcFork
 
 META = {"layout": events.LAYOUT, "threshold_ns": 0, "syscalls": {0: "read", 42: "connect"},
@@ -197,7 +198,7 @@ def test_fds_received_forget_what_the_numbers_held_until_named() -> None:
 def test_recursion_misses_are_read_from_a_real_programs_fdinfo() -> None:
     from bcc import BPF
 
-    from gputrace.probes.ebpf_host import parse_recursion_misses, program_skips
+    from gputrace.probes.ebpf.host import parse_recursion_misses, program_skips
 
     text = "prog_type:\t5\nrun_cnt:\t0\nrecursion_misses:\t17\nverified_insns:\t2\n"
     assert parse_recursion_misses(text) == 17 and parse_recursion_misses("prog_type:\t5\n") == 0
@@ -212,7 +213,7 @@ def test_recursion_misses_are_read_from_a_real_programs_fdinfo() -> None:
 
 
 
-# The eBPF source's syscall table, numbered by place (as gputrace.analysis.synth.Builder.ebpf numbers it).
+# The eBPF source's syscall table, numbered by place (as gputrace.testing.synth.Builder.ebpf numbers it).
 _EP_META = {"layout": events.LAYOUT, "threshold_ns": 0, "syscalls": {nr: s.name for nr, s in enumerate(SPECS)},
             "sysflags": {nr: s.flags for nr, s in enumerate(SPECS)}}  # fmt: skip
 _NR = {s.name: nr for nr, s in enumerate(SPECS)}

@@ -12,7 +12,7 @@ from workloads.ebpfcap import of, read_capture
 
 from gputrace.capture import CaptureWriter, host_header
 from gputrace.daemon.writer import QueueSink
-from gputrace.probes.ebpf import EbpfSource
+from gputrace.probes.ebpf.source import EbpfSource
 from gputrace.records import Drops, Syscall
 
 N = 100_000

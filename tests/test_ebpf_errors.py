@@ -11,7 +11,7 @@ import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.errors import PermissionDenied, UserError
-from gputrace.probes.ebpf import EbpfSource, wanted_tracepoints
+from gputrace.probes.ebpf.source import EbpfSource, wanted_tracepoints
 from gputrace.records import ProcExit, ProcFork, SourceStatus, Syscall
 
 
@@ -36,7 +36,7 @@ def test_bad_options() -> None:
 
 
 def test_unprivileged_user_is_told_which_capability(tmp_path: Path) -> None:
-    code = "import os\nfrom gputrace.probes.ebpf import EbpfSource\nEbpfSource([os.getpid()]).start(None)\n"
+    code = "import os\nfrom gputrace.probes.ebpf.source import EbpfSource\nEbpfSource([os.getpid()]).start(None)\n"
     r = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
          "--bounding-set=-all", sys.executable, "-c", code],

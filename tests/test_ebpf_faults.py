@@ -15,7 +15,7 @@ from pathlib import Path
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
-from gputrace.probes.ebpf_host import file_faults_supported
+from gputrace.probes.ebpf.host import file_faults_supported
 from gputrace.records import BlockIO, FileMap, OffCpu, PageFault, Syscall
 
 WORKLOADS = Path(__file__).parent / "workloads"

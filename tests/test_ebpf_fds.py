@@ -19,7 +19,7 @@ from workloads.piped import PipedChild
 
 from gputrace.analysis.objects import classify
 from gputrace.probes import procfs
-from gputrace.probes.syscalls import syscall_numbers
+from gputrace.probes.ebpf.syscalls import syscall_numbers
 from gputrace.records import FdInfo, OffCpu, Syscall, SyscallAgg
 
 WORKLOADS = Path(__file__).parent / "workloads"

@@ -14,10 +14,10 @@ import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.errors import UserError
-from gputrace.probes import ebpf_hooks
-from gputrace.probes.btf import struct_offset
-from gputrace.probes.ebpf import EbpfSource, wanted_tracepoints
-from gputrace.probes.ebpf_host import program_skips
+from gputrace.probes.ebpf import hooks as ebpf_hooks
+from gputrace.probes.ebpf.btf import struct_offset
+from gputrace.probes.ebpf.host import program_skips
+from gputrace.probes.ebpf.source import EbpfSource, wanted_tracepoints
 from gputrace.records import Drops, OffCpu, SourceStatus, Syscall
 
 # Reads with distinct counts (the `arg` the kernel program copies from the registers), a failed open
@@ -178,7 +178,7 @@ def test_sched_hook_choice() -> None:
 def test_raw_tracepoint_support_is_read_from_kallsyms_names_not_addresses(tmp_path: Path) -> None:
     """A process without CAP_SYSLOG (gputraced after it drops capabilities) reads kallsyms with every address
     0: the kernel's support for raw tracepoints is still seen from the names. This kernel lists them."""
-    from gputrace.probes.syscalls import KALLSYMS, kernel_has_raw_tracepoints
+    from gputrace.probes.ebpf.syscalls import KALLSYMS, kernel_has_raw_tracepoints
 
     assert kernel_has_raw_tracepoints(KALLSYMS)
     hidden = tmp_path / "kallsyms"
@@ -196,7 +196,7 @@ import hashlib, json, sys, warnings
 warnings.simplefilter("ignore")
 import bcc
 from bcc.libbcc import lib
-from gputrace.probes import ebpf_build
+from gputrace.probes.ebpf import build as ebpf_build
 bcc.BPF._trace_autoload = lambda self: None  # compiled, never attached
 b = ebpf_build.compile_program(bcc, ebpf_build.cflags(100000, 64, "raw", "raw", None))
 names = [lib.bpf_function_name(b.module, i) for i in range(lib.bpf_num_functions(b.module))]

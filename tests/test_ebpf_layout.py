@@ -1,4 +1,4 @@
-"""probes/events.py mirrors probes/bpf/gputrace.h: the compiler's layout and the struct formats agree."""
+"""probes/ebpf/events.py mirrors probes/bpf/gputrace.h: the compiler's layout and the struct formats agree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gputrace.probes import ebpf, events, uring
+from gputrace.probes.ebpf import events, uring
+from gputrace.probes.ebpf import source as ebpf
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gputrace.probes.ebpf_host import compile_bpf, unload, unload_in_background, wait_for_unloads
+from gputrace.probes.ebpf.host import compile_bpf, unload, unload_in_background, wait_for_unloads
 
 GOOD = b"int probe(void *ctx) { return 0; }"
 BAD = b"int probe(void *ctx) { return no_such_name; }"

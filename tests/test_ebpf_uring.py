@@ -20,13 +20,11 @@ from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.capture import open_capture
-from gputrace.exporters.perfetto import PerfettoExporter
-from gputrace.exporters.perfetto_check import check_trace
-from gputrace.probes import ebpf_final as final
-from gputrace.probes import ebpf_hooks as hooks
-from gputrace.probes import events, uring
-from gputrace.probes.ebpf_host import uring_supported
+from gputrace.exporters.perfetto.export import PerfettoExporter
+from gputrace.probes.ebpf import events, final, hooks, uring
+from gputrace.probes.ebpf.host import uring_supported
 from gputrace.records import BlockIO, Drops, InProgress, IoUringRequest, OffCpu, Syscall, SyscallAgg
+from gputrace.testing.perfetto_check import check_trace
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SIZE, CHUNK, DEPTH = (3 << 20) + 4096, 1 << 20, 2
@@ -171,7 +169,7 @@ def test_short_requests_are_summed_not_dropped(lib: Path, tmp_path: Path) -> Non
 def test_a_full_request_map_is_counted(lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for 2 requests in flight and 8 submitted at once, the others are lost and counted as
     ``uring`` drops: recorded plus lost requests account for every read."""
-    from gputrace.probes import ebpf_build
+    from gputrace.probes.ebpf import build as ebpf_build
 
     real = ebpf_build.cflags
     monkeypatch.setattr(ebpf_build, "cflags", lambda *a, **k: [*real(*a, **k), "-DMAX_URING=2"])

@@ -11,9 +11,8 @@ import pytest
 
 from gputrace.capture import CaptureWriter, host_header
 from gputrace.cli import main
-from gputrace.cli.export import export_perfetto
 from gputrace.errors import UserError
-from gputrace.exporters.perfetto_check import check_trace
+from gputrace.pipeline import export_perfetto
 from gputrace.records import (
     BlockIO,
     CudaApi,
@@ -24,6 +23,7 @@ from gputrace.records import (
     Syscall,
     ThreadInfo,
 )
+from gputrace.testing.perfetto_check import check_trace
 
 MS = 1_000_000
 T0 = 10_000 * MS

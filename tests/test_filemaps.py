@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gputrace.probes import events
-from gputrace.probes.filemaps import MappedFiles
+from gputrace.probes.ebpf import events
+from gputrace.probes.ebpf.filemaps import MappedFiles
 from gputrace.records import FileMap
 
 MAPPER = """

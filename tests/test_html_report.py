@@ -18,8 +18,8 @@ from typing import Any
 from rich.console import Console
 
 from gputrace.analysis import analyze
-from gputrace.analysis.synth import Builder
 from gputrace.capture import open_capture
+from gputrace.testing.synth import Builder
 from gputrace.viewer import html as html_report
 from gputrace.viewer import terminal, timeline
 

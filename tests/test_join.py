@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.analysis.join import analyze_many
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import CaptureWriter, host_header, open_capture
+from gputrace.testing.synth import Builder, ns
 
 PID = 100  # the same pid on both hosts: hosts have their own pid spaces
 STEPS = 4

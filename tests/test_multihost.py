@@ -172,8 +172,8 @@ def test_separate_otlp_exports_make_one_trace_per_collective(job: dict[str, Any]
 
 
 def test_perfetto_export_of_two_hosts_draws_the_late_ranks_read_into_the_waits(job: dict[str, Any]) -> None:
-    from gputrace.exporters.perfetto_check import check_trace
-    from gputrace.exporters.perfetto_tracks import ID_SPAN
+    from gputrace.exporters.perfetto.tracks import ID_SPAN
+    from gputrace.testing.perfetto_check import check_trace
 
     out = job["tmp"] / "job.pftrace"
     r = subprocess.run([*GPUTRACE, "export", str(job["caps"]["A"]), str(job["caps"]["B"]), "--perfetto", str(out),

@@ -17,8 +17,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from otlp_receiver import Receiver, grpc_receiver
 
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import open_capture
+from gputrace.testing.synth import Builder, ns
 
 TRAINER, WORKER = 100, 200
 PATH = "/data/shard-0042.bin"

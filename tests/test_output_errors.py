@@ -9,7 +9,7 @@ from pathlib import Path
 
 from workloads.loopdev import small_tmpfs
 
-from gputrace.analysis.synth import Builder
+from gputrace.testing.synth import Builder
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TRAINER = 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gputrace.probes import overlay
+from gputrace.probes.ebpf import overlay
 
 MOUNTINFO = "\n".join([
     "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw",

@@ -13,9 +13,8 @@ import pytest
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.exporters import ExportResult
-from gputrace.exporters.perfetto import PerfettoExporter
-from gputrace.exporters.perfetto_check import TraceCheck, check_trace
-from gputrace.exporters.perfetto_tracks import EVICT, Lane
+from gputrace.exporters.perfetto.export import PerfettoExporter
+from gputrace.exporters.perfetto.tracks import EVICT, Lane
 from gputrace.records import (
     BlockIO,
     CudaApi,
@@ -37,6 +36,7 @@ from gputrace.records import (
     SyscallAgg,
     ThreadInfo,
 )
+from gputrace.testing.perfetto_check import TraceCheck, check_trace
 
 MS = 1_000_000
 T0 = 10_000 * MS
@@ -394,7 +394,7 @@ def test_records_with_broken_fields_are_skipped_whole(tmp_path: Path) -> None:
 def _stall_trace(tmp_path: Path, add: Any) -> tuple[dict[str, Any], TraceCheck]:
     """A trainer's stall [10, 40) ms made by ``add(builder)``: the report, and the trace exported with it."""
     from gputrace.analysis import analyze
-    from gputrace.analysis.synth import Builder
+    from gputrace.testing.synth import Builder
 
     b = Builder().proc(100, "trainer").device(100)
     b.op(100, 100, 0.0, 0.0, 10.0, "fwd")
@@ -541,7 +541,7 @@ class _Stream(_Reader):
 _PEAK = """
 import sys, tracemalloc
 from pathlib import Path
-from gputrace.exporters.perfetto import PerfettoExporter
+from gputrace.exporters.perfetto.export import PerfettoExporter
 from test_perfetto import _Stream
 n = int(sys.argv[1])
 tracemalloc.start()

@@ -11,9 +11,9 @@ from pathlib import Path
 from test_sampler import HOT, Spinner, sampled, spin  # noqa: F401  (spin: the fixture building the C workload)
 
 from gputrace.capture import CaptureReader
-from gputrace.exporters.perfetto import PerfettoExporter
-from gputrace.exporters.perfetto_check import check_trace
+from gputrace.exporters.perfetto.export import PerfettoExporter
 from gputrace.records import BlockIO, InProgress, OffCpu, PageFault, StackFrames, StackSample, Syscall
+from gputrace.testing.perfetto_check import check_trace
 
 WORKLOAD = r"""
 import mmap, os, sys, threading, time

@@ -11,7 +11,7 @@ import pytest
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
 from gputrace.errors import UserError
-from gputrace.exporters.perfetto_check import check_trace
+from gputrace.testing.perfetto_check import check_trace
 
 B, E, INST, C = 1, 2, 3, 4
 
@@ -156,7 +156,7 @@ def test_not_a_trace(tmp_path: Path) -> None:
 
 
 def _cli(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gputrace.exporters.perfetto_check", str(path), "--tree"],
+    return subprocess.run([sys.executable, "-m", "gputrace.testing.perfetto_check", str(path), "--tree"],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -1,5 +1,5 @@
 """`gputrace export A B --perfetto OUT`: one trace of a job's captures from two hosts, checked with the official
-protos (gputrace.exporters.perfetto_check). The captures are test_join's synthetic job: rank 0 on host-a waits
+protos (gputrace.testing.perfetto_check). The captures are test_join's synthetic job: rank 0 on host-a waits
 in every all-reduce for rank 1 on host-b, which reads a file first; both ranks are pid 100 on their hosts."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from test_join import MS, PID, STEPS, job, joined
 
 from gputrace.capture import open_capture
-from gputrace.exporters.perfetto_check import TraceCheck, check_trace
-from gputrace.exporters.perfetto_tracks import ID_SPAN
+from gputrace.exporters.perfetto.tracks import ID_SPAN
 from gputrace.records import Syscall
+from gputrace.testing.perfetto_check import TraceCheck, check_trace
 
 SKEW_MS = 7.0  # host-b's clock runs this far behind host-a's: the join shifts its records by +7 ms
 
@@ -24,7 +24,7 @@ def export(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def checked(path: Path) -> TraceCheck:
-    r = subprocess.run([sys.executable, "-m", "gputrace.exporters.perfetto_check", str(path)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "gputrace.testing.perfetto_check", str(path)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
     check = check_trace(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
-from gputrace.exporters import perfetto_proto as pp
+from gputrace.exporters.perfetto import proto as pp
 
 
 def _packet(raw: bytes) -> pb.TracePacket:

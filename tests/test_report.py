@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from workloads.loopdev import small_tmpfs
 
-from gputrace.analysis.synth import Builder
 from gputrace.cli import main
+from gputrace.testing.synth import Builder
 
 TRAINER, WORKER = 100, 200
 H100, OTHER_GPU = "GPU-5e0c1a7e-2b1f-4a8e-9d3c-7f1e2a3b4c5d", "GPU-00c0ffee-0000-4000-8000-000000000001"

@@ -23,13 +23,13 @@ from workloads.piped import PipedChild
 
 from gputrace.analysis import analyze
 from gputrace.analysis.load import load
-from gputrace.analysis.synth import Builder
 from gputrace.capture import open_capture
 from gputrace.daemon.writer import source_capture
 from gputrace.probes import elfsyms
 from gputrace.probes.elfsyms import ElfSymbols
 from gputrace.probes.sampler import BPF_DIR, SampleEvent, StackSampler, clean_name, frame_name
 from gputrace.records import Drops, StackFrames, StackSample
+from gputrace.testing.synth import Builder
 
 HERE = Path(__file__).resolve().parent
 SPIN_C = HERE / "workloads" / "spin.c"

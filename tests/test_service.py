@@ -25,11 +25,11 @@ import pytest
 from agent_harness import wait_for
 
 from gputrace.capture import CaptureReader
-from gputrace.daemon.service_auth import authorize
-from gputrace.daemon.service_caps import close_pidfds
-from gputrace.daemon.service_jobs import JobTable, Limits, prepare_state_dir
-from gputrace.daemon.service_protocol import ProtocolError, recv_frame, send_frame
+from gputrace.daemon.service.auth import authorize
+from gputrace.daemon.service.jobs import JobTable, Limits, prepare_state_dir
+from gputrace.daemon.service.protocol import ProtocolError, recv_frame, send_frame
 from gputrace.errors import UserError
+from gputrace.pidfds import close_pidfds
 from gputrace.records import SourceStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,7 +307,7 @@ def test_a_caller_gone_before_its_request_is_served_starts_nothing(svc: Svc) -> 
 
 CONNECT_THEN_SETUID = """
 import os, socket, sys
-from gputrace.daemon.service_protocol import recv_frame, send_frame
+from gputrace.daemon.service.protocol import recv_frame, send_frame
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
@@ -803,7 +803,7 @@ def test_a_capture_cut_off_by_a_killed_service_is_handed_over_at_its_next_start(
 def test_staging_a_capture_of_no_user_is_removed_and_said_so(tmp_path: Path) -> None:
     """What staging holds that names no user (a header cut short, not a capture of this service, a link) is
     removed at start and logged, never handed to anyone."""
-    from gputrace.daemon.service_jobs import prepare_state_dir, salvage_staging
+    from gputrace.daemon.service.jobs import prepare_state_dir, salvage_staging
 
     prepare_state_dir(tmp_path)
     stage = tmp_path / ".staging" / "3-x"

@@ -21,7 +21,8 @@ from test_service import NOBODY, ROOT, Svc, running_service
 
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
-from gputrace.probes import btf, ebpf_owner, events
+from gputrace.probes.ebpf import btf, events
+from gputrace.probes.ebpf import owner as ebpf_owner
 from gputrace.records import ProcLeftOut
 
 # Records that say what a process did: none may come from a left-out process after it was left out.
@@ -155,7 +156,7 @@ def test_owner_check_needs_every_credential_field() -> None:
 
 def test_sources_refuse_to_start_without_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real sources, a BTF lacking cred.euid: with an owner, neither the eBPF source nor the sampler starts."""
-    from gputrace.probes.ebpf import EbpfSource
+    from gputrace.probes.ebpf.source import EbpfSource
     from gputrace.probes.sampler import StackSampler
 
     monkeypatch.setattr(ebpf_owner, "_cred_offsets", lambda: ebpf_owner.cred_offsets(_btf_without("euid")))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gputrace.daemon.sockdir import MODE, make_socket_dir, remove_stale_socket_dirs
+from gputrace.daemon.agents.sockdir import MODE, make_socket_dir, remove_stale_socket_dirs
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TMP = Path(tempfile.gettempdir())

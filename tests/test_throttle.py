@@ -13,9 +13,8 @@ from test_analysis import TRAINER, only_stall, run, trainer
 from workloads.cpu_cgroup import CPU, SPINNER, cpu_cgroup
 
 from gputrace.analysis import summary_lines
-from gputrace.analysis.synth import Builder, ns
 from gputrace.analysis.throttle import windows
-from gputrace.exporters.perfetto_args import stall_args
+from gputrace.exporters.perfetto.args import stall_args
 from gputrace.probes.cgroups import (
     CgroupFiles,
     CgroupSampler,
@@ -29,6 +28,7 @@ from gputrace.probes.cgroups import (
     parse_proc_cgroup,
 )
 from gputrace.records import CpuCgroup, CpuThrottle
+from gputrace.testing.synth import Builder, ns
 from gputrace.viewer.html import page
 from gputrace.viewer.terminal import describe
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.capture import CaptureReader
-from gputrace.probes.bpfstats import SYSCTL, RunStats, fdinfo_fields
+from gputrace.probes.ebpf.bpfstats import SYSCTL, RunStats, fdinfo_fields
 from gputrace.records import TracingCost
 
 ROOT = Path(__file__).resolve().parents[1]

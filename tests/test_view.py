@@ -113,8 +113,8 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_capture_without_trace_is_exported_first(tmp_path: Path) -> None:
-    from gputrace.analysis.synth import Builder
-    from gputrace.exporters.perfetto_check import check_trace
+    from gputrace.testing.perfetto_check import check_trace
+    from gputrace.testing.synth import Builder
 
     b = Builder().proc(100, "python").device(100)
     b.op(100, 100, 0.0, 0.0, 10.0, "fwd")

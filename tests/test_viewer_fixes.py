@@ -20,10 +20,10 @@ from test_view import _free_port, _get
 from workloads.loopdev import small_tmpfs
 
 from gputrace.analysis import analyze, summary_lines
-from gputrace.analysis.synth import Builder, ns
 from gputrace.capture import CaptureWriter, host_header, open_capture
 from gputrace.errors import UserError
 from gputrace.records import InProgress
+from gputrace.testing.synth import Builder, ns
 from gputrace.viewer.serve import UI_ORIGIN, TraceServer
 
 TRAINER, WORKER = 100, 200

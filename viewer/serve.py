@@ -216,7 +216,7 @@ def trace_for(path: Path, tmpdir: Path, log: Callable[[str], None]) -> Path:
     log(f"{path} is a capture; exporting it to a temporary Perfetto trace first "
         f"(to keep one: gputrace export {path} --perfetto {beside.name})")
     try:
-        export_perfetto(path, out, log)
+        _export(path, out, log)
     except OutputError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
@@ -246,31 +246,14 @@ def _kind_of(path: Path) -> str:
     return "trace" if head.startswith(_TRACE_STARTS) else "unknown"
 
 
-def export_perfetto(capture: Path, out: Path, log: Callable[[str], None] = lambda _: None) -> None:
-    from gputrace.capture import open_capture
-
-    try:
-        from gputrace.exporters.perfetto import PerfettoExporter
-    except ImportError:
-        raise UserError("the Perfetto exporter is not available in this installation") from None
+def _export(capture: Path, out: Path, log: Callable[[str], None]) -> None:
+    from gputrace import pipeline
     from gputrace.cli.common import progress  # a line on a terminal while a large capture is read
 
-    with open_capture(capture) as reader, progress(reader, "analysing"):
-        report = _report(reader)
-    with open_capture(capture) as reader, progress(reader, f"writing {out.name}"):
-        PerfettoExporter(out, report=report).write(reader)
-        complete, problem = reader.complete, reader.problem
-    if not complete:
-        log(f"gputrace: warning: the capture is incomplete: {problem or 'records were lost'}; "
-            "the trace has what was readable")
+    def incomplete(reader: Any) -> None:
+        if not reader.complete:
+            log(f"gputrace: warning: the capture is incomplete: {reader.problem or 'records were lost'}; "
+                "the trace has what was readable")
 
-
-def _report(reader: Any) -> dict[str, Any] | None:
-    """The stall analysis, so the trace gets its stalls track; without it the trace still opens."""
-    try:
-        from gputrace.analysis import analyze
-
-        result: dict[str, Any] = analyze(reader)
-        return result
-    except (ImportError, UserError):
-        return None
+    # No stalls track when the analysis fails: the trace still opens (the stalls are what `report` shows).
+    pipeline.export_perfetto(capture, out, force=True, stage=progress, done=incomplete)

@@ -1,7 +1,8 @@
-"""The in-process GPU agent and its channel to the capture session (see docs/agent.md).
+"""The in-process GPU agent: the code that runs inside a traced process (see docs/agent.md).
 
-Target side: ``arming`` (how a process gets an agent), ``runtime`` (the agent), ``inject`` (attach to a
-running Python >= 3.14), ``boot/sitecustomize.py`` (the hook PYTHONPATH points at). Both sides: ``wire``.
-Session side helpers for daemon/agents.py: ``validate``, ``listen``. Backends implement ``backend.GpuBackend``.
-Importing this package imports nothing else: arming a process must stay cheap.
+``arming`` (how a process gets an agent: from its environment, dormant until offered, or injected), ``runtime`` (the
+agent: one connection, a bounded queue, one I/O thread), ``threads`` (the threads it starts), ``boot/sitecustomize.py``
+(the hook PYTHONPATH points at), ``wire`` and ``minipack`` (the channel's format, shared with the session's side in
+gputrace.daemon.agents). Backends implement ``backend.GpuBackend``. Importing this package imports nothing else:
+arming a process must stay cheap.
 """

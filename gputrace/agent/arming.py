@@ -16,6 +16,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import gputrace
 from gputrace.agent import wire
 from gputrace.agent.threads import debug as _debug
 from gputrace.agent.threads import start_thread
@@ -252,7 +253,7 @@ def environment(sock_path: str | None, base: Mapping[str, str] | None = None) ->
     old = [p for p in given.split(os.pathsep) if p != boot] if given else []
     out = {
         "PYTHONPATH": os.pathsep.join([boot, *old]),
-        wire.ENV_HOME: os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        wire.ENV_HOME: gputrace.import_root(),
     }
     if sock_path:
         out[wire.ENV_SOCKET] = sock_path

@@ -1,4 +1,4 @@
-"""The agent channel's wire format, shared by the session (daemon/agents.py) and the agent runtime.
+"""The agent channel's wire format, shared by the session (daemon/agents/server.py) and the agent runtime.
 
 A unix stream socket carrying frames: a 4-byte big-endian length, then one msgpack map with a "type" key.
 

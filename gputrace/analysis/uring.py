@@ -16,7 +16,7 @@ from bisect import bisect_left, bisect_right
 from typing import Any
 
 from gputrace.analysis.objects import object_kind
-from gputrace.probes import uring
+from gputrace.probes.ebpf import uring
 from gputrace.records import IoUringRequest, Syscall
 
 ENTER = "io_uring_enter"

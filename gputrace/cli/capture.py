@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     _check_numbers(args)
     if args.ebpf:
-        from gputrace.probes.ebpf import EbpfSource
+        from gputrace.probes.ebpf.source import EbpfSource
 
         print(EbpfSource([], threshold_ns=int(args.syscall_threshold_us * 1000)).program_text())
         return 0

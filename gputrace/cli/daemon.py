@@ -33,13 +33,13 @@ NAME.pftrace. Needs no privileges of its own on the client side.
 
 
 def _socket_arg(p: argparse.ArgumentParser, default: Any) -> None:
-    from gputrace.daemon.service import DEFAULT_SOCKET
+    from gputrace.daemon.service.server import DEFAULT_SOCKET
 
     p.add_argument("--socket", type=Path, default=default, help=f"the service's socket (default {DEFAULT_SOCKET})")
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
-    from gputrace.daemon.service import add_service_args
+    from gputrace.daemon.service.server import add_service_args
 
     add_service_args(p)
     sub = p.add_subparsers(dest="daemon_command", metavar="CLIENT-COMMAND")
@@ -64,7 +64,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.daemon_command:
-        from gputrace.daemon.service import serve_from_args
+        from gputrace.daemon.service.server import serve_from_args
 
         return serve_from_args(args)
     if args.daemon_command == "capture":
@@ -82,7 +82,7 @@ class _Replies:
     waiting for one leaves the connection usable (a generator would be closed by it)."""
 
     def __init__(self, path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> None:
-        from gputrace.daemon.service import send_frame
+        from gputrace.daemon.service.server import send_frame
 
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
@@ -102,7 +102,7 @@ class _Replies:
 
     def next(self) -> dict[str, Any] | None:
         """The next reply frame (None: the service closed the connection). A refusal is a UserError."""
-        from gputrace.daemon.service import MAX_REPLY, ProtocolError, recv_frame
+        from gputrace.daemon.service.server import MAX_REPLY, ProtocolError, recv_frame
 
         try:
             reply = recv_frame(self.sock, MAX_REPLY)
@@ -203,7 +203,7 @@ def _losses(job: dict[str, Any]) -> str:
         lost = ", ".join(f"{k} {v:,}" for k, v in drops.items())
         out += f", INCOMPLETE: records lost ({lost or 'see gputrace report'})"
     if job.get("left_out"):
-        from gputrace.probes.ebpf_owner import LEFT_OUT_WHY
+        from gputrace.probes.ebpf.owner import LEFT_OUT_WHY
 
         out += f", {job['left_out']} processes left out: {LEFT_OUT_WHY}"
     return out

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
+from gputrace import pipeline
 from gputrace.capture import CaptureReader, check_output_path, open_capture
 from gputrace.cli import common
 from gputrace.errors import UserError
@@ -63,18 +62,10 @@ def run(args: argparse.Namespace) -> int:
     paths = list(dict.fromkeys(args.captures))  # the same file twice is one capture, not two hosts
     if len(paths) > 1:
         return _run_perfetto_joined(args, paths, min_gap_ns)
-    args.capture = paths[0]
     out = Path(args.perfetto)
-    check_output_path(out, force=args.force, source=args.capture)
-    with open_capture(args.capture) as reader:
-        with common.progress(reader, "analysing"):
-            report, why = load_report(reader, min_gap_ns)
-        if why:
-            _warn(f"exporting without stalls: {why}")
-        with common.progress(reader, f"writing {out}"):
-            result = perfetto_from_reader(reader, out, report=report)
+    result = pipeline.export_perfetto(paths[0], out, force=args.force, min_gap_ns=min_gap_ns, stage=common.progress,
+                                      warn=_warn, done=lambda r: _warn_losses(r, "the trace has what was readable"))
     _print_notes(result)
-    _warn_losses(reader, "the trace has what was readable")
     print(f"Wrote {out} ({result.items:,} packets)")
     print("Next:")
     print(f"  gputrace view {shlex.quote(str(out))}")
@@ -84,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_perfetto_joined(args: argparse.Namespace, paths: list[str], min_gap_ns: int) -> int:
     """One trace of one job's captures from several hosts, on the joined report's clock."""
     from gputrace.analysis.join import join
-    from gputrace.exporters.perfetto import PerfettoExporter
+    from gputrace.exporters.perfetto.export import PerfettoExporter
 
     out = Path(args.perfetto)
     for path in paths:
@@ -107,33 +98,6 @@ def _run_perfetto_joined(args: argparse.Namespace, paths: list[str], min_gap_ns:
     return 0
 
 
-def export_perfetto(capture_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
-                    force: bool = False, report: dict[str, Any] | None = None) -> ExportResult:
-    """Write ``out_path`` from a capture (stalls drawn when ``report`` is given); refuses to overwrite."""
-    out = Path(out_path)
-    check_output_path(out, force=force, source=capture_path)
-    with open_capture(capture_path) as reader:
-        return perfetto_from_reader(reader, out, report=report)
-
-
-def perfetto_from_reader(reader: CaptureReader, out: Path, *, report: dict[str, Any] | None) -> ExportResult:
-    from gputrace.exporters.perfetto import PerfettoExporter
-
-    return PerfettoExporter(out, report=report).write(reader)  # a failed write names ``out`` (UserError)
-
-
-def load_report(reader: CaptureReader, min_gap_ns: int) -> tuple[dict[str, Any] | None, str]:
-    """The stall report for a capture, or None and why (no analysis module, or it failed on this capture)."""
-    try:
-        from gputrace.analysis import analyze
-    except ImportError as e:
-        return None, f"stall analysis unavailable ({e})"
-    try:
-        return analyze(reader, min_gap_ns=min_gap_ns), ""
-    except UserError as e:
-        return None, f"stall analysis failed: {e}"
-
-
 def _run_otlp(args: argparse.Namespace, min_gap_ns: int) -> int:
     """Each capture on its own, as its host would send it: their collective spans meet by trace id."""
     worst = 0
@@ -148,7 +112,7 @@ def _otlp_one(args: argparse.Namespace, path: str, min_gap_ns: int) -> int:
     exporter = OtlpExporter(args.otlp, args.protocol, min_gap_ns=min_gap_ns)
     with open_capture(path) as reader:
         with common.progress(reader, "analysing"):
-            report, why = load_report(reader, min_gap_ns)
+            report, why = pipeline.report_or_why(reader, min_gap_ns)
         if report is None:
             raise UserError(f"cannot build OTLP spans: {why}")
         exporter.report = report

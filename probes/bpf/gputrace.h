@@ -361,7 +361,7 @@ struct gt_offcpu_val {
  *     ptrace would allow: stricter than the kernel, never looser;
  *   - dumpable (mm->flags & MMF_DUMPABLE_MASK == SUID_DUMP_USER): also false after exec of a program its user
  *     may not read, whose code and symbols we would otherwise read for it.
- * Layouts come from BTF as -D flags (probes/ebpf_owner.py owner_cflags); a field that cannot be read makes
+ * Layouts come from BTF as -D flags (probes/ebpf/owner.py owner_cflags); a field that cannot be read makes
  * the task foreign: nothing is traced that was not checked. */
 #define GT_DUMPABLE_MASK 0x3
 #define GT_SUID_DUMP_USER 0x1

@@ -9,7 +9,7 @@ from typing import Any
 
 from gputrace.capture import CaptureReader
 from gputrace.daemon.writer import source_capture
-from gputrace.probes.ebpf import EbpfSource
+from gputrace.probes.ebpf.source import EbpfSource
 
 
 @contextmanager

@@ -1,0 +1,80 @@
+"""What the Perfetto exporter calls its slices and tracks, and which debug annotations they carry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace.analysis.report import holders_text
+from gputrace.probes.ebpf import uring
+from gputrace.records import Collective, GpuKernel, GpuMemcpy
+
+_DIRECTION = {"h2d": "HtoD", "d2h": "DtoH", "d2d": "DtoD", "h2h": "HtoH", "p2p": "PtoP"}
+
+
+def activity_slice(r: Any, coll: Collective | None) -> tuple[str, dict[str, Any]]:
+    """Name and annotations of a kernel, copy or memset (a kernel of a collective says which)."""
+    args: dict[str, Any] = {"correlation_id": r.correlation_id, "pid": r.pid, "context": r.context}
+    if isinstance(r, GpuKernel):
+        args.update(grid=_dims(r.grid), block=_dims(r.block))
+        name = r.name
+        if coll is not None:
+            args.update(collective=coll.name, seq=coll.seq, rank=coll.rank, world=coll.world, bytes=coll.nbytes)
+        return name, args
+    if isinstance(r, GpuMemcpy):
+        args.update(bytes=r.nbytes, direction=r.kind, memory=r.memory)
+        return f"Memcpy {_DIRECTION.get(r.kind, r.kind)}", args
+    args.update(bytes=r.nbytes)
+    return "Memset", args
+
+
+def _dims(v: Any) -> str:
+    try:
+        return "x".join(str(int(x)) for x in v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def stall_args(st: dict[str, Any], dur: int) -> dict[str, Any]:
+    """A report stall's culprit, object, bytes and hops, flattened to annotations."""
+    args: dict[str, Any] = {"duration_ns": dur}
+    raw = st.get("culprit")
+    culprit: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    for k, name in (("comm", "culprit_comm"), ("pid", "culprit_pid"), ("tid", "culprit_tid"), ("op", "op"),
+                    ("object", "object"), ("bytes", "bytes"), ("duration_ns", "culprit_duration_ns")):
+        v = culprit.get(k)
+        if v not in (None, "", 0):
+            args[name] = v if isinstance(v, int | str | float) else str(v)
+    for k in ("quota_us", "period_us", "cgroup_version", "throttled_ns", "cgroup_periods", "cgroup_throttled_periods",
+              "cgroup_throttled_ns"):  # a cpu.throttled culprit's cgroup quota and what was measured
+        if isinstance(culprit.get(k), int):
+            args[k] = culprit[k]
+    if isinstance(culprit.get("cpu_held_by"), list) and culprit["cpu_held_by"]:
+        args["cpu_held_by"] = holders_text(culprit["cpu_held_by"])
+    via = st.get("via") or []
+    if via:
+        args["via"] = " → ".join(str(v) for v in via)
+    args["evidence"] = len(st.get("evidence") or [])
+    return args
+
+
+_UNITS = (("_pct", "%"), ("_mhz", "MHz"), ("_bytes", "B"), ("_mw", "mW"), ("_bps", "B/s"), ("_c", "C"))
+
+
+def unit_of(metric: str) -> str:
+    """An NVML metric's unit, from its name's suffix (gpu_util_pct, sm_clock_mhz, power_mw, ...)."""
+    return next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
+
+
+def header_int(header: dict[str, Any], key: str) -> int:
+    """An integer field of the capture header; a missing or mistyped one counts as 0."""
+    value = header.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+_URING_FLAGS = ((uring.FIXED, "fixed file"), (uring.ASYNC, "async"), (uring.SQPOLL, "sqpoll"), (uring.MORE, "more"),
+                (uring.UNFINISHED, "in flight at stop"), (uring.SKIP_CQE, "skip success CQE"))
+
+
+def uring_flags(flags: int) -> str:
+    """An io_uring request's flags in words ("fixed file, async")."""
+    return ", ".join(word for bit, word in _URING_FLAGS if flags & bit)

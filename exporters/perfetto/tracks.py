@@ -1,0 +1,266 @@
+"""Track bookkeeping for the Perfetto exporter: uuids, descriptors emitted before first use, and lanes.
+
+All state here is bounded by the number of tracks (processes, threads, devices, streams), never by the
+number of events.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Callable
+from typing import BinaryIO, Protocol
+
+from gputrace.exporters.perfetto import proto as pp
+
+UNTRACED = "not traced by gputrace; shown because it woke a traced thread"
+ID_SPAN = 1 << 22  # pid_max's ceiling: each host's pids and tids get a span of their own in a joined trace
+
+
+class Writes(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
+class PacketSink:
+    """Writes framed packets to the output as they are made, and counts them."""
+
+    def __init__(self, out: BinaryIO | Writes) -> None:
+        self._write = out.write
+        self.count = 0
+
+    def put(self, packet: bytes) -> None:
+        self._write(pp.framed(packet))
+        self.count += 1
+
+
+EVICT = 256  # slices a full sequential lane forgets at once
+
+
+class Lane:
+    """One track's placed slices: enough to decide whether a new slice nests or follows cleanly.
+
+    Perfetto replays begin/end events per track in time order (ties in file order), so a slice may go on a
+    lane only if it is disjoint from, or strictly nested with, everything already there. Records need not
+    arrive in time order: an agent's batch holds a stream's kernels, then its copies, then its memsets
+    (hundreds apart on an H100). A nesting lane keeps its last few slices exactly; a sequential one keeps
+    its last ``KEEP_SEQUENTIAL`` sorted by start, so a late slice that overlaps none of them still fits.
+    Older ones are kept only as the latest end among them (``floor``): nothing may start before it.
+    """
+
+    __slots__ = ("uuid", "nest", "maxend", "floor", "recent", "starts", "ends")
+    KEEP = 8
+    KEEP_SEQUENTIAL = 1024
+
+    def __init__(self, uuid: int, nest: bool) -> None:
+        self.uuid = uuid
+        self.nest = nest
+        self.maxend = -1
+        self.floor = -1
+        self.recent: deque[tuple[int, int]] = deque()  # nesting lanes: in the order placed
+        self.starts: list[int] = []  # sequential lanes: disjoint slices, sorted
+        self.ends: list[int] = []
+
+    def fits(self, s: int, e: int) -> bool:
+        if s >= self.maxend:
+            return True
+        if s < self.floor:
+            return False
+        if self.nest:
+            return all(_compatible(s, e, ys, ye) for ys, ye in self.recent)
+        i = bisect.bisect_left(self.starts, s)  # the lane's slices are disjoint: only the neighbours can clash
+        if i and self.ends[i - 1] > s:
+            return False
+        return i == len(self.starts) or e < self.starts[i]
+
+    def add(self, s: int, e: int) -> None:
+        if self.nest:
+            self.recent.append((s, e))
+            if len(self.recent) > self.KEEP:
+                self.floor = max(self.floor, self.recent.popleft()[1])
+        else:
+            if not self.starts or s >= self.starts[-1]:
+                self.starts.append(s)  # the common case: in time order
+                self.ends.append(e)
+            else:
+                i = bisect.bisect_left(self.starts, s)
+                self.starts.insert(i, s)
+                self.ends.insert(i, e)
+            if len(self.starts) > self.KEEP_SEQUENTIAL + EVICT:  # forget the oldest in chunks: cheap per slice
+                self.floor = max(self.floor, *self.ends[:EVICT])
+                del self.starts[:EVICT], self.ends[:EVICT]
+        if e > self.maxend:
+            self.maxend = e
+
+
+def _compatible(s: int, e: int, ys: int, ye: int) -> bool:
+    """Can [s, e], written after [ys, ye], share its track? Ties are safe only where file order resolves them."""
+    if s >= ye:  # after: the earlier slice's end was written first
+        return True
+    if e < ys:  # before: strictly, else our end would sort after its begin
+        return True
+    if ys < s and e <= ye:  # inside
+        return True
+    return s < ys and ye <= e  # around
+
+
+class LaneSet:
+    """Slices of one logical track; overlapping ones go to extra lanes instead of breaking the nesting.
+
+    ``nest``: a slice may sit inside another on the same lane (CUDA runtime → driver calls, NVTX ranges);
+    otherwise lanes hold strictly sequential slices (block requests, kernels on a stream).
+    """
+
+    __slots__ = ("_make", "_nest", "lanes")
+
+    def __init__(self, make: Callable[[int], int], nest: bool = False) -> None:
+        self._make = make  # lane index -> track uuid (describes the track)
+        self._nest = nest
+        self.lanes: list[Lane] = []
+
+    def place(self, s: int, e: int) -> Lane:
+        for lane in self.lanes:
+            if lane.fits(s, e):
+                lane.add(s, e)
+                return lane
+        lane = Lane(self._make(len(self.lanes)), self._nest)
+        self.lanes.append(lane)
+        lane.add(s, e)
+        return lane
+
+
+class Tracks:
+    """Allocates track uuids and writes each descriptor before the track's first event."""
+
+    def __init__(self, sink: PacketSink, *, uuid_base: int = 0, id_base: int = 0, host: str = "") -> None:
+        """``uuid_base``, ``id_base`` and ``host`` set one capture apart in a trace of several hosts: its track
+        uuids, its pids and tids as Perfetto sees them (Perfetto merges processes by pid, and two hosts' pids
+        may be equal), and the host its top-level tracks and processes are named by."""
+        self._put = sink.put
+        self._uuid_base = uuid_base
+        self._id_base = id_base
+        self.host = host
+        self._uuids: dict[tuple[object, ...], int] = {}
+        self._described: set[int] = set()
+        self.proc_name: dict[int, tuple[str, list[str]]] = {}
+        self.thread_name: dict[tuple[int, int], str] = {}
+        self.untraced_pids: set[int] = set()
+        self.untraced_threads: set[tuple[int, int]] = set()
+
+    def _uuid(self, key: tuple[object, ...]) -> int:
+        u = self._uuids.get(key)
+        if u is None:
+            u = self._uuids[key] = self._uuid_base + len(self._uuids) + 1
+        return u
+
+    def perfetto_id(self, n: int) -> int:
+        """A pid or tid as this capture's host writes it into the trace (0, the idle task, and ids no kernel
+        hands out are left as they are: a hostile one is the record's problem, not another host's)."""
+        return n + self._id_base if self._id_base and type(n) is int and 0 < n < ID_SPAN else n
+
+    def _named(self, name: str) -> str:
+        return f"{self.host}: {name}" if self.host else name
+
+    # -- processes and threads -------------------------------------------------------------------------
+
+    def process(self, pid: int) -> int:
+        u = self._uuid(("p", pid))
+        if u not in self._described:
+            self._describe_process(pid, u)
+        return u
+
+    def _describe_process(self, pid: int, u: int) -> None:
+        name, cmdline = self.proc_name.get(pid, (f"pid {pid}", []))
+        untraced = pid in self.untraced_pids
+        shown = f"{name} (untraced)" if untraced else name
+        if self._id_base:  # the pid Perfetto shows is this host's span's: say the real one
+            shown += f" (pid {pid})"
+        self._put(pp.track_descriptor(u, description=UNTRACED if untraced else "",
+                                      process=(self.perfetto_id(pid), self._named(shown), cmdline)))
+        self._described.add(u)
+
+    def note_process(self, pid: int, comm: str, cmdline: list[str] | None = None) -> None:
+        """A traced process's name; re-describes the tracks already written under a provisional name."""
+        old = self.proc_name.get(pid)
+        self.proc_name[pid] = (comm, cmdline if cmdline is not None else (old[1] if old else []))
+        was_untraced = pid in self.untraced_pids
+        self.untraced_pids.discard(pid)
+        u = self._uuids.get(("p", pid))
+        if u in self._described and (old != self.proc_name[pid] or was_untraced):
+            self._describe_process(pid, u)  # type: ignore[arg-type]
+        if (pid, pid) not in self.thread_name:
+            self.note_thread(pid, pid, comm)
+
+    def thread(self, pid: int, tid: int) -> int:
+        u = self._uuid(("t", pid, tid))
+        if u not in self._described:
+            self.process(pid)
+            self._describe_thread(pid, tid, u)
+        return u
+
+    def _describe_thread(self, pid: int, tid: int, u: int) -> None:
+        name = self.thread_name.get((pid, tid)) or self._default_thread_name(pid, tid)
+        desc = UNTRACED if (pid, tid) in self.untraced_threads else ""
+        self._put(pp.track_descriptor(u, description=desc,
+                                      thread=(self.perfetto_id(pid), self.perfetto_id(tid), name)))
+        self._described.add(u)
+
+    def _default_thread_name(self, pid: int, tid: int) -> str:
+        if tid == pid and pid in self.proc_name:
+            return self.proc_name[pid][0]
+        return f"thread {tid}"
+
+    def note_thread(self, pid: int, tid: int, comm: str) -> None:
+        old = self.thread_name.get((pid, tid))
+        self.thread_name[(pid, tid)] = comm
+        was_untraced = (pid, tid) in self.untraced_threads
+        self.untraced_threads.discard((pid, tid))
+        u = self._uuids.get(("t", pid, tid))
+        if u in self._described and (old != comm or was_untraced):
+            self._describe_thread(pid, tid, u)  # type: ignore[arg-type]
+
+    def refresh_comm(self, pid: int, tid: int, comm: str) -> None:
+        """A thread's comm as a later event saw it (threads rename themselves: prctl, pthread_setname_np)."""
+        if comm and self.thread_name.get((pid, tid)) != comm:
+            self.thread_name[(pid, tid)] = comm
+            u = self._uuids.get(("t", pid, tid))
+            if u in self._described:
+                self._describe_thread(pid, tid, u)  # type: ignore[arg-type]
+
+    def untraced_thread(self, pid: int, tid: int, comm: str) -> int:
+        """A thread seen only as a waker: described by its comm and marked untraced."""
+        if (pid, tid) not in self.thread_name:
+            self.thread_name[(pid, tid)] = comm
+            self.untraced_threads.add((pid, tid))
+            if pid not in self.proc_name:
+                self.proc_name[pid] = (comm, [])
+                self.untraced_pids.add(pid)
+        return self.thread(pid, tid)
+
+    # -- plain and counter tracks -----------------------------------------------------------------------
+
+    def track(self, key: tuple[object, ...], name: str, parent: int = 0, description: str = "") -> int:
+        """A plain track (a child of ``parent`` when given), described on first use."""
+        u = self._uuid(key)
+        if u not in self._described:
+            self._put(pp.track_descriptor(u, name=name if parent else self._named(name), parent=parent,
+                                          description=description))
+            self._described.add(u)
+        return u
+
+    def rename(self, key: tuple[object, ...], name: str, parent: int = 0, description: str = "") -> None:
+        """Re-describe a plain track already written (e.g. a device whose name arrived late)."""
+        u = self._uuids.get(key)
+        if u is not None and u in self._described:
+            self._put(pp.track_descriptor(u, name=name if parent else self._named(name), parent=parent,
+                                          description=description))
+
+    def counter(self, key: tuple[object, ...], name: str, parent: int, unit: str) -> int:
+        u = self._uuid(key)
+        if u not in self._described:
+            self._put(pp.track_descriptor(u, name=name if parent else self._named(name), parent=parent,
+                                          counter_unit=unit))
+            self._described.add(u)
+        return u
+
+    def __len__(self) -> int:
+        return len(self._described)

@@ -1,0 +1,81 @@
+"""Analyse, then export: the one path from a capture to its Perfetto trace.
+
+The end of ``gputrace capture``, ``gputrace export --perfetto`` and ``gputrace view`` of a capture all come through
+here, so they agree on what a failed analysis means (the trace is still written, without its stalls track, and the
+caller hears why) and on what a failed write means (a UserError naming the output file). Exporters receive a report;
+they never compute one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gputrace.capture import CaptureReader, check_output_path, open_capture
+from gputrace.errors import UserError
+
+if TYPE_CHECKING:
+    from gputrace.exporters import ExportResult
+
+DEFAULT_MIN_GAP_NS = 1_000_000  # the CLI's --min-gap-ms default
+
+# A stage wrapper: given the reader and what is being done ("analysing", "writing X"), a context around that stage
+# (the CLI shows progress on a terminal there).
+Stage = Callable[[CaptureReader, str], AbstractContextManager[Any]]
+
+
+def _quiet(reader: CaptureReader, what: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def analyse(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -> dict[str, Any]:
+    """The stall report of a capture; raises UserError when the capture cannot be analysed."""
+    from gputrace.analysis import analyze
+
+    report: dict[str, Any] = analyze(reader, min_gap_ns=min_gap_ns)
+    return report
+
+
+def report_or_why(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -> tuple[dict[str, Any] | None, str]:
+    """The stall report, or None and why (no analysis in this installation, or it failed on this capture)."""
+    try:
+        return analyse(reader, min_gap_ns), ""
+    except ImportError as e:
+        return None, f"stall analysis unavailable ({e})"
+    except UserError as e:
+        return None, f"stall analysis failed: {e}"
+
+
+def write_perfetto(reader: CaptureReader, out: Path, report: dict[str, Any] | None) -> ExportResult:
+    """The Perfetto trace of ``reader`` into ``out`` (stalls drawn when ``report`` is given). A failed write raises
+    a UserError (OutputError) naming ``out``."""
+    try:
+        from gputrace.exporters.perfetto.export import PerfettoExporter
+    except ImportError:
+        raise UserError("the Perfetto exporter is not available in this installation") from None
+    return PerfettoExporter(out, report=report).write(reader)
+
+
+def export_perfetto(capture: str | os.PathLike[str], out_path: str | os.PathLike[str], *, force: bool = False,
+                    min_gap_ns: int = DEFAULT_MIN_GAP_NS, report: dict[str, Any] | None = None,
+                    stage: Stage = _quiet, warn: Callable[[str], None] = lambda _: None,
+                    done: Callable[[CaptureReader], None] = lambda _: None) -> ExportResult:
+    """Analyse ``capture`` (unless ``report`` is given) and write its Perfetto trace to ``out_path``, refusing to
+    overwrite a file unless ``force``. An analysis that fails costs only the stalls track: ``warn`` says why.
+    ``done`` gets the reader once it has read the whole capture (its completeness and losses are known then)."""
+    out = Path(out_path)
+    check_output_path(out, force=force, source=capture)
+    with open_capture(capture) as reader:
+        if report is None:
+            with stage(reader, "analysing"):
+                report, why = report_or_why(reader, min_gap_ns)
+            if why:
+                warn(f"exporting without stalls: {why}")
+        with stage(reader, f"writing {out}"):
+            result = write_perfetto(reader, out, report)
+        done(reader)
+        return result
