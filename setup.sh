@@ -78,11 +78,11 @@ if [ ! -x .venv/bin/python ]; then
     say "created .venv from /usr/bin/python3 with system site packages"
 fi
 stamp=.venv/.gputrace-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[dev]'
+    .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
     touch "$stamp"
-    say "installed gputrace and its dependencies into .venv"
+    say "installed gputrace and its dependencies into .venv (the versions in constraints.txt)"
 else
     say "gputrace already installed in .venv"
 fi
