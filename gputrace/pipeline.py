@@ -61,16 +61,18 @@ def write_perfetto(reader: CaptureReader, out: Path, report: dict[str, Any] | No
 
 
 def export_perfetto(capture: str | os.PathLike[str], out_path: str | os.PathLike[str], *, force: bool = False,
-                    min_gap_ns: int = DEFAULT_MIN_GAP_NS, report: dict[str, Any] | None = None,
+                    analyse: bool = False, min_gap_ns: int = DEFAULT_MIN_GAP_NS,
+                    report: dict[str, Any] | None = None,
                     stage: Stage = _quiet, warn: Callable[[str], None] = lambda _: None,
                     done: Callable[[CaptureReader], None] = lambda _: None) -> ExportResult:
-    """Analyse ``capture`` (unless ``report`` is given) and write its Perfetto trace to ``out_path``, refusing to
-    overwrite a file unless ``force``. An analysis that fails costs only the stalls track: ``warn`` says why.
+    """Write the Perfetto trace of ``capture`` to ``out_path``, refusing to overwrite a file unless ``force``;
+    stalls are drawn from ``report``, or with ``analyse`` from an analysis made here first (one that fails costs
+    only the stalls track: ``warn`` says why).
     ``done`` gets the reader once it has read the whole capture (its completeness and losses are known then)."""
     out = Path(out_path)
     check_output_path(out, force=force, source=capture)
     with open_capture(capture) as reader:
-        if report is None:
+        if report is None and analyse:
             with stage(reader, "analysing"):
                 report, why = report_or_why(reader, min_gap_ns)
             if why:

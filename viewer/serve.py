@@ -256,4 +256,4 @@ def _export(capture: Path, out: Path, log: Callable[[str], None]) -> None:
                 "the trace has what was readable")
 
     # No stalls track when the analysis fails: the trace still opens (the stalls are what `report` shows).
-    pipeline.export_perfetto(capture, out, force=True, stage=progress, done=incomplete)
+    pipeline.export_perfetto(capture, out, force=True, analyse=True, stage=progress, done=incomplete)

@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if len(paths) > 1:
         return _run_perfetto_joined(args, paths, min_gap_ns)
     out = Path(args.perfetto)
-    result = pipeline.export_perfetto(paths[0], out, force=args.force, min_gap_ns=min_gap_ns, stage=common.progress,
-                                      warn=_warn, done=lambda r: _warn_losses(r, "the trace has what was readable"))
+    result = pipeline.export_perfetto(paths[0], out, force=args.force, analyse=True, min_gap_ns=min_gap_ns,
+                                      stage=common.progress, warn=_warn,
+                                      done=lambda r: _warn_losses(r, "the trace has what was readable"))
     _print_notes(result)
     print(f"Wrote {out} ({result.items:,} packets)")
     print("Next:")
