@@ -143,8 +143,8 @@ class Attributor:
         there = self.peers[w.late_capture] if 0 <= w.late_capture < len(self.peers) else self
         late, what = w.late, collective_object(w.call.name, w.call.seq)
         culprit = {**empty_culprit(), "pid": late.pid, "tid": late.tid, "comm": there.cap.comm(late.tid)
-                   or there.cap.comm(late.pid), "op": late.name, "object": what, "host": there.host,
-                   "rank": late.rank}
+                   or there.cap.comm(late.pid), "op": late.name, "object": what, "bytes": late.nbytes,
+                   "host": there.host, "rank": late.rank}
         hop = f"collective:pid {late.pid} rank {late.rank}" + (f" host {there.host}" if there is not self else "")
         late_ev = call_evidence(late, f"{what}: rank {late.rank} arrived")
         ev = [call_evidence(w.call, f"{what}: rank {w.call.rank} waited"),
