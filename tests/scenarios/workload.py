@@ -755,7 +755,8 @@ def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[di
 
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
-    "collective": collective, "gloo_collective": gloo_collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
+    "collective": collective, "gloo_collective": gloo_collective, "sync_then_work": sync_then_work, "sleep": sleep,
+    "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
     "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
     "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader, "checkpoint": checkpoint,
