@@ -108,3 +108,49 @@ def test_an_nccl_call_names_the_kernel_it_launched() -> None:
     meta = cap.collectives[(pid, 11)]
     assert (meta.comm, meta.seq, meta.name, meta.rank, meta.world, meta.nbytes) == ("c0ffee", 17, "all_reduce", 1, 8,
                                                                                      1 << 20)
+
+
+# A running single-rank gloo job, unarmed: 50 all-reduces before it says it is up, then one every 5 ms
+_RUNNING = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+t = torch.ones(256)
+for _ in range(50):
+    dist.all_reduce(t)
+from gputrace.agent.collectives import communicator_id
+print("up", os.getpid(), communicator_id(c10d, c10d._get_default_group()), flush=True)
+while True:
+    dist.all_reduce(t)
+    time.sleep(0.005)
+"""
+
+
+def test_an_agent_injected_into_a_running_job_wraps_its_collectives(tmp_path: Path) -> None:
+    """``capture -p``: the agent arms in a process that imported torch.distributed long before, wraps its
+    collectives then, and numbers them as the group does (PyTorch's count, not one from the attach)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE")}
+    env["PYTHONPATH"] = str(root)
+    p = subprocess.Popen([sys.executable, "-c", _RUNNING, str(tmp_path / "store")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout is not None
+        up = p.stdout.readline().split()
+        assert up[:1] == ["up"], p.stderr.read() if p.stderr else ""
+        out = tmp_path / "attached.gputrace"
+        done = subprocess.run([sys.executable, "-m", "gputrace", "capture", "-p", str(p.pid), "-o", str(out), "-d",
+                               "2", "--no-perfetto"], capture_output=True, text=True, timeout=180, cwd=root)
+        assert done.returncode == 0 and f"GPU agent of pid {p.pid}: injected" in done.stderr, done.stderr
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    from gputrace.capture import CaptureReader
+
+    with CaptureReader(out) as reader:
+        calls = [r for r in reader.records() if isinstance(r, CollectiveCall)]
+    assert len(calls) > 10, calls
+    assert {(c.pid, c.comm, c.name, c.backend, c.waited) for c in calls} == {(p.pid, up[2], "all_reduce", "gloo", True)}
+    seqs = [c.seq for c in calls]
+    assert seqs[0] > 50 and seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
