@@ -364,6 +364,28 @@ class Collective(NamedTuple):
     comm: str = ""
 
 
+class CollectiveCall(NamedTuple):
+    """One rank's call of a collective on the host (torch.distributed's all_reduce, broadcast, ...), recorded by
+    the agent in the target: with ``comm`` and ``seq`` it names one collective instance across processes and
+    hosts. ``start_ns``: the rank arrived (the call entered). ``end_ns``: the collective completed where the
+    host sees it (gloo: the call returned, or an async op's work finished), else the call returned (NCCL: it
+    enqueued the kernel, whose own record says when it ran). ``waited``: the calling thread was blocked in
+    the call until completion (a synchronous gloo op): its time there waited for the others."""
+
+    pid: int
+    tid: int
+    name: str
+    comm: str
+    seq: int
+    rank: int
+    world: int
+    nbytes: int
+    backend: str
+    start_ns: int
+    end_ns: int
+    waited: bool
+
+
 class NvmlSample(NamedTuple):
     """``metric``: gpu_util_pct, mem_util_pct, sm_clock_mhz, mem_used_bytes, power_mw, pcie_rx_bps, ..."""
 
@@ -424,7 +446,8 @@ RECORD_TYPES: dict[str, type[Any]] = {
     for cls in (
         ProcInfo, ThreadInfo, ProcFork, ProcExec, ProcExit, FdInfo, EpollEntry,
         Syscall, SyscallAgg, BlockIO, OffCpu, PageFault, FileMap, InProgress, IoUringRequest, DirtyPause,
-        GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, NvmlSample,
+        GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, CollectiveCall,
+        NvmlSample,
         AgentInfo, AgentThread, SourceStatus, Drops,
     )
 }  # fmt: skip

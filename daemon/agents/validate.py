@@ -17,6 +17,7 @@ from gputrace.records import (
     AgentInfo,
     AgentThread,
     Collective,
+    CollectiveCall,
     CudaApi,
     Drops,
     GpuDevice,
@@ -28,8 +29,8 @@ from gputrace.records import (
 )  # fmt: skip
 
 ALLOWED_KINDS: tuple[type[Any], ...] = (
-    GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, AgentInfo, AgentThread,
-    Drops,
+    GpuDevice, GpuKernel, GpuMemcpy, GpuMemset, CudaApi, GpuSync, NvtxRange, Collective, CollectiveCall, AgentInfo,
+    AgentThread, Drops,
 )  # fmt: skip
 MAX_STR = 65536
 MAX_INT = (1 << 64) - 1

@@ -98,6 +98,7 @@ def _install(mode: str, sock: str) -> Agent | None:
         return _agent
     _mode = mode
     _install_hooks()
+    _watch_collectives()
     if mode == "armed":
         _start_watcher()
         return None
@@ -131,6 +132,18 @@ def _install_hooks() -> None:
         _hooks_installed = True
         atexit.register(_at_exit)
         os.register_at_fork(after_in_child=_after_fork_child)
+
+
+def _watch_collectives() -> None:
+    """torch.distributed's collectives recorded (gputrace.agent.collectives): wrapped now where the target
+    already imported it (an injected agent), else when it does. A target without it pays one finder's
+    name test per import."""
+    try:
+        from gputrace.agent import collectives
+
+        collectives.install()
+    except Exception as e:  # noqa: BLE001 - the agent must arm whatever torch does
+        _debug("collectives not watched: %s", e)
 
 
 def _at_exit() -> None:

@@ -8,8 +8,8 @@ from typing import Any
 
 from gputrace.analysis.explain import Explainer, Part, empty_culprit
 from gputrace.analysis.load import Capture, GpuOp
-from gputrace.analysis.timeline import CollectiveWait, Stall
-from gputrace.records import CudaApi
+from gputrace.analysis.timeline import CollectiveWait, HostWait, Stall
+from gputrace.records import CollectiveCall, CudaApi
 
 MAX_BREAKDOWN = 5
 MAX_HOLDERS = 3  # tasks named in a run-queue wait's cpu_held_by
@@ -35,6 +35,7 @@ class Attributor:
         self.host = host
         self.explainer = Explainer(cap)
         self.peers: list[Attributor] = []
+        self.explaining_late = False  # this capture's records are explaining a late rank's time just now
 
     def stall(self, st: Stall) -> dict[str, Any]:
         base = {"device": st.device[1], "start_ns": st.start_ns, "end_ns": st.end_ns,
@@ -98,20 +99,67 @@ class Attributor:
         if late_api is not None and late_api.start_ns > start_there:
             launch_ev = launch_evidence(late_api)
             ev.append(_elsewhere(launch_ev, w.late_shift_ns, there.host) if there is not self else launch_ev)
-            parts = there.explainer.explain(late_api.tid, start_there, late_api.start_ns)
-            if parts:
-                best = _dominant(parts)
-                # the same verdict the late rank's own stall would get (storage's dirty pauses, a run queue's
-                # holders), named on its host
-                mine = _from_parts(parts, [])
-                late = {"cause": mine["cause"], "culprit": {**mine["culprit"], "host": there.host},
-                        "via": mine["via"]}
+            late, more = self.late_rank(there, late_api.tid, start_there, late_api.start_ns, w.late_shift_ns)
+            if late is not None:
                 out["late_rank"] = late
                 out["late_rank_cause"] = late  # the name this field had before it was named on its host
-                more = best.evidence if there is self else [_elsewhere(e, w.late_shift_ns, there.host)
-                                                            for e in best.evidence]
                 out["evidence"] = (ev + more)[:24]
         return out
+
+    def late_rank(self, there: Attributor, tid: int, a: int, b: int,
+                  shift_ns: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """Why the late rank arrived late: [a, b) of its thread ``tid`` (on its capture's clock: from when the
+        others waited to its arrival), explained by the same rules as any stall on ``there``'s records,
+        named on its host; with the evidence of its dominant part, on this capture's clock. None where
+        nothing is known of that time, or where this is already the explanation of another late rank's
+        time (a late rank that waited for yet another is named, not explained again)."""
+        if there.explaining_late:
+            return None, []
+        there.explaining_late = True
+        try:
+            parts = there.explainer.explain(tid, a, b)
+        finally:
+            there.explaining_late = False
+        if not parts:
+            return None, []
+        best = _dominant(parts)
+        # the same verdict the late rank's own stall would get (storage's dirty pauses, a run queue's
+        # holders), named on its host
+        mine = _from_parts(parts, [])
+        late = {"cause": mine["cause"], "culprit": {**mine["culprit"], "host": there.host}, "via": mine["via"]}
+        more = best.evidence if there is self else [_elsewhere(e, shift_ns, there.host) for e in best.evidence]
+        return late, more
+
+    def host_waits(self, waits: dict[int, list[HostWait]]) -> None:
+        """Collective calls that waited for a later rank: a thread's time there, wherever a stall's
+        explanation meets it, is the late rank's (``_host_part``)."""
+        self.explainer.host_waits = waits
+        self.explainer.on_collective = self._host_part
+
+    def _host_part(self, w: HostWait, x: int, y: int, _depth: int) -> Part:
+        """[x, y) of a thread blocked in a collective call (gloo's) before the last rank arrived: ``collective``,
+        the culprit the late rank's process and call, and ``late_rank`` why it was late, as a collective
+        kernel's wait on the device is explained (``_collective``)."""
+        there = self.peers[w.late_capture] if 0 <= w.late_capture < len(self.peers) else self
+        late, what = w.late, collective_object(w.call.name, w.call.seq)
+        culprit = {**empty_culprit(), "pid": late.pid, "tid": late.tid, "comm": there.cap.comm(late.tid)
+                   or there.cap.comm(late.pid), "op": late.name, "object": what, "bytes": late.nbytes,
+                   "host": there.host, "rank": late.rank}
+        hop = f"collective:pid {late.pid} rank {late.rank}" + (f" host {there.host}" if there is not self else "")
+        late_ev = call_evidence(late, f"{what}: rank {late.rank} arrived")
+        ev = [call_evidence(w.call, f"{what}: rank {w.call.rank} waited"),
+              _elsewhere(late_ev, w.late_shift_ns, there.host) if there is not self else late_ev]
+        extra: dict[str, Any] = {}
+        found, more = self.late_rank(there, late.tid, x - w.late_shift_ns, late.start_ns, w.late_shift_ns)
+        if found is not None:
+            extra = {"late_rank": found, "late_rank_cause": found}
+            ev += more
+        return Part("collective", y - x, culprit, via=[hop], path=[late.tid], evidence=ev[:24], extra=extra)
+
+
+def call_evidence(c: CollectiveCall, what: str) -> dict[str, Any]:
+    return {"pid": c.pid, "tid": c.tid, "kind": "collective", "what": f"{what} ({c.backend})",
+            "start_ns": c.start_ns, "end_ns": c.end_ns}
 
 
 def collective_object(name: str, seq: int) -> str:

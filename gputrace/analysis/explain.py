@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left, bisect_right
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from gputrace.analysis.load import DIRTY_OP, FAULT_OP, Capture
 from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.analysis.throttle import Throttles, runnable_wait
 from gputrace.analysis.timefmt import size_text
+from gputrace.analysis.timeline import HostWait
 from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
 MAX_DEPTH = 8  # hops a wait chain may take to other threads (a round trip back to a thread takes none)
@@ -180,6 +182,10 @@ class Explainer:
         # hand-off came from that thread gives the rest of the window back to it (``_explain_alive``)
         self._handing: list[tuple[int, int]] = []
         self._resume: int | None = None
+        # Collective calls that waited for a later rank, by tid, and what such a wait is (set by the
+        # Attributor, which knows the other captures of a job: analysis/attribute.py)
+        self.host_waits: dict[int, list[HostWait]] = {}
+        self.on_collective: Callable[[HostWait, int, int, int], Part] | None = None
 
     def traced(self, tid: int) -> bool:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
@@ -226,6 +232,28 @@ class Explainer:
         return parts
 
     def _explain_alive(self, tid: int, a: int, b: int, depth: int) -> list[Part]:
+        """[a, b) of a thread that existed throughout it. Where it waited in a collective call for a later
+        rank (``host_waits``), that time is the late rank's (``on_collective``: the same answer a collective
+        stall on the device gets), whatever sockets and threads the backend waited on meanwhile; the rest is
+        explained call by call. Latest first, as hand-offs are: a round trip that gives the window's earlier
+        part back to the thread that asked (``_resume``) ends the walk there."""
+        waits = self.host_waits.get(tid) if self.on_collective is not None else None
+        inside = [w for w in waits if w.wait_start < b and w.wait_end > a] if waits else []
+        parts: list[Part] = []
+        end = b
+        for w in reversed(inside):
+            x, y = max(w.wait_start, a), min(w.wait_end, end)
+            if y <= x:
+                continue
+            parts += self._alive(tid, y, end, depth)
+            if self._resume is not None:
+                return parts
+            assert self.on_collective is not None
+            parts.append(self.on_collective(w, x, y, depth))
+            end = x
+        return parts + self._alive(tid, a, end, depth)
+
+    def _alive(self, tid: int, a: int, b: int, depth: int) -> list[Part]:
         """[a, b) of a thread that existed throughout it: up to its last hand-off (``_handoff``), the time
         of the task that handed it what it waited for; after it, its own."""
         if b <= a:

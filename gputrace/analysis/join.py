@@ -31,9 +31,10 @@ from gputrace.analysis.report import (
     top_culprits,
 )
 from gputrace.analysis.timefmt import fmt_ms
-from gputrace.analysis.timeline import InstanceKey, Remote, instances
+from gputrace.analysis.timeline import InstanceKey, Remote, RemoteCall, host_instances, host_waits, instances
 from gputrace.capture import CaptureReader
 from gputrace.errors import UserError
+from gputrace.records import CollectiveCall
 
 UNCERTAINTY_QUANTILE = 0.8  # of the shared instances' deviations from the median correction
 MIN_ANCHORS = 3  # shared collective instances needed before their completions correct the headers' alignment
@@ -84,13 +85,16 @@ def join(readers: Sequence[CaptureReader], names: Sequence[str], *, min_gap_ns: 
     jobs = _jobs(caps, names, notes)
     job_of = {i: k for k, job in enumerate(jobs) for i in job}
     keys = [{k: m for k, m in instances(c).items() if k[0] and k[2] >= 0} for c in caps]
-    align = _align(caps, names, jobs, keys, min_gap_ns, notes)
+    calls = [host_instances(c) for c in caps]
+    align = _align(caps, names, jobs, [_ends(k, c) for k, c in zip(keys, calls, strict=True)], min_gap_ns, notes)
     atts = [Attributor(c, h) for c, h in zip(caps, hosts, strict=True)]
     for a in atts:
         a.peers = atts
-    reports = []
+    remotes: list[dict[InstanceKey, list[Remote]]] = []
+    remote_calls: list[dict[InstanceKey, list[RemoteCall]]] = []
     for i, cap in enumerate(caps):
         remote: dict[InstanceKey, list[Remote]] = {}
+        others: dict[InstanceKey, list[RemoteCall]] = {}
         if align[i].joined:
             for j in jobs[job_of[i]]:
                 if j == i or not align[j].joined:
@@ -99,7 +103,15 @@ def join(readers: Sequence[CaptureReader], names: Sequence[str], *, min_gap_ns: 
                 for key, members in keys[j].items():
                     if key in keys[i]:
                         remote.setdefault(key, []).extend(Remote(op, rank, n, j, shift) for op, rank, n in members)
-        reports.append(assemble(cap, min_gap_ns, attributor=atts[i], remote=remote))
+                for key, theirs in calls[j].items():
+                    if key in calls[i]:
+                        others.setdefault(key, []).extend(RemoteCall(c, j, shift) for c in theirs)
+        remotes.append(remote)
+        remote_calls.append(others)
+        # every capture's calls known before any stall is explained: a late rank's time may be another's
+        atts[i].host_waits(host_waits(cap, min_gap_ns, others))
+    reports = [assemble(cap, min_gap_ns, attributor=atts[i], remote=remotes[i], remote_calls=remote_calls[i])
+               for i, cap in enumerate(caps)]
     return Joined(_merge(reports, caps, names, hosts, align, jobs, notes, min_gap_ns), reports)
 
 
@@ -137,8 +149,16 @@ def _completions(keys: dict[InstanceKey, list[Any]]) -> dict[InstanceKey, int]:
     return {k: max(op.end_ns for op, _, _ in members) for k, members in keys.items()}
 
 
+def _ends(keys: dict[InstanceKey, list[Any]], calls: dict[InstanceKey, list[CollectiveCall]]) -> dict[InstanceKey, int]:
+    """Each instance's completion in one capture: its kernels' (``_completions``), or where the host waited
+    for it (gloo: every rank's call returns once the last rank's data is in), the latest return of those
+    calls."""
+    out = {k: max(c.end_ns for c in cs if c.waited) for k, cs in calls.items() if any(c.waited for c in cs)}
+    return {**out, **_completions(keys)}
+
+
 def _align(caps: list[Capture], names: Sequence[str], jobs: list[list[int]],
-           keys: list[dict[InstanceKey, list[Any]]], min_gap_ns: int, notes: list[str]) -> list[Alignment]:
+           ends: list[dict[InstanceKey, int]], min_gap_ns: int, notes: list[str]) -> list[Alignment]:
     offsets = [c.header.get("mono_to_realtime_ns") for c in caps]
     ok = [type(o) is int for o in offsets]
     out = [Alignment() for _ in caps]
@@ -148,7 +168,6 @@ def _align(caps: list[Capture], names: Sequence[str], jobs: list[list[int]],
             out[i].header_shift_ns = int(offsets[i] or 0) - int(ref or 0)  # type: ignore[call-overload]
         else:
             out[i].notes.append("its header has no realtime offset: its clock is taken to be the first capture's")
-    ends = [_completions(k) for k in keys]
     for job in jobs:
         anchor = job[0]
         for i in job[1:]:

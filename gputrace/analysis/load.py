@@ -20,6 +20,7 @@ from gputrace.records import (
     AgentThread,
     BlockIO,
     Collective,
+    CollectiveCall,
     CpuCgroup,
     CpuThrottle,
     CudaApi,
@@ -99,6 +100,7 @@ class Capture:
     device_map: DeviceMap = field(default_factory=lambda: DeviceMap(()))
     launches: dict[tuple[int, int], CudaApi] = field(default_factory=dict)
     collectives: dict[tuple[int, int], Collective] = field(default_factory=dict)
+    calls: list[CollectiveCall] = field(default_factory=list)  # host-side collectives (torch.distributed's)
     syscalls: dict[int, Intervals] = field(default_factory=dict)
     offcpu: dict[int, Intervals] = field(default_factory=dict)
     blocks: dict[int, Intervals] = field(default_factory=dict)  # by submitting tid
@@ -276,6 +278,55 @@ def _collective(ld: _Loader, r: Collective) -> None:
     ld.cap.collectives[(r.pid, r.correlation_id)] = r
 
 
+MAX_BACKEND = 32
+
+
+def _call(ld: _Loader, r: CollectiveCall) -> None:
+    """A host-side collective call: the same checks as a Collective record's, and a span that ends after it
+    starts."""
+    if not (0 <= r.seq < INT64 and -1 <= r.rank < INT64 and -1 <= r.world < INT64 and -1 <= r.nbytes < INT64
+            and len(r.name) <= MAX_COLLECTIVE_NAME and len(r.backend) <= MAX_BACKEND and type(r.waited) is bool
+            and 0 < r.start_ns <= r.end_ns):
+        ld.cap.malformed += 1
+        return
+    ld.cap.calls.append(r)
+    ld._thread(r.pid, r.tid)
+    ld._span(r.start_ns, r.end_ns)
+
+
+def link_device_calls(cap: Capture) -> None:
+    """A collective whose call only enqueued device work (NCCL's) is identified on the device: the collective
+    kernel launched on the calling thread inside the call gets a Collective record with the call's identity,
+    as the simulated ProcessGroup writes one (docs/gpu.md, "Collectives on real GPUs")."""
+    calls = [c for c in cap.calls if not c.waited]
+    if not calls:
+        return
+    kernels = {(op.pid, op.correlation_id): op for ops in cap.ops.values() for op in ops if isinstance(op, GpuKernel)}
+    launches: dict[int, list[CudaApi]] = {}
+    for api in cap.launches.values():
+        if (api.pid, api.correlation_id) in kernels:
+            launches.setdefault(api.tid, []).append(api)
+    for apis in launches.values():
+        apis.sort(key=lambda a: a.start_ns)
+    for c in calls:
+        apis = launches.get(c.tid, [])
+        i = bisect_left([a.start_ns for a in apis], c.start_ns)
+        for api in apis[i:]:
+            if api.start_ns > c.end_ns:
+                break
+            key = (api.pid, api.correlation_id)
+            if key not in cap.collectives and _collective_name(kernels[key].name):
+                op = kernels[key]
+                cap.collectives[key] = Collective(c.pid, op.device, api.correlation_id, c.name, c.seq, c.rank,
+                                                  c.world, c.nbytes, c.comm)
+                break
+
+
+def _collective_name(kernel: str) -> bool:
+    low = kernel.lower()
+    return "nccl" in low or "rccl" in low
+
+
 def _nvml(ld: _Loader, r: NvmlSample) -> None:
     if r.metric == "gpu_util_pct" and type(r.value) in (int, float):
         acc = ld.cap.nvml.setdefault(r.device, [0.0, 0.0])
@@ -390,6 +441,7 @@ _HANDLERS: dict[str, Any] = {
     "GpuDevice": _Loader.device,
     "CudaApi": _api,
     "Collective": _collective,
+    "CollectiveCall": _call,
     "Syscall": lambda ld, r: ld.per_tid("sys", r, r.start_ns, r.end_ns),
     "OffCpu": _offcpu,
     "BlockIO": _block,
@@ -426,6 +478,7 @@ _SHAPES = {
     "GpuMemset": _shape(GpuMemset, "pid device start_ns end_ns correlation_id"),
     "CudaApi": _shape(CudaApi, "pid tid start_ns end_ns correlation_id", "name"),
     "Collective": _shape(Collective, "pid device correlation_id seq rank world nbytes", "name"),
+    "CollectiveCall": _shape(CollectiveCall, "pid tid seq rank world nbytes start_ns end_ns", "name comm backend"),
     "Syscall": _shape(Syscall, "pid tid start_ns end_ns nbytes", "name obj"),
     "OffCpu": _shape(OffCpu, "pid tid start_ns end_ns wake_ns waker_pid waker_tid", "state waker_comm"),
     "BlockIO": _shape(BlockIO, "pid tid nbytes issue_ns complete_ns", "dev rwbs comm"),
@@ -468,6 +521,7 @@ def load(reader: CaptureReader) -> Capture:
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest", "DirtyPause")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
     cap.off = _families_off(reader.header)
+    link_device_calls(cap)
     return cap
 
 

@@ -12,10 +12,14 @@ from gputrace.analysis.overhead import read_overhead
 from gputrace.analysis.timeline import (
     CollectiveWait,
     DeviceTimeline,
+    HostWait,
     InstanceKey,
     Remote,
+    RemoteCall,
     build,
     comm_of,
+    host_instances,
+    host_waits,
     instances,
     loss_windows,
     untimed_losses,
@@ -36,12 +40,16 @@ def host_of(cap: Capture) -> str:
 
 
 def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = None,
-             remote: dict[InstanceKey, list[Remote]] | None = None) -> dict[str, Any]:
+             remote: dict[InstanceKey, list[Remote]] | None = None,
+             remote_calls: dict[InstanceKey, list[RemoteCall]] | None = None) -> dict[str, Any]:
     """The report of one capture; of one of several captures of a job, with the ranks the others hold
-    (``remote``) and an ``attributor`` that knows the others' (analysis/join.py)."""
+    (``remote``, ``remote_calls``) and an ``attributor`` that knows the others' (analysis/join.py)."""
     timelines, waits = build(cap, min_gap_ns, remote)
     host = host_of(cap)
-    attributor = attributor or Attributor(cap, host)
+    calls_waited = host_waits(cap, min_gap_ns, remote_calls)
+    if attributor is None:
+        attributor = Attributor(cap, host)
+        attributor.host_waits(calls_waited)
     # a cut-off capture may miss records anywhere (sources flush batches late), so every stall is suspect
     losses, lost_anywhere = loss_windows(cap), untimed_losses(cap) or bool(cap.problem)
     stalls = []
@@ -69,6 +77,8 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
     report["top_processes"] = top_processes(cap, stalls)
     report["min_gap_ns"] = min_gap_ns
     rows = collective_rows(cap, waits, arrivals, host, remote or {}, min_gap_ns)
+    rows += call_rows(cap, calls_waited, host, remote_calls or {}, min_gap_ns, {(r["comm"], r["seq"]) for r in rows})
+    rows.sort(key=lambda r: (r["started_ns"], r["rank"]))
     if rows:
         report["collectives"] = rows
     return report
@@ -110,9 +120,36 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
     return rows
 
 
+def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote: dict[InstanceKey, list[RemoteCall]],
+              min_gap_ns: int, done: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Each rank's part in each collective instance called on the host (torch.distributed's, gloo's above
+    all), as ``collective_rows`` gives a kernel's: arrival (the call entered: ``enqueued_ns`` and
+    ``started_ns``), completion, and the time it waited for a later rank. An instance a kernel already
+    gives (an NCCL call linked to its kernel) is not given twice."""
+    waits = {id(w.call): w for ws in waited.values() for w in ws}
+    rows = []
+    for key, calls in host_instances(cap).items():
+        comm, name, seq = key
+        if (comm, seq) in done:
+            continue
+        starts = [c.start_ns for c in calls] + [r.call.start_ns + r.shift_ns for r in remote.get(key, [])]
+        last = max(starts)
+        for c in calls:
+            w = waits.get(id(c))
+            row: dict[str, Any] = {
+                "comm": comm, "seq": seq, "op": name, "bytes": c.nbytes, "rank": c.rank, "world": c.world,
+                "host": host, "pid": c.pid, "tid": c.tid, "device": -1, "kernel": "", "backend": c.backend,
+                "enqueued_ns": c.start_ns, "started_ns": c.start_ns, "completed_ns": c.end_ns,
+                "waited_ns": w.wait_end - w.wait_start if w is not None else 0, "ranks_captured": len(starts)}
+            if len(starts) > 1:
+                row["late"] = c.start_ns == last and last - min(starts) >= min_gap_ns
+            rows.append(row)
+    return rows
+
+
 def communicators(cap: Capture) -> set[str]:
-    """The communicator ids the capture's Collective records name."""
-    return {c for c in (comm_of(m) for m in cap.collectives.values()) if c}
+    """The communicator ids the capture's Collective and CollectiveCall records name."""
+    return {c for c in (comm_of(m) for m in [*cap.collectives.values(), *cap.calls]) if c}
 
 
 def _namespaced(cap: Capture, culprit: dict[str, Any]) -> None:

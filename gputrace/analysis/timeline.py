@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace.analysis.load import Capture, DeviceKey, GpuOp
-from gputrace.records import GpuKernel
+from gputrace.records import CollectiveCall, GpuKernel
 
 # "broadcast" alone would also match elementwise kernels with broadcasting: not a collective marker
 _COLLECTIVE_WORDS = ("nccl", "rccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
@@ -155,6 +155,63 @@ def _single(waits: dict[int, CollectiveWait], name: str, member: Member, best: d
 
 
 Waits = dict[int, CollectiveWait]
+
+
+# ------------------------------------------------------------------ collectives called on the host ---
+
+
+@dataclass(frozen=True)
+class RemoteCall:
+    """A rank's call of a collective instance in another capture, and the shift onto this capture's clock."""
+
+    call: CollectiveCall
+    capture: int
+    shift_ns: int
+
+
+@dataclass
+class HostWait:
+    """The part of one rank's blocking collective call (gloo's) spent waiting for the last rank to arrive:
+    its thread's time in [wait_start, wait_end) is the late rank's doing."""
+
+    call: CollectiveCall
+    wait_start: int
+    wait_end: int
+    late: CollectiveCall  # the last rank's call, on its own capture's clock
+    late_capture: int = -1  # which of several captures holds ``late`` (-1: this one)
+    late_shift_ns: int = 0  # added to a time of the late rank's capture, gives this capture's clock
+
+
+def host_instances(cap: Capture) -> dict[InstanceKey, list[CollectiveCall]]:
+    """The host-side collective calls of a capture by instance (communicator, name, seq); a call without a
+    communicator id names no instance."""
+    groups: dict[InstanceKey, list[CollectiveCall]] = {}
+    for c in cap.calls:
+        comm = comm_of(c)
+        if comm:
+            groups.setdefault((comm, c.name, c.seq), []).append(c)
+    return groups
+
+
+def host_waits(cap: Capture, min_gap_ns: int,
+               remote: dict[InstanceKey, list[RemoteCall]] | None = None) -> dict[int, list[HostWait]]:
+    """For each thread, its blocking collective calls' waits for a later rank (this capture's ranks and, for
+    instances ``remote`` names, other captures'), by start. The last rank to arrive is the one whose call
+    entered last; a rank whose call returned before that (it never waited) has no wait."""
+    out: dict[int, list[HostWait]] = {}
+    remote = remote or {}
+    for key, calls in host_instances(cap).items():
+        arrivals = [(c.start_ns, c, -1, 0) for c in calls]
+        arrivals += [(r.call.start_ns + r.shift_ns, r.call, r.capture, r.shift_ns) for r in remote.get(key, [])]
+        if len(arrivals) < 2:
+            continue
+        late_start, late, where, shift = max(arrivals, key=lambda a: a[0])
+        for c in calls:
+            if c.waited and c is not late and late_start - c.start_ns >= min_gap_ns:
+                out.setdefault(c.tid, []).append(HostWait(c, c.start_ns, min(late_start, c.end_ns), late, where, shift))
+    for waits in out.values():
+        waits.sort(key=lambda w: w.wait_start)
+    return out
 
 
 def build(cap: Capture, min_gap_ns: int,

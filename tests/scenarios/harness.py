@@ -150,6 +150,12 @@ def _collective(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     return {"steps": 6, "address": str(w / "pg.sock"), **_loop(w, st, [1 << 20], 6, 160 * KIB)}
 
 
+def _gloo_collective(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
+    # rank 1 reads 6 shards of 160 KiB at 1 MiB/s, one before each all-reduce
+    cfg = _loop(w, st, [1 << 20], 6, 160 * KIB)
+    return {**cfg, "steps": 6, "address": str(w / "pg"), "store": str(w / "gloo.store")}
+
+
 def _mixed(w: Path, st: contextlib.ExitStack) -> dict[str, Any]:
     cfg = _loop(w, st, [1 << 20], 6, 160 * KIB)
     return {**cfg, "steps": 12, "port": st.enter_context(fixtures.slow_peer(delay_ms=20)), "sleep_ms": 15,
@@ -235,6 +241,7 @@ SCENARIOS: dict[str, Setup] = {
     "contention": lambda w, st: {"steps": 25, "work_ms": 1, "hog_ms": 30_000},
     "network": _network,
     "collective": _collective,
+    "gloo_collective": _gloo_collective,
     "sync_then_work": lambda w, st: {"steps": 10, "work_ms": 15},
     "sleep": lambda w, st: {"steps": 10, "sleep_ms": 15},
     "mixed": _mixed,

@@ -8,6 +8,7 @@ Targets: >= 95 % of stall time with the right cause and culprit, <= 5 % unknown,
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,22 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
         waits = [s for s in stalls if s["cause"] == "collective"]
         assert waits and all(s.get("late_rank_cause", {}).get("cause") == "storage" for s in waits)
         assert all(d["collective_wait_ns"] >= 0 for d in report["devices"])
+    elif name == "gloo_collective":
+        # torch.distributed gloo ranks: the early rank's stalls name the late rank's call and, from its own
+        # records, its read; every instance is one communicator id and sequence number on both ranks
+        waits = [s for s in stalls if s["cause"] == "collective"]
+        assert waits and all(s["late_rank"]["cause"] == "storage" and s["culprit"]["rank"] == 1
+                             and re.fullmatch(r"all_reduce #\d+", s["culprit"]["object"]) for s in waits), waits
+        rows = report["collectives"]
+        assert len({r["comm"] for r in rows}) == 1 and all(r["backend"] == "gloo" for r in rows), rows
+        by_seq: dict[int, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_seq.setdefault(r["seq"], []).append(r)
+        assert all(sorted(r["rank"] for r in rs) == [0, 1] and len({r["op"] for r in rs}) == 1
+                   for rs in by_seq.values()), by_seq
+        for s in waits:  # the instance a stall names is one where rank 1 came last and rank 0 waited for it
+            pair = {r["rank"]: r for r in by_seq[int(s["culprit"]["object"].split("#")[1])]}
+            assert pair[1]["late"] and pair[0]["waited_ns"] > 0 and pair[0]["pid"] == s["device_pid"], pair
     elif name == "mapped":
         # no read() at all: the waits are page faults on the mapped shards, with the device's requests
         assert all(s["culprit"]["op"] == "page_fault" and s["culprit"]["bytes"] > 0 for s in stalls), stalls

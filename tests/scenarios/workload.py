@@ -464,6 +464,45 @@ def _exchange_pids(cfg: dict[str, Any], rank: int) -> int:
         return int(f.read())
 
 
+def gloo_collective(cfg: dict[str, Any]) -> None:
+    """Two torch.distributed gloo ranks, each with its own simulated device; rank 1 reads a throttled file
+    before every all-reduce and so arrives late. Each step launches device work and all-reduces a CPU tensor
+    over gloo: the early rank's thread waits in the call (off CPU on gloo's threads and sockets), and its
+    device idles meanwhile."""
+    pid = os.fork()
+    if pid == 0:
+        _gloo_rank(cfg, 1)
+        sys.exit(0)
+    _gloo_rank(cfg, 0)
+    os.waitpid(pid, 0)
+
+
+def _gloo_rank(cfg: dict[str, Any], rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    truth = Truth(cfg["truth"])
+    if rank == 1:
+        join_cgroup(cfg["cgroups"][-1])
+    dist.init_process_group("gloo", init_method=f"file://{cfg['store']}", rank=rank, world_size=2)
+    s = Device(0).stream()
+    late_pid = int(_exchange_pids(cfg, rank))
+    grads = torch.ones(1 << 16)
+    dist.barrier()  # both ranks set up: the first step's wait is not the other's import
+    for k in range(cfg["steps"]):
+        s.launch(f"fwd_bwd_{k}", KERNEL_MS)
+        if rank == 1:
+            path = cfg["files"][k % len(cfg["files"])]
+            read_uncached(path)
+            truth.label("storage", path, os.getpid())
+        else:
+            truth.label("collective", "all_reduce", late_pid)
+        dist.all_reduce(grads)
+    s.launch("last", KERNEL_MS)
+    s.synchronize()
+    dist.destroy_process_group()
+
+
 def mapped(cfg: dict[str, Any]) -> None:
     """Shards read through memory mappings: by the trainer itself on even steps, by a worker on odd ones."""
     join_cgroup(cfg["cgroups"][0])
@@ -716,7 +755,8 @@ def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[di
 
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage": storage, "fuse": fuse, "cpu_worker": cpu_worker, "contention": contention, "network": network,
-    "collective": collective, "sync_then_work": sync_then_work, "sleep": sleep, "mixed": mixed,
+    "collective": collective, "gloo_collective": gloo_collective, "sync_then_work": sync_then_work, "sleep": sleep,
+    "mixed": mixed,
     "mapped": mapped, "timed_waits": timed_waits, "mp_queue": mp_queue, "asyncio_fetch": asyncio_fetch,
     "gil": gil, "uring": uring, "torch_loader": torch_loader, "torch_loader_pinned": torch_loader,
     "torch_straggler": torch_loader, "torch_straggler_pinned": torch_loader, "checkpoint": checkpoint,
