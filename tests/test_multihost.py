@@ -42,11 +42,18 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def veths() -> tuple[str, str]:
+    """The ends of the veth pair two_hosts makes, in namespace A and in namespace B."""
+    tag = f"{os.getpid() % 100000}"
+    return f"va{tag}", f"vb{tag}"
+
+
 @contextlib.contextmanager
 def two_hosts() -> Iterator[tuple[str, str, str]]:
-    """Two network namespaces joined by a veth pair: (namespace A, namespace B, A's address)."""
+    """Two network namespaces joined by a veth pair (``veths``): (namespace A, namespace B, A's address)."""
     tag = f"{os.getpid() % 100000}"
     a, b = f"gt-a-{tag}", f"gt-b-{tag}"
+    va, vb = veths()
     net = SUBNET.format(os.getpid() % 250, "{}")
     made: list[str] = []
     try:
@@ -54,8 +61,8 @@ def two_hosts() -> Iterator[tuple[str, str, str]]:
             _ip("netns", "add", ns)
             made.append(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "add", f"va{tag}", "netns", a, "type", "veth", "peer", "name", f"vb{tag}", "netns", b)
-        for ns, dev, host in ((a, f"va{tag}", 1), (b, f"vb{tag}", 2)):
+        _ip("link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+        for ns, dev, host in ((a, va, 1), (b, vb, 2)):
             _ip("-n", ns, "addr", "add", f"{net.format(host)}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
         yield a, b, net.format(1)

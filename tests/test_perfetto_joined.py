@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_join import MS, PID, STEPS, job, joined
+from test_join import MS, PID, REALTIME, STEPS, job, joined
 
 from gputrace.capture import open_capture
 from gputrace.exporters.perfetto.tracks import ID_SPAN
-from gputrace.records import Syscall
+from gputrace.records import CollectiveCall, Syscall
 from gputrace.testing.perfetto_check import TraceCheck, check_trace
+from gputrace.testing.synth import Builder, ns
 
 SKEW_MS = 7.0  # host-b's clock runs this far behind host-a's: the join shifts its records by +7 ms
 
@@ -96,3 +97,76 @@ def test_a_single_capture_exports_as_before(tmp_path: Path) -> None:
     check = checked(alone)
     assert [t.name for t in check.tracks.values() if t.kind == "process"] == ["rank0"]
     assert check.process(PID).name == "rank0"
+
+
+GLOO_COMM = "9a1b2c3d4e5f6071"
+
+
+def gloo_job(tmp: Path, *, skew_ms: float = 0.0) -> list[Path]:
+    """test_join's job with torch.distributed gloo ranks: each all-reduce is a call on the host
+    (CollectiveCall), no kernel. Rank 0 on host-a blocks in every call until rank 1 on host-b, which reads
+    a file first, arrives; each rank's device idles meanwhile. Host B's clock runs ``skew_ms`` behind."""
+    a = Builder().proc(PID, "rank0").device(PID)
+    b = Builder().proc(PID, "rank1").device(PID)
+    for k in range(STEPS):
+        t = k * 42.0
+        b_t = t - skew_ms
+        a.op(PID, PID, t, t, t + 10, "fwd")
+        b.op(PID, PID, b_t, b_t, b_t + 10, "fwd")
+        a.syscall(PID, PID, "write", t + 0.2, t + 0.3, "/tmp/log", 10)
+        b.syscall(PID, PID, "pread64", b_t + 1, b_t + 39.5, "/data/rank1.bin", 1 << 20)
+        # both calls return together, once rank 1's data is in
+        a.records.append(CollectiveCall(PID, PID, "all_reduce", GLOO_COMM, k + 2, 0, 2, 4096, "gloo", ns(t + 1),
+                                        ns(t + 41), True))
+        b.records.append(CollectiveCall(PID, PID, "all_reduce", GLOO_COMM, k + 2, 1, 2, 4096, "gloo",
+                                        ns(b_t + 40), ns(b_t + 41), True))
+    end = STEPS * 42.0
+    a.op(PID, PID, end, end, end + 10, "last")  # the last wait's stall ends here
+    b.op(PID, PID, end - skew_ms, end - skew_ms, end - skew_ms + 10, "last")
+    return [a.write(tmp / "a.gputrace", header={"host": "host-a", "mono_to_realtime_ns": REALTIME}),
+            b.write(tmp / "b.gputrace", header={"host": "host-b", "mono_to_realtime_ns": REALTIME})]
+
+
+def test_gloo_calls_are_drawn_with_arrows_from_the_late_ranks_arrival(tmp_path: Path) -> None:
+    """Host collective calls on each thread's "collectives" track, named as the report names them; the
+    late rank's call on host-b (its arrival) and its read point into host-a's waits."""
+    paths = gloo_job(tmp_path, skew_ms=SKEW_MS)
+    rep = joined(paths)
+    b = rep["captures"][1]
+    assert b["anchors"] == STEPS and b["correction_ns"] == int(SKEW_MS * MS) and b["uncertainty_ns"] == 0
+    waits = [s for s in rep["stalls"] if s["host"] == "host-a" and s["cause"] == "collective"]
+    assert len(waits) == STEPS and all(s["late_rank"]["cause"] == "storage" for s in waits), rep["stalls"]
+    out = tmp_path / "gloo.pftrace"
+    r = export(*map(str, paths), "--perfetto", str(out))
+    assert r.returncode == 0 and "CollectiveCall" not in r.stderr, r.stderr
+    check = checked(out)
+
+    (calls_a,) = [t for t in check.children(check.thread(PID)) if t.name == "collectives"]
+    (calls_b,) = [t for t in check.children(check.thread(PID + ID_SPAN)) if t.name == "collectives"]
+    assert [s.name for s in check.slices_on(calls_a)] == [f"all_reduce #{k + 2}" for k in range(STEPS)]
+    late = check.slices_on(calls_b)
+    assert all(s.args["comm"] == GLOO_COMM and s.args["rank"] == 1 and s.args["backend"] == "gloo" for s in late)
+    # host-b's calls on host-a's clock: each arrives 39 ms into host-a's wait in the same instance
+    for mine, theirs in zip(check.slices_on(calls_a), late, strict=True):
+        assert theirs.ts - mine.ts == 39 * MS and theirs.end == mine.end
+
+    stalls_a = check.track("stalls", parent="host-a: GPU 0: sim-gpu (simulated)")
+    into = check.flows_into(stalls_a)
+    arrivals = [(src, dst) for src, dst in into if src.track == calls_b.uuid]
+    assert len(arrivals) == STEPS and all(src.ts <= dst.ts for src, dst in arrivals), [
+        (check.track_of(s).name, s.name) for s, _ in into]
+    resumes = sorted(dst.ts for _, dst in arrivals)
+    assert resumes == [s["end_ns"] for s in waits]
+    # the waiting rank's own call, and the late rank's read, point at the same resume
+    assert sorted(dst.ts for src, dst in into if src.track == calls_a.uuid) == resumes
+    assert sorted(dst.ts for src, dst in into if src.name == "pread64") == resumes
+
+
+def test_gloo_calls_of_one_capture_are_drawn_too(tmp_path: Path) -> None:
+    path = gloo_job(tmp_path)[0]
+    out = tmp_path / "alone.pftrace"
+    r = export(str(path), "--perfetto", str(out))
+    assert r.returncode == 0 and "skipped" not in r.stderr, r.stderr
+    check = checked(out)
+    calls = check.slices_on(check.track("collectives", parent="rank0"))
+    assert len(calls) == STEPS and all(s.args["waited"] is True and s.args["world"] == 2 for s in calls)

@@ -7,6 +7,7 @@ Track layout (see docs/perfetto.md):
         off-CPU                         off-CPU / runqueue slices; "woken by" child at the wakeup
         io_uring                        the thread's io_uring requests, submission to completion
         CUDA API, NVTX                  host-side GPU calls and ranges
+        collectives                     the thread's collective calls (torch.distributed's), arrival to completion
       (CPU samples)                     PerfSample packets with interned callstacks: Perfetto's own
                                         per-thread sample track and flame graph
     GPU <id>: <name> [(simulated)]
@@ -18,7 +19,8 @@ Track layout (see docs/perfetto.md):
       lane 0, lane 1, ...               block requests, never overlapping within a lane
     gputrace                            source states; drop counters
 
-Flows: launch → kernel/copy (correlation id), waker → wakee, stall evidence → stall.
+Flows: launch → kernel/copy (correlation id), waker → wakee, stall evidence → stall (a late rank's collective
+call or kernel, and what held it back, into the waits it caused).
 
 One job's captures from several hosts (``write_joined``): each capture is written by a run of its own, its
 records moved onto the first capture's clock by the join's shift, its pids and tids moved to a span of their
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from gputrace.analysis.attribute import collective_object
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
 from gputrace.capture import CaptureReader
@@ -52,6 +55,7 @@ from gputrace.records import (
     AgentThread,
     BlockIO,
     Collective,
+    CollectiveCall,
     CpuCgroup,
     CpuThrottle,
     CudaApi,
@@ -83,7 +87,8 @@ from gputrace.records import (
 if TYPE_CHECKING:
     from gputrace.analysis.join import Joined
 
-_CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "stall", "process")}
+_CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "collective", "stall",
+                                    "process")}
 # Known kinds not placed on the timeline: fd and mapped-file paths (and what epoll data words stand for) are
 # already on the syscalls and faults, aggregates are in the report. Counted in ``not_drawn`` but not noted:
 # they are expected in every capture.
@@ -287,7 +292,8 @@ class _Run(Canvas):
             DirtyPause: self.dirty_pause,
             GpuDevice: self.gpu_device, GpuKernel: self.activity, GpuMemcpy: self.activity,
             GpuMemset: self.activity, CudaApi: self.cuda_api, GpuSync: self.gpu_sync, NvtxRange: self.nvtx,
-            Collective: self.collective, NvmlSample: self.nvml, AgentInfo: self.agent,
+            Collective: self.collective, CollectiveCall: self.collective_call, NvmlSample: self.nvml,
+            AgentInfo: self.agent,
             SourceStatus: self.source_status, Drops: self.drops, CpuThrottle: self.cpu_throttle,
             CpuCgroup: self.cpu_cgroup, TracingCost: self.tracing_cost, AgentThread: self.agent_thread,
             StackSample: self.samples.sample, StackFrames: self.samples.frames,
@@ -533,6 +539,17 @@ class _Run(Canvas):
         if len(self.collectives) >= _COLLECTIVE_CAP:
             self.collectives.pop(next(iter(self.collectives)))
         self.collectives[(r.pid, r.correlation_id)] = r
+
+    def collective_call(self, r: CollectiveCall) -> None:
+        """On the calling thread's "collectives" track: one rank's call of a collective instance, named as the
+        report names it ("all_reduce #17"), from its arrival to its completion where the host saw it. A
+        collective stall's evidence names the waiting rank's call and the late rank's: arrows from both."""
+        s, e = self.span(r.start_ns, r.end_ns)
+        lane = self.thread_lanes(r.pid, r.tid, "collectives").place(s, e)
+        args = {"comm": r.comm, "seq": r.seq, "rank": r.rank, "world": r.world, "bytes": r.nbytes,
+                "backend": r.backend, "waited": bool(r.waited)}
+        flows = self.stall_links.take(evidence_key("collective", r.pid, r.tid, r.start_ns))
+        self.slice(lane.uuid, s, e, collective_object(str(r.name), int(r.seq)), _CAT["collective"], args, flows)
 
     def nvml(self, r: NvmlSample) -> None:
         dev = (SHARED, r.device)  # NVML's index: a real device's key (analysis/devices.py)

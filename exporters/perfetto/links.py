@@ -1,4 +1,5 @@
-"""Flows for the Perfetto exporter: launch → GPU work, and stall evidence → stall.
+"""Flows for the Perfetto exporter: launch → GPU work, and stall evidence → stall (a collective call's
+evidence is the call's slice, on its thread's "collectives" track).
 
 A flow id is written only when both of its ends are known, so no arrow dangles. Launches and their GPU
 work can arrive in either order; the first end waits in a bounded buffer for the other.
@@ -100,7 +101,7 @@ class LaunchMatcher:
 
 
 EVIDENCE_KINDS = {"syscall": "syscall", "block": "block", "offcpu": "offcpu", "wakeup": "offcpu", "gpu": "gpu",
-                  "dirty": "dirty"}
+                  "dirty": "dirty", "collective": "collective"}
 
 
 def evidence_key(kind: str, pid: int, tid: int, start_ns: int) -> tuple[str, int, int, int]:

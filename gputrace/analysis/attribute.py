@@ -130,6 +130,15 @@ class Attributor:
         more = best.evidence if there is self else [_elsewhere(e, shift_ns, there.host) for e in best.evidence]
         return late, more
 
+    def arrival(self, tid: int, a: int, b: int) -> dict[str, Any] | None:
+        """Why thread ``tid`` arrived at a collective call at ``b``: its time since ``a`` (its previous
+        collective call's return), explained by the same rules as any stall, named on its host."""
+        parts = self.explainer.explain(tid, a, b)
+        if not parts:
+            return None
+        mine = _from_parts(parts, [])
+        return {"cause": mine["cause"], "culprit": {**mine["culprit"], "host": self.host}, "via": mine["via"]}
+
     def host_waits(self, waits: dict[int, list[HostWait]]) -> None:
         """Collective calls that waited for a later rank: a thread's time there, wherever a stall's
         explanation meets it, is the late rank's (``_host_part``)."""

@@ -77,7 +77,8 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
     report["top_processes"] = top_processes(cap, stalls)
     report["min_gap_ns"] = min_gap_ns
     rows = collective_rows(cap, waits, arrivals, host, remote or {}, min_gap_ns)
-    rows += call_rows(cap, calls_waited, host, remote_calls or {}, min_gap_ns, {(r["comm"], r["seq"]) for r in rows})
+    rows += call_rows(cap, calls_waited, host, remote_calls or {}, min_gap_ns, {(r["comm"], r["seq"]) for r in rows},
+                      attributor)
     rows.sort(key=lambda r: (r["started_ns"], r["rank"]))
     if rows:
         report["collectives"] = rows
@@ -121,12 +122,15 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
 
 
 def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote: dict[InstanceKey, list[RemoteCall]],
-              min_gap_ns: int, done: set[tuple[str, int]]) -> list[dict[str, Any]]:
+              min_gap_ns: int, done: set[tuple[str, int]], attributor: Attributor) -> list[dict[str, Any]]:
     """Each rank's part in each collective instance called on the host (torch.distributed's, gloo's above
     all), as ``collective_rows`` gives a kernel's: arrival (the call entered: ``enqueued_ns`` and
     ``started_ns``), completion, and the time it waited for a later rank. An instance a kernel already
-    gives (an NCCL call linked to its kernel) is not given twice."""
+    gives (an NCCL call linked to its kernel) is not given twice. ``arrival``: why the rank got there when
+    it did, on its own records alone (as a kernel's is its device's idle gap before it): its thread's time
+    since its previous collective call returned, where that is at least ``min_gap_ns``."""
     waits = {id(w.call): w for ws in waited.values() for w in ws}
+    since = _previous_returns(cap)
     rows = []
     for key, calls in host_instances(cap).items():
         comm, name, seq = key
@@ -143,8 +147,32 @@ def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote
                 "waited_ns": w.wait_end - w.wait_start if w is not None else 0, "ranks_captured": len(starts)}
             if len(starts) > 1:
                 row["late"] = c.start_ns == last and last - min(starts) >= min_gap_ns
+            a = since.get(id(c))
+            if a is not None and c.start_ns - a >= min_gap_ns:
+                found = attributor.arrival(c.tid, a, c.start_ns)
+                if found is not None:
+                    _namespaced(cap, found["culprit"])
+                    row["arrival"] = {**found, "stall_ns": c.start_ns - a}
             rows.append(row)
     return rows
+
+
+def _previous_returns(cap: Capture) -> dict[int, int]:
+    """For each host collective call (by id()), when its thread's previous collective call returned (a
+    thread's collectives run one after another). A gloo async op's record ends at its work's completion,
+    not at its call's return, which only enqueued it: its start stands for that return."""
+    by_tid: dict[int, list[Any]] = {}
+    for c in cap.calls:
+        by_tid.setdefault(c.tid, []).append(c)
+    out: dict[int, int] = {}
+    for calls in by_tid.values():
+        calls.sort(key=lambda c: c.start_ns)
+        prev: int | None = None
+        for c in calls:
+            if prev is not None and prev <= c.start_ns:
+                out[id(c)] = prev
+            prev = c.end_ns if c.waited or c.backend != "gloo" else c.start_ns
+    return out
 
 
 def communicators(cap: Capture) -> set[str]:
