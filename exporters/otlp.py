@@ -7,8 +7,9 @@ block request, off-CPU wait or wakeup that explains it).
 And one trace per collective instance, shared by every rank of the job on every host: its trace id is derived
 from the communicator id and the sequence number alone (``collective_trace_id``), so each host's capture,
 exported on its own, adds its ranks' spans ``collective <op> #<seq>`` to the same trace in the backend: no
-coordinator joins them. A rank's span runs from its arrival (its kernel's start) to the collective's
-completion, and carries the stall its arrival ended: why that rank got there when it did.
+coordinator joins them. A rank's span runs from its arrival (its kernel's start; a host call's entry, gloo's)
+to the collective's completion, and carries the stall its arrival ended (a host call's: its thread's time
+since its previous collective): why that rank got there when it did.
 
 Times go out as epoch ns, converted with the capture header's monotonic->realtime offset through
 gputrace.clock.
@@ -399,6 +400,10 @@ def _rank_span(tracer: trace.Tracer, ids: _Ids, row: dict[str, Any], offset: int
     }
     if isinstance(row.get("late"), bool):
         attrs["gputrace.collective.late"] = row["late"]
+    if row.get("backend"):  # a call on the host (torch.distributed's): its backend and calling thread
+        attrs["gputrace.collective.backend"] = str(row["backend"])
+    if type(row.get("tid")) is int:
+        attrs["thread.id"] = row["tid"]
     arrival = row.get("arrival")
     if isinstance(arrival, dict):
         attrs["gputrace.arrival.cause"] = str(arrival.get("cause", ""))

@@ -120,6 +120,8 @@ def test_separate_otlp_exports_make_one_trace_per_all_reduce(job: dict[str, Any]
         assert attrs["host-b"]["gputrace.arrival.culprit.object"].string_value in job["files"]
         assert attrs["host-b"]["process.pid"].int_value == job["late_pid"]
         assert {attrs[h]["gputrace.collective.comm"].string_value for h in attrs} == {job["comm"]}
+        assert {attrs[h]["gputrace.collective.backend"].string_value for h in attrs} == {"gloo"}
+        assert attrs["host-b"]["thread.id"].int_value == job["late_pid"]  # its main thread called it
         # each span runs from its rank's arrival (the call) to the completion: rank 0's holds the wait
         took = {h: s.end_time_unix_nano - s.start_time_unix_nano for h, s in ranks}
         assert took["host-a"] >= 50_000_000 and took["host-b"] < took["host-a"] / 2, took

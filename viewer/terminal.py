@@ -226,7 +226,10 @@ def describe(s: dict[str, Any]) -> str:
         who += f" on {c['host']}"
     if who and s["cause"] == "collective" and "rank" in c:
         who = f"rank {c['rank']} {who}"
-    what = " ".join(x for x in (c.get("op", ""), c.get("object", "")) if x)
+    op, obj = str(c.get("op", "")), str(c.get("object", ""))
+    if op and obj.startswith(f"{op} #"):  # a collective call on the host: its op is in the instance's name
+        op = ""
+    what = " ".join(x for x in (op, obj) if x)
     text = " ".join(x for x in (who, what) if x) or culprit_label(s)[1]
     if c.get("block_requests"):
         n = c["block_requests"]

@@ -49,6 +49,9 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             by_seq.setdefault(r["seq"], []).append(r)
         assert all(sorted(r["rank"] for r in rs) == [0, 1] and len({r["op"] for r in rs}) == 1
                    for rs in by_seq.values()), by_seq
+        # why rank 1 arrived when it did, on its own records: its read since its previous all-reduce returned
+        reads = [r for r in rows if r["rank"] == 1 and r["op"] == "all_reduce"]
+        assert sum(1 for r in reads if r.get("arrival", {}).get("cause") == "storage") >= len(reads) - 1, reads
         for s in waits:  # the instance a stall names is one where rank 1 came last and rank 0 waited for it
             pair = {r["rank"]: r for r in by_seq[int(s["culprit"]["object"].split("#")[1])]}
             assert pair[1]["late"] and pair[0]["waited_ns"] > 0 and pair[0]["pid"] == s["device_pid"], pair
