@@ -108,6 +108,7 @@ class Watcher:
         self.refused_keys: set[tuple[int, int]] = set()
         self.vanished = 0  # found, but gone before their session started
         self.analysis_skipped = 0
+        self.changed = True  # what the metrics file shows is out of date
         self.analysis_cpu_ns = 0
         self.analysed = 0
         self.stopping = threading.Event()
@@ -182,6 +183,9 @@ class Watcher:
             except Exception as e:  # noqa: BLE001 - a scan's failure must not end watching
                 self.log(f"watch: scan failed: {type(e).__name__}: {e}")
             self._forget_ended()
+            if self.changed:  # jobs came, went or were refused: the metrics say so now, not at the next segment
+                self.changed = False
+                self._write_metrics()
 
     def _consider(self, found: Found) -> None:
         key = (found.pid, found.start)
@@ -195,6 +199,7 @@ class Watcher:
                 if key not in self.refused_keys and len(self.refused_keys) < 65_536:
                     self.refused_keys.add(key)
                     self.refused += 1
+                    self.changed = True
                     if self.refused == 1:
                         self.log(f"watch: {self.config.max_jobs} jobs watched already (--watch-max-jobs); "
                                  f"pid {found.pid} ({found.comm}) and later ones are refused and counted")
@@ -203,6 +208,7 @@ class Watcher:
             directory = self.flight_dir / f"{found.pid}-{found.start}"
             job = WatchJob(found, directory, _gid_of(found.pid))
             self.jobs[key] = job
+            self.changed = True
         directory.mkdir(mode=0o700, exist_ok=True)
         (directory / "job.json").write_text(json.dumps({"pid": found.pid, "start": found.start, "uid": found.uid,
                                                         "gid": job.gid, "comm": found.comm}))
@@ -255,6 +261,7 @@ class Watcher:
             self.log("".join(traceback.format_exception(e)).rstrip())
         finally:
             job.ended = time.time()
+            self.changed = True
 
     def _job_log(self, job: WatchJob, msg: str) -> None:
         if msg.startswith("gputrace: error") or "unavailable" in msg or "degraded" in msg:
