@@ -162,15 +162,28 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
                 wait_until(f"pid {p.pid} watched and measured",
                            lambda p=p: (j := svc.watched(p.pid)) and j["state"] == "watching" and
                            j["busy_ratio"] is not None and j["segments"] >= 3, timeout=90)
-            text = svc.metrics.read_text()
+
+            def all_measured() -> str:  # the file is rewritten once the analysis that status shows is done
+                text = svc.metrics.read_text() if svc.metrics.exists() else ""
+                ok = all(_metric(text, "gputrace_gpu_busy_ratio", pid=str(p.pid), device="0") is not None
+                         for p in jobs)
+                return text if ok else ""
+
+            text = wait_until("every job in the metrics file", all_measured)
             for p in jobs:
                 busy = _metric(text, "gputrace_gpu_busy_ratio", pid=str(p.pid), device="0")
                 # 10 ms kernels, 10 ms sleeps: half busy (the sync and the loop's own time come on top of the sleep)
                 assert busy is not None and 0.3 <= busy <= 0.6, (busy, text)
+                # and the sleeps are the stalls: about as long as the kernels ran
                 sleep = _metric(text, "gputrace_stall_seconds_total", pid=str(p.pid), cause="sleep")
-                assert sleep is not None and sleep > 0.5, text
+                ran = _metric(text, "gputrace_gpu_busy_seconds_total", pid=str(p.pid), device="0")
+                assert sleep is not None and ran, (p.pid, text)
+                assert 0.5 * ran <= sleep <= 1.5 * ran, (p.pid, sleep, ran)
+                pattern = rf'gputrace_stall_seconds_total{{pid="{p.pid}",comm="python",cause="([^"]+)"}} (\S+)'
+                causes = re.findall(pattern, text)
+                assert max(causes, key=lambda c: float(c[1]))[0] == "sleep", causes
                 job = svc.watched(p.pid)
-                assert job is not None and job["top_cause"] == "sleep" and job["found_by"] == "armed", job
+                assert job is not None and job["found_by"] == "armed" and job["top_cause"], job
             assert (svc.metrics.stat().st_mode & 0o777) == 0o644
             assert not list(svc.metrics.parent.glob(".*")), "a temporary metrics file left behind"
         finally:
