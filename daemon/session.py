@@ -61,6 +61,11 @@ class CaptureOptions:
     owner_uid: int | None = None
     off: frozenset[str] = frozenset()  # source families turned off (gputrace.families)
     budget: WriteBudget | None = None  # bytes the capture file may take (gputraced's per-user quota)
+    # What writes the capture (called as CaptureWriter is: path, header, force=, budget=); gputraced's watch mode
+    # passes its flight recorder, which writes a rolling set of segment captures instead of one file.
+    make_writer: Callable[..., Any] | None = None
+    on_session: Callable[[Any], None] | None = None  # given the running session once its sources started
+    analyse: bool = True  # analyse the capture at the end (and export it, with ``perfetto``)
 
 
 @dataclass
@@ -165,7 +170,8 @@ class _Session:
             "off": sorted(self.opts.off),
         }
         self._yield_to_the_job()
-        self.writer = CaptureWriter(self.output, header, force=self.opts.force, budget=self.opts.budget)
+        make_writer = self.opts.make_writer or CaptureWriter
+        self.writer = make_writer(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
         self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)
@@ -183,6 +189,8 @@ class _Session:
         self.log(f"gputrace: tracing {what} and descendants; Ctrl-C to stop")
         for note in self.notes:
             self.log(note)
+        if self.opts.on_session is not None:
+            self.opts.on_session(self)
         if self.opts.on_tracing is not None:
             self.opts.on_tracing()
 
@@ -453,6 +461,10 @@ class _Session:
             self._status("agent", "degraded", f"pid {pid}: the agent never connected")
             self.log(f"gputrace: pid {pid}: the GPU agent was {how} but never connected: {why}")
 
+    def drops_so_far(self) -> dict[str, int]:
+        """Every record lost so far, by source (cumulative; what the trailer's ``drops`` will say)."""
+        return self._drops()
+
     def _drops(self) -> dict[str, int]:
         assert self.sink is not None
         drops = {f"session.{k}": v for k, v in self.sink.drops().items()}
@@ -526,7 +538,7 @@ class _Session:
             result.complete, result.cut_off = False, self.cut_off
             self.log(f"gputrace: error: {self.cut_off}")
             self.log(f"Next:\n  gputrace report {shlex.quote(str(path))}")
-        else:
+        elif self.opts.analyse:
             analyse_and_export(result, self.opts, self.log)
         if self.child is not None:
             if self.child.poll() is None:

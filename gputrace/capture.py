@@ -169,6 +169,11 @@ class CaptureWriter:
             self.abort()  # no temporary file left behind by a header that could not be written
             raise
 
+    @property
+    def written(self) -> int:
+        """Bytes of whole frames written so far."""
+        return self._good
+
     def write_meta(self, source: str, meta: dict[str, Any]) -> None:
         self._frame(["M", source, meta])
 
