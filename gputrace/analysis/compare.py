@@ -112,7 +112,7 @@ def _input_change(b: dict[str, Any], a: dict[str, Any]) -> float | None:
     """Percentage points between the runs' shares of their windows spent waiting on input; None without both."""
     if not (b["window_ns"] and a["window_ns"]) or b["input_bound_pct"] is None or a["input_bound_pct"] is None:
         return None
-    return round(a["input_bound_pct"] - b["input_bound_pct"], 2)
+    return round(float(a["input_bound_pct"]) - float(b["input_bound_pct"]), 2)
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -145,7 +145,7 @@ def _align(caps: list[Capture], names: Sequence[str], jobs: list[list[int]],
     ref = next((o for o, good in zip(offsets, ok, strict=True) if good), 0)
     for i, good in enumerate(ok):
         if good:
-            out[i].header_shift_ns = int(offsets[i] or 0) - int(ref or 0)  # type: ignore[call-overload]
+            out[i].header_shift_ns = int(offsets[i] or 0) - int(ref or 0)
         else:
             out[i].notes.append("its header has no realtime offset: its clock is taken to be the first capture's")
     ends = [_completions(k) for k in keys]
