@@ -27,6 +27,7 @@ from gputrace.daemon.cost import CostMeter
 from gputrace.daemon.launch import HeldChild
 from gputrace.daemon.targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
 from gputrace.daemon.writer import QueueSink
+from gputrace.documents import Report
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
@@ -75,7 +76,7 @@ class CaptureResult:
     exit_code: int | None
     complete: bool
     drops: dict[str, int]
-    report: dict[str, Any] | None
+    report: Report | None
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
     cut_off: str = ""  # why writing the capture failed part way (a full disk); the file holds what came before

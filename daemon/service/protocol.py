@@ -142,10 +142,11 @@ def _number(value: Any, what: str, lo: float, hi: float) -> float:
     return float(value)
 
 
-def check_name(name: Any) -> str:
+def check_name(raw: Any) -> str:
     """A plain file name for the capture (".gputrace" added when missing); never a path."""
-    if not isinstance(name, str):
+    if not isinstance(raw, str):
         raise ProtocolError("name must be a string")
+    name: str = raw
     if "/" in name or "\0" in name or name in (".", "..") or name.startswith("."):
         raise ProtocolError("name must be a plain file name, not a path")
     if not name.endswith(".gputrace"):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputrace.documents import Report
+
 TOP_OBJECTS = 5
 MAX_OBJECTS = 64
 OTHER = "other"
@@ -35,7 +37,7 @@ class JobMetrics:
     dumps: dict[str, int] = field(default_factory=dict)  # by trigger kind
     cpu_share: float | None = None  # tracing's share of the host CPU for this job (probes and agents)
 
-    def add(self, report: dict[str, Any], drops: dict[str, int]) -> None:
+    def add(self, report: Report, drops: dict[str, int]) -> None:
         """One analysed segment's figures."""
         self.segments += 1
         summary = report.get("summary", {})

@@ -31,6 +31,7 @@ from typing import Any
 from gputrace.daemon.watch.discover import Found, Scanner, ancestors, start_time
 from gputrace.daemon.watch.flight import FlightLimits, FlightRecorder, Segment, dump_capture, dump_name, salvage
 from gputrace.daemon.watch.metrics import JobMetrics, write_textfile
+from gputrace.documents import Report
 from gputrace.errors import UserError
 
 FLIGHT = ".flight"
@@ -304,7 +305,7 @@ class Watcher:
         self._busy_trigger(job, report, seg)
         self._cause_trigger(job, report)
 
-    def _busy_trigger(self, job: WatchJob, report: dict[str, Any], seg: Segment) -> None:
+    def _busy_trigger(self, job: WatchJob, report: Report, seg: Segment) -> None:
         ratio = job.metrics.busy_ratio
         if ratio is None or not report.get("devices"):
             return
@@ -319,7 +320,7 @@ class Watcher:
             self._auto_dump(job, {"kind": "busy_low", "detail": f"GPU busy {ratio:.0%} < "
                                   f"{self.config.busy_below:.0%} for {low_s:.1f} s"})
 
-    def _cause_trigger(self, job: WatchJob, report: dict[str, Any]) -> None:
+    def _cause_trigger(self, job: WatchJob, report: Report) -> None:
         """A dump when the top stall cause of a segment differs from the last segment's (a job that stalls
         where it did not, or on something else). Segments without GPU records (before the agent connected)
         are no baseline."""

@@ -89,7 +89,7 @@ class _Replies:
     waiting for one leaves the connection usable (a generator would be closed by it)."""
 
     def __init__(self, path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> None:
-        from gputrace.daemon.service.server import send_frame
+        from gputrace.daemon.service.protocol import send_frame
 
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
@@ -109,7 +109,7 @@ class _Replies:
 
     def next(self) -> dict[str, Any] | None:
         """The next reply frame (None: the service closed the connection). A refusal is a UserError."""
-        from gputrace.daemon.service.server import MAX_REPLY, ProtocolError, recv_frame
+        from gputrace.daemon.service.protocol import MAX_REPLY, ProtocolError, recv_frame
 
         try:
             reply = recv_frame(self.sock, MAX_REPLY)
