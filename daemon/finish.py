@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from gputrace import pipeline
 from gputrace.capture import CaptureReader
+from gputrace.documents import Report
 from gputrace.errors import UserError
 
 if TYPE_CHECKING:
     from gputrace.daemon.session import CaptureOptions, CaptureResult
 
 
-def analyse(path: Any, min_gap_ms: float) -> dict[str, Any]:
+def analyse(path: Any, min_gap_ms: float) -> Report:
     with CaptureReader(path) as reader:
         return pipeline.analyse(reader, int(min_gap_ms * 1e6))
 

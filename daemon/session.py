@@ -27,6 +27,7 @@ from gputrace.daemon.cost import CostMeter
 from gputrace.daemon.launch import HeldChild
 from gputrace.daemon.targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
 from gputrace.daemon.writer import QueueSink
+from gputrace.documents import Report
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
 from gputrace.signals import on_signals
@@ -61,6 +62,11 @@ class CaptureOptions:
     owner_uid: int | None = None
     off: frozenset[str] = frozenset()  # source families turned off (gputrace.families)
     budget: WriteBudget | None = None  # bytes the capture file may take (gputraced's per-user quota)
+    # What writes the capture (called as CaptureWriter is: path, header, force=, budget=); gputraced's watch mode
+    # passes its flight recorder, which writes a rolling set of segment captures instead of one file.
+    make_writer: Callable[..., Any] | None = None
+    on_session: Callable[[Any], None] | None = None  # given the running session once its sources started
+    analyse: bool = True  # analyse the capture at the end (and export it, with ``perfetto``)
 
 
 @dataclass
@@ -70,7 +76,7 @@ class CaptureResult:
     exit_code: int | None
     complete: bool
     drops: dict[str, int]
-    report: dict[str, Any] | None
+    report: Report | None
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
     cut_off: str = ""  # why writing the capture failed part way (a full disk); the file holds what came before
@@ -165,7 +171,8 @@ class _Session:
             "off": sorted(self.opts.off),
         }
         self._yield_to_the_job()
-        self.writer = CaptureWriter(self.output, header, force=self.opts.force, budget=self.opts.budget)
+        make_writer = self.opts.make_writer or CaptureWriter
+        self.writer = make_writer(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
         self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)
@@ -183,6 +190,8 @@ class _Session:
         self.log(f"gputrace: tracing {what} and descendants; Ctrl-C to stop")
         for note in self.notes:
             self.log(note)
+        if self.opts.on_session is not None:
+            self.opts.on_session(self)
         if self.opts.on_tracing is not None:
             self.opts.on_tracing()
 
@@ -453,6 +462,10 @@ class _Session:
             self._status("agent", "degraded", f"pid {pid}: the agent never connected")
             self.log(f"gputrace: pid {pid}: the GPU agent was {how} but never connected: {why}")
 
+    def drops_so_far(self) -> dict[str, int]:
+        """Every record lost so far, by source (cumulative; what the trailer's ``drops`` will say)."""
+        return self._drops()
+
     def _drops(self) -> dict[str, int]:
         assert self.sink is not None
         drops = {f"session.{k}": v for k, v in self.sink.drops().items()}
@@ -526,7 +539,7 @@ class _Session:
             result.complete, result.cut_off = False, self.cut_off
             self.log(f"gputrace: error: {self.cut_off}")
             self.log(f"Next:\n  gputrace report {shlex.quote(str(path))}")
-        else:
+        elif self.opts.analyse:
             analyse_and_export(result, self.opts, self.log)
         if self.child is not None:
             if self.child.poll() is None:

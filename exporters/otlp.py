@@ -46,6 +46,7 @@ from gputrace import __version__, clock
 from gputrace.analysis.devices import SHARED, ReportDevices
 from gputrace.analysis.report import holders_text
 from gputrace.capture import CaptureReader
+from gputrace.documents import CollectiveRow, Evidence, Report, Stall
 from gputrace.errors import UserError
 from gputrace.exporters import ExportResult
 
@@ -70,7 +71,7 @@ class OtlpExporter:
         endpoint: str,
         protocol: str = "grpc",
         *,
-        report: dict[str, Any] | None = None,
+        report: Report | None = None,
         min_gap_ns: int = 1_000_000,
         batch_size: int = 512,
         timeout_s: float = 10.0,
@@ -223,12 +224,12 @@ def parse_endpoint(endpoint: str, protocol: str) -> tuple[str, str, int, bool]:
     return f"{parts.scheme}://{netloc}{path}", host, port, secure
 
 
-def _analyze(reader: CaptureReader, min_gap_ns: int) -> dict[str, Any]:
+def _analyze(reader: CaptureReader, min_gap_ns: int) -> Report:
     try:
         from gputrace.analysis import analyze
     except ImportError:
         raise UserError("stall analysis is not available in this installation; cannot build OTLP spans") from None
-    report: dict[str, Any] = analyze(reader, min_gap_ns=min_gap_ns)
+    report: Report = analyze(reader, min_gap_ns=min_gap_ns)
     return report
 
 
@@ -246,12 +247,12 @@ def failure_detail(errors: Sequence[str]) -> str:
     return errors[-1]
 
 
-def count_spans(report: dict[str, Any]) -> int:
+def count_spans(report: Report) -> int:
     stalls = report.get("stalls", [])
     return 1 + len(stalls) + sum(len(s.get("evidence", [])) for s in stalls) + len(_joinable(report))
 
 
-def _joinable(report: dict[str, Any]) -> list[dict[str, Any]]:
+def _joinable(report: Report) -> list[CollectiveRow]:
     """The report's collective rows with an identity other hosts share (a communicator id)."""
     return [r for r in report.get("collectives", []) if isinstance(r, dict) and r.get("comm")]
 
@@ -265,7 +266,7 @@ def collective_trace_id(comm: str, seq: int) -> int:
     return int.from_bytes(_digest("gputrace.collective", comm, seq)[:16], "big") or 1
 
 
-def _rank_span_id(row: dict[str, Any]) -> int:
+def _rank_span_id(row: CollectiveRow) -> int:
     """A rank's span id, from what names it: exporting the same capture again gives the same span."""
     return int.from_bytes(_digest(row.get("comm"), row.get("seq"), row.get("host"), row.get("pid"),
                                   row.get("rank"), row.get("device"))[:8], "big") or 1
@@ -340,7 +341,7 @@ class _BatchShipper(SpanProcessor):
         return True
 
 
-def resource_for(report: dict[str, Any], header: dict[str, Any]) -> Resource:
+def resource_for(report: Report, header: dict[str, Any]) -> Resource:
     cap = report.get("capture", {})
     pids = [int(p) for p in cap.get("pids", [])]
     attrs: dict[str, Any] = {
@@ -359,7 +360,7 @@ def resource_for(report: dict[str, Any], header: dict[str, Any]) -> Resource:
     return Resource.create(attrs)
 
 
-def record_spans(report: dict[str, Any], header: dict[str, Any], processor: SpanProcessor) -> None:
+def record_spans(report: Report, header: dict[str, Any], processor: SpanProcessor) -> None:
     """Record the capture's spans; each ends into ``processor``."""
     ids = _Ids()
     provider = TracerProvider(resource=resource_for(report, header), shutdown_on_exit=False, id_generator=ids)
@@ -382,7 +383,7 @@ def record_spans(report: dict[str, Any], header: dict[str, Any], processor: Span
     provider.shutdown()
 
 
-def _rank_span(tracer: trace.Tracer, ids: _Ids, row: dict[str, Any], offset: int) -> None:
+def _rank_span(tracer: trace.Tracer, ids: _Ids, row: CollectiveRow, offset: int) -> None:
     """One rank's part in one collective instance, in the instance's own trace (no parent: every rank's span
     is a root there, as no rank's capture is the others')."""
     seq, op = int(row.get("seq", 0)), str(row.get("op", ""))
@@ -421,7 +422,7 @@ def _rank_span(tracer: trace.Tracer, ids: _Ids, row: dict[str, Any], offset: int
     span.end(end_time=clock.to_realtime_ns(max(completed, started), offset))
 
 
-def _capture_attrs(report: dict[str, Any], host: str) -> dict[str, Any]:
+def _capture_attrs(report: Report, host: str) -> dict[str, Any]:
     summary = report.get("summary", {})
     attrs: dict[str, Any] = {
         "gputrace.capture.host": host,
@@ -435,7 +436,7 @@ def _capture_attrs(report: dict[str, Any], host: str) -> dict[str, Any]:
     return attrs
 
 
-def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: int, host: str,
+def _stall_span(tracer: trace.Tracer, ctx: Any, stall: Stall, offset: int, host: str,
                 devices: ReportDevices) -> None:
     device = int(stall.get("device", 0))
     pid = stall.get("device_pid")
@@ -453,17 +454,17 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
         attrs["gputrace.device.pid"] = key[0]
     if key in devices.uuids:
         attrs["gputrace.device.uuid"] = devices.uuids[key]
-    for key, value in stall.get("culprit", {}).items():
+    for name, value in stall.get("culprit", {}).items():
         if isinstance(value, (str, bool, int, float)):
-            attrs[f"gputrace.culprit.{key}"] = value
-        elif key == "cpu_held_by" and isinstance(value, list) and value:
+            attrs[f"gputrace.culprit.{name}"] = value
+        elif name == "cpu_held_by" and isinstance(value, list) and value:
             attrs["gputrace.culprit.cpu_held_by"] = holders_text(value)
     late = stall.get("late_rank")
     if isinstance(late, dict):  # why the rank this collective stall waited for was late, on its own host
         attrs["gputrace.late_rank.cause"] = str(late.get("cause", ""))
-        for key, value in (late.get("culprit") or {}).items():
+        for name, value in (late.get("culprit") or {}).items():
             if isinstance(value, (str, bool, int, float)):
-                attrs[f"gputrace.late_rank.culprit.{key}"] = value
+                attrs[f"gputrace.late_rank.culprit.{name}"] = value
     span = tracer.start_span(f"gpu.stall {cause}", context=ctx, attributes=attrs,
                              start_time=clock.to_realtime_ns(int(stall["start_ns"]), offset))
     child_ctx = trace.set_span_in_context(span)
@@ -472,7 +473,7 @@ def _stall_span(tracer: trace.Tracer, ctx: Any, stall: dict[str, Any], offset: i
     span.end(end_time=clock.to_realtime_ns(int(stall["end_ns"]), offset))
 
 
-def _evidence_span(tracer: trace.Tracer, ctx: Any, ev: dict[str, Any], offset: int) -> None:
+def _evidence_span(tracer: trace.Tracer, ctx: Any, ev: Evidence, offset: int) -> None:
     kind = str(ev.get("kind", "evidence"))
     what = str(ev.get("what", ""))
     attrs: dict[str, Any] = {"gputrace.evidence.kind": kind, "gputrace.evidence.what": what,

@@ -169,6 +169,11 @@ class CaptureWriter:
             self.abort()  # no temporary file left behind by a header that could not be written
             raise
 
+    @property
+    def written(self) -> int:
+        """Bytes of whole frames written so far."""
+        return self._good
+
     def write_meta(self, source: str, meta: dict[str, Any]) -> None:
         self._frame(["M", source, meta])
 
@@ -353,7 +358,8 @@ def row_check(kind: str) -> Callable[[list[Any]], bool]:
         cond = check.format(v=f"r[{i}]")
         exprs.append(cond if name not in cls._field_defaults else f"(len(r) <= {i} or {cond})")
     code = f"lambda r: {' and '.join(exprs) or 'True'}"
-    return eval(code)  # noqa: S307 - built above from the record classes' own annotations, never from input
+    fn: Callable[[list[Any]], bool] = eval(code)  # noqa: S307 - built above from the record classes' own annotations, never from input
+    return fn
 
 
 # How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.

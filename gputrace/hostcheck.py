@@ -19,11 +19,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gputrace import caps
+from gputrace.documents import CheckResult
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "INFO"
 SETUP_FIX = "run ./setup.sh as root (installs python3-bpfcc and kernel headers)"
@@ -47,8 +47,9 @@ class Check:
     fix: str = ""
     required: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> CheckResult:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "fix": self.fix,
+                "required": self.required}
 
 
 def failed_required(checks: Iterable[Check]) -> list[Check]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gputrace.capture import CaptureReader, check_output_path, open_capture
+from gputrace.documents import Report
 from gputrace.errors import UserError
 
 if TYPE_CHECKING:
@@ -32,15 +33,15 @@ def _quiet(reader: CaptureReader, what: str) -> AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def analyse(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -> dict[str, Any]:
+def analyse(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -> Report:
     """The stall report of a capture; raises UserError when the capture cannot be analysed."""
     from gputrace.analysis import analyze
 
-    report: dict[str, Any] = analyze(reader, min_gap_ns=min_gap_ns)
+    report: Report = analyze(reader, min_gap_ns=min_gap_ns)
     return report
 
 
-def report_or_why(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -> tuple[dict[str, Any] | None, str]:
+def report_or_why(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -> tuple[Report | None, str]:
     """The stall report, or None and why (no analysis in this installation, or it failed on this capture)."""
     try:
         return analyse(reader, min_gap_ns), ""
@@ -50,7 +51,7 @@ def report_or_why(reader: CaptureReader, min_gap_ns: int = DEFAULT_MIN_GAP_NS) -
         return None, f"stall analysis failed: {e}"
 
 
-def write_perfetto(reader: CaptureReader, out: Path, report: dict[str, Any] | None) -> ExportResult:
+def write_perfetto(reader: CaptureReader, out: Path, report: Report | None) -> ExportResult:
     """The Perfetto trace of ``reader`` into ``out`` (stalls drawn when ``report`` is given). A failed write raises
     a UserError (OutputError) naming ``out``."""
     try:
@@ -62,7 +63,7 @@ def write_perfetto(reader: CaptureReader, out: Path, report: dict[str, Any] | No
 
 def export_perfetto(capture: str | os.PathLike[str], out_path: str | os.PathLike[str], *, force: bool = False,
                     analyse: bool = False, min_gap_ns: int = DEFAULT_MIN_GAP_NS,
-                    report: dict[str, Any] | None = None,
+                    report: Report | None = None,
                     stage: Stage = _quiet, warn: Callable[[str], None] = lambda _: None,
                     done: Callable[[CaptureReader], None] = lambda _: None) -> ExportResult:
     """Write the Perfetto trace of ``capture`` to ``out_path``, refusing to overwrite a file unless ``force``;

@@ -142,7 +142,7 @@ def marker_thread(a: Any, default_pid: int) -> tuple[int, int]:
 
 def has_valid_times(a: Any) -> bool:
     # CUPTI leaves end at 0 for work that never completed (a context torn down mid-kernel).
-    return 0 < a.start <= a.end
+    return bool(0 < a.start <= a.end)
 
 
 class ActivityConverter:

@@ -51,7 +51,7 @@ class ElfSymbols:
         if len(head) < _EHDR.size or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
             raise ValueError("not a 64-bit little-endian ELF file")
         (_, _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _) = _EHDR.unpack(head)
-        self.segments = [(off, vaddr, size) for ptype, _, off, vaddr, _, size, _, _ in
+        self.segments: list[tuple[int, int, int]] = [(off, vaddr, size) for ptype, _, off, vaddr, _, size, _, _ in
                          _table(fd, phoff, phentsize, phnum, _PHDR) if ptype == PT_LOAD]  # fmt: skip
         sections = _table(fd, shoff, shentsize, shnum, _SHDR)
         found: dict[int, tuple[int, int, int]] = {}  # start -> (size, string table, name offset), .symtab's first

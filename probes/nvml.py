@@ -147,11 +147,12 @@ class _Device:
     def _scalars(self, to_mono: ToMonotonic) -> list[NvmlSample]:
         nv, h = self.nv, self.handle
         values: dict[str, float] = {}
-        for metric, read in (
+        reads: tuple[tuple[str, Callable[[], Any]], ...] = (
             ("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
             ("mem_used_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used),
             ("power_mw", lambda: nv.nvmlDeviceGetPowerUsage(h)),
-        ):
+        )
+        for metric, read in reads:
             if metric in self.unsupported:
                 continue
             try:

@@ -17,6 +17,7 @@ from agent_harness import PYTHON, Harness, of, wait_for
 from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.probes import procfs
 from gputrace.probes.procfs import ns_chain
+from gputrace.testing.schemas import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_sim.py"
@@ -171,6 +172,7 @@ def test_the_example_in_a_pid_namespace_names_its_slow_worker(tmp_path: Path) ->
 
     report = json.loads(subprocess.run([sys.executable, "-m", "gputrace", "report", str(out), "--json"],
                                        capture_output=True, text=True, timeout=60, cwd=ROOT).stdout)
+    validate(report)
     [dev] = report["devices"]
     assert dev["simulated"] and dev["busy_ns"] > 0
     stalls = report["stalls"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from gputrace.capture import CaptureReader
+from gputrace.testing.schemas import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 PY314 = ROOT / "build" / "python3.14" / "usr" / "bin" / "python3.14"
@@ -47,6 +48,7 @@ def test_a_command_is_captured_from_the_gpu_side_alone(tmp_path: Path) -> None:
     assert not {"Syscall", "OffCpu", "BlockIO", "SchedWake"} & set(counts)
     report = json.loads(subprocess.run([sys.executable, "-m", "gputrace", "report", str(out), "--json"],
                                        capture_output=True, text=True, timeout=60, cwd=ROOT).stdout)
+    validate(report)
     assert report["capture"]["ebpf_missing"].startswith("kernel headers for")
     assert report["devices"] and report["devices"][0]["stalls"] > 0
     # No stall can be traced to input without the host side: the verdict must not say "not input-bound".

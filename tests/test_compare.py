@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gputrace.testing.schemas import validate
 from gputrace.testing.synth import Builder, ns
 
 TRAINER, WORKER = 100, 200
@@ -37,6 +38,7 @@ def test_compare_json_puts_the_same_file_side_by_side(tmp_path: Path) -> None:
     r = _compare(str(before), str(after), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    validate(doc)
     assert doc["schema"] == "gputrace.compare/1" and doc["notes"] == []
     b, a = doc["before"], doc["after"]
     ms = ns(1) - ns(0)
@@ -60,6 +62,7 @@ def test_compare_matches_processes_by_name(tmp_path: Path) -> None:
     r = _compare(str(before), str(after), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    validate(doc)
     worker, own = doc["processes"]
     assert (worker["comm"], worker["gpu_process"], worker["before_processes"], worker["after_processes"]) == \
         ("pt_data_worker", False, 1, 1), worker
@@ -88,6 +91,7 @@ def test_a_run_without_gpu_activity_has_nothing_to_compare(tmp_path: Path) -> No
     empty = Builder().proc(TRAINER, "python").syscall(TRAINER, TRAINER, "read", 1.0, 2.0).write(tmp_path / "e.gputrace")
     r = _compare(str(empty), str(_run(tmp_path, "a.gputrace", 5, 20)), "--json")
     doc = json.loads(r.stdout)
+    validate(doc)
     assert doc["notes"] == ["the before capture has no GPU activity"]
     assert doc["busy_change_points"] is None and all(c["change_points"] is None for c in doc["by_cause"])
     r = _compare(str(empty), str(_run(tmp_path, "a.gputrace", 5, 20)))

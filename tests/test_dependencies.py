@@ -31,14 +31,17 @@ def _requirements(extra: str | None = None) -> list[Requirement]:
     return [Requirement(line) for line in lines]
 
 
-def _package_imports() -> set[str]:
-    """Every absolute import in the installed package's modules (dotted, as written)."""
+def _package_imports(testing: bool = False) -> set[str]:
+    """Every absolute import in the installed package's modules (dotted, as written): those of the tool, or with
+    ``testing`` those of gputrace.testing (helpers for tests and benchmarks, which may use the dev extra)."""
     names: set[str] = set()
     for folder in ("gputrace", "daemon", "probes", "exporters", "viewer"):
         for path in (ROOT / folder).rglob("*.py"):
-            if folder == "gputrace" and path.relative_to(ROOT / folder).parts[0] in {"daemon", "probes", "exporters",
-                                                                                   "viewer"}:
+            top = path.relative_to(ROOT / folder).parts[0]
+            if folder == "gputrace" and top in {"daemon", "probes", "exporters", "viewer"}:
                 continue  # the links to the top-level folders: read once, there
+            if (folder == "gputrace" and top == "testing") != testing:
+                continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):
                     names.update(a.name for a in node.names)
@@ -60,13 +63,17 @@ def test_every_runtime_dependency_is_imported_by_the_package() -> None:
             f"{req.name} is declared in pyproject.toml but the package never imports {name}"
 
 
-def test_every_third_party_import_is_declared() -> None:
-    declared = {IMPORT_NAMES.get(r.name, r.name.replace("-", "_"))
-                for r in [*_requirements(), *_requirements("gpu")]}
-    for name in sorted(_third_party(_package_imports())):
+def _imports_declared(imports: set[str], requirements: list[Requirement]) -> None:
+    declared = {IMPORT_NAMES.get(r.name, r.name.replace("-", "_")) for r in requirements}
+    for name in sorted(_third_party(imports)):
         ok = (name.split(".")[0] in SYSTEM or any(name == d or name.startswith(d + ".") for d in declared)
               or (name.startswith("opentelemetry") and any(d.startswith("opentelemetry") for d in declared)))
         assert ok, f"the package imports {name}, which no dependency in pyproject.toml declares"
+
+
+def test_every_third_party_import_is_declared() -> None:
+    _imports_declared(_package_imports(), [*_requirements(), *_requirements("gpu")])
+    _imports_declared(_package_imports(testing=True), [*_requirements(), *_requirements("dev")])
 
 
 def _pins() -> dict[str, str]:

@@ -21,6 +21,7 @@ from gputrace.hostcheck import (
     check_tracepoints,
     failed_required,
 )
+from gputrace.testing.schemas import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -36,6 +37,7 @@ def test_everything_required_works_here_as_root() -> None:
     r = _doctor("--json")
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)
+    validate(doc)
     assert doc["schema"] == "gputrace.doctor/1" and doc["ok"] is True
     by_name = {c["name"]: c for c in doc["checks"]}
     for name in ("privileges", "bpf() syscall", "tracefs", "bcc (python3-bpfcc)", "kernel headers",
@@ -65,6 +67,7 @@ def test_unprivileged_user_is_told_which_capability_is_missing() -> None:
     r = _doctor("--json", prefix=NOBODY)
     assert r.returncode == 1, r.stdout + r.stderr
     doc = json.loads(r.stdout)
+    validate(doc)
     assert doc["ok"] is False
     by_name = {c["name"]: c for c in doc["checks"]}
     priv = by_name["privileges"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from gputrace.analysis.join import analyze_many
 from gputrace.capture import CaptureWriter, host_header, open_capture
+from gputrace.testing.schemas import validate
 from gputrace.testing.synth import Builder, ns
 
 PID = 100  # the same pid on both hosts: hosts have their own pid spaces
@@ -118,6 +119,7 @@ def test_report_cli_joins_and_a_single_capture_is_unchanged(tmp_path: Path) -> N
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         doc: dict[str, Any] = json.loads(r.stdout)
+        validate(doc)
         return doc
 
     both = report(*map(str, paths))

@@ -27,6 +27,7 @@ from otlp_receiver import grpc_receiver
 from workloads.loopdev import loop_filesystem, write_file
 
 from gputrace.exporters.otlp import collective_trace_id
+from gputrace.testing.schemas import validate
 
 HERE = Path(__file__).resolve().parent
 RANK = HERE / "workloads" / "sim_rank.py"
@@ -124,6 +125,7 @@ def report_of(*paths: Path) -> dict[str, Any]:
                        timeout=300)
     assert r.returncode == 0, r.stderr
     doc: dict[str, Any] = json.loads(r.stdout)
+    validate(doc)
     return doc
 
 

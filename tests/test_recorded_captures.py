@@ -22,6 +22,7 @@ import pytest
 
 from gputrace.capture import CaptureReader
 from gputrace.records import NvtxRange
+from gputrace.testing.schemas import validate
 
 DATA = Path(__file__).parent / "data" / "captures"
 CAPTURES = sorted(p.name.removesuffix(".gputrace.gz") for p in DATA.glob("*.gputrace.gz"))
@@ -66,6 +67,7 @@ def test_a_recorded_capture_names_its_true_culprit(name: str, tmp_path: Path) ->
                          text=True, timeout=300, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
+    validate(report)
     assert report["schema"] == "gputrace.report/1" and report["capture"]["complete"], report["capture"]
     total, by = shares(report, steady_from(cap, truth["from_step"]))
     assert total > 0, f"{name}: no stalls in the steady steps"

@@ -22,6 +22,7 @@ from typing import Any
 
 from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.capture import check_output_path
+from gputrace.documents import CaptureInfo, Device, Report, Stall
 from gputrace.errors import UserError
 from gputrace.viewer import timeline
 from gputrace.viewer.terminal import PROCESS_COLUMNS, describe, ended, input_bound_text, ms, pct, process_row, shown
@@ -91,7 +92,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def page(report: dict[str, Any], title: str) -> str:
+def page(report: Report, title: str) -> str:
     cap, summ = report["capture"], report["summary"]
     title = shown(title)
     parts = [f"<h1>gputrace report {e(title)}</h1>",
@@ -151,7 +152,7 @@ def colour(cause: str) -> str:
     return COLOURS.get(cause, OTHER_COLOUR)
 
 
-def device_section(report: dict[str, Any], dev: dict[str, Any], index: int) -> str:
+def device_section(report: Report, dev: Device, index: int) -> str:
     """One device: its timeline with a detail panel, its stall budget chart, its longest stalls' waterfalls."""
     stalls = timeline.device_stalls(report, dev)
     name = f"{dev['id']} {dev['name']}" + (f" on {dev['host']}" if "host" in dev else "")
@@ -163,17 +164,17 @@ def device_section(report: dict[str, Any], dev: dict[str, Any], index: int) -> s
     return "".join(out)
 
 
-def _at(report: dict[str, Any], ns: int) -> str:
+def _at(report: Report, ns: int) -> str:
     return f"{(ns - report['capture']['start_ns']) / 1e9:.3f}"
 
 
-def _stall_attrs(report: dict[str, Any], s: dict[str, Any]) -> str:
+def _stall_attrs(report: Report, s: Stall) -> str:
     via = " → ".join(s["via"]) or "none: the stalled thread's own wait"
     return (f" data-at='{e(_at(report, s['start_ns']))} s, {e(ms(s['duration_ns']))}' data-cause='{e(s['cause'])}'"
             f" data-culprit='{e(describe(s))}' data-via='{e(via)}'")
 
 
-def timeline_svg(report: dict[str, Any], dev: dict[str, Any], stalls: list[dict[str, Any]]) -> str:
+def timeline_svg(report: Report, dev: Device, stalls: list[Stall]) -> str:
     """The capture on a 0..1000 wide axis: the device's window as busy, each stall over it in its cause's
     colour; beyond MAX_MARKS stalls, TIMELINE_SLICES slices instead, each in its dominant cause's colour."""
     t0, t1 = timeline.span(report)
@@ -221,7 +222,7 @@ def timeline_svg(report: dict[str, Any], dev: dict[str, Any], stalls: list[dict[
             f"aria-label='timeline'>{''.join(marks)}</svg>{axis}{note}")
 
 
-def budget_svg(dev: dict[str, Any], stalls: list[dict[str, Any]]) -> str:
+def budget_svg(dev: Device, stalls: list[Stall]) -> str:
     """The device's window as one stacked bar (busy, each cause, short gaps), then a bar per cause."""
     by_cause: dict[str, int] = {}
     for s in stalls:
@@ -253,7 +254,7 @@ def budget_svg(dev: dict[str, Any], stalls: list[dict[str, Any]]) -> str:
             f"aria-label='stall budget' style='max-height:{height * 1.2:.0f}px'>{''.join(stack)}{''.join(rows)}</svg>")
 
 
-def waterfalls(report: dict[str, Any], stalls: list[dict[str, Any]]) -> list[str]:
+def waterfalls(report: Report, stalls: list[Stall]) -> list[str]:
     """The WATERFALLS longest stalls, each as its chain (stalled thread → hops → root cause) and its evidence
     on one time axis: what each thread was in, and when, while the GPU waited."""
     worst = sorted(stalls, key=lambda s: -s["duration_ns"])[:WATERFALLS]
@@ -291,7 +292,7 @@ def cause_cell(cause: Any) -> str:
     return f"<span class={cls}>{e(cause)}</span>" if cls else e(cause)
 
 
-def notes(cap: dict[str, Any]) -> list[str]:
+def notes(cap: CaptureInfo) -> list[str]:
     """What the capture could not record: no eBPF, probes the kernel skipped, malformed records, threads still
     waiting at the stop (every one the report lists)."""
     classes = {"alert": "alert", "info": "info"}
@@ -314,7 +315,7 @@ def _wrap(title: str, parts: list[str]) -> str:
             f"<style>{STYLE}</style></head><body>{''.join(parts)}<script>{SCRIPT}</script></body></html>\n")
 
 
-def write(report: dict[str, Any], out: Path, *, title: str = "", force: bool = False) -> Path:
+def write(report: Report, out: Path, *, title: str = "", force: bool = False) -> Path:
     """Write the page beside ``out`` and rename it into place: never a half-written page under that name."""
     check_output_path(out, force=force)
     parent = out.parent if str(out.parent) else Path(".")

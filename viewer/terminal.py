@@ -16,6 +16,7 @@ from gputrace.analysis.notes import caveats, waiting_lines
 from gputrace.analysis.report import causes_text, culprit_label, holders_text, pid_text
 from gputrace.analysis.throttle import quota_text
 from gputrace.analysis.timefmt import size_text
+from gputrace.documents import CaptureInfo, Comparison, Culprit, InputBound, Report, Stall, TopProcess
 from gputrace.viewer import timeline
 
 TOP_STALLS = 10
@@ -43,7 +44,7 @@ def _cells(*values: object) -> list[Text]:
     return [v if isinstance(v, Text) else Text(str(v)) for v in values]
 
 
-def render(report: dict[str, Any], console: Console, capture_name: str = "") -> None:
+def render(report: Report, console: Console, capture_name: str = "") -> None:
     _header(report, console, capture_name)
     if not report["devices"]:
         _no_gpu(report, console)
@@ -61,7 +62,7 @@ def render(report: dict[str, Any], console: Console, capture_name: str = "") -> 
     _input_bound(report, console)
 
 
-def _header(report: dict[str, Any], console: Console, name: str) -> None:
+def _header(report: Report, console: Console, name: str) -> None:
     cap = report["capture"]
     span = cap["end_ns"] - cap["start_ns"]
     console.print(Text(f"gputrace report {shown(name)}".rstrip(), style="bold"))
@@ -85,7 +86,7 @@ def _header(report: dict[str, Any], console: Console, name: str) -> None:
         _join(report, console)
 
 
-def _join(report: dict[str, Any], console: Console) -> None:
+def _join(report: Report, console: Console) -> None:
     """Several captures: each one's host, how its clock was put on the first's, and what the join says."""
     for c in report.get("captures", []):
         if c["shift_ns"] == 0 and c["anchors"] == 0 and c["uncertainty_ns"] is None:
@@ -101,7 +102,7 @@ def _join(report: dict[str, Any], console: Console) -> None:
 _STYLES = {"warn": "bold yellow", "note": "yellow", "alert": "bold red", "info": ""}
 
 
-def _notes(cap: dict[str, Any], console: Console) -> None:
+def _notes(cap: CaptureInfo, console: Console) -> None:
     for severity, note in caveats(cap):
         console.print(Text(note, style=_STYLES[severity]))
     for i, line in enumerate(waiting_lines(cap, TOP_WAITING)):
@@ -121,7 +122,7 @@ def ended(stop_reason: str) -> str:
     return _ENDED.get(stop_reason, f"ended: {stop_reason}")
 
 
-def _no_gpu(report: dict[str, Any], console: Console) -> None:
+def _no_gpu(report: Report, console: Console) -> None:
     console.print(Text("No GPU activity in this capture: no kernel, copy or memset was recorded, so there is no "
                        "GPU timeline to find stalls in.", style="bold yellow"))
     if report["capture"]["complete"]:
@@ -134,7 +135,7 @@ def _no_gpu(report: dict[str, Any], console: Console) -> None:
     console.print(t)
 
 
-def _devices(report: dict[str, Any]) -> Table:
+def _devices(report: Report) -> Table:
     t = Table(title="GPU devices", title_justify="left")
     for col in ("device", "window", "busy", "stalls", "stall time", "NVML util"):
         t.add_column(col, justify="right" if col != "device" else "left")
@@ -156,7 +157,7 @@ STRIP_STYLES = {"storage": "blue", "network": "dark_orange", "collective": "mage
 STRIP_LABEL = 16  # characters of the device's label before its strip
 
 
-def _strips(report: dict[str, Any], console: Console) -> None:
+def _strips(report: Report, console: Console) -> None:
     """One line per device: the capture from start to end, a character per equal slice, as wide as the console."""
     t0, t1 = timeline.span(report)
     width = max(10, console.width - STRIP_LABEL - 2)
@@ -177,7 +178,7 @@ def _strips(report: dict[str, Any], console: Console) -> None:
     console.print(Text("  ".join(legend)))
 
 
-def _budget(report: dict[str, Any]) -> Table:
+def _budget(report: Report) -> Table:
     summ = report["summary"]
     t = Table(title="Stall budget by cause", title_justify="left")
     t.add_column("cause")
@@ -190,7 +191,7 @@ def _budget(report: dict[str, Any]) -> Table:
     return t
 
 
-def _culprits(report: dict[str, Any]) -> Table:
+def _culprits(report: Report) -> Table:
     t = Table(title="Top culprits (files, peers, workers)", title_justify="left")
     for col in ("kind", "culprit", "stall time", "share", "stalls"):
         t.add_column(col, justify="right" if col in ("stall time", "share", "stalls") else "left")
@@ -199,7 +200,7 @@ def _culprits(report: dict[str, Any]) -> Table:
     return t
 
 
-def _processes(report: dict[str, Any]) -> Table:
+def _processes(report: Report) -> Table:
     t = Table(title="Stall time by process", title_justify="left")
     for col in PROCESS_COLUMNS:
         t.add_column(col, justify="right" if col in ("stall time", "share", "stalls") else "left")
@@ -208,13 +209,13 @@ def _processes(report: dict[str, Any]) -> Table:
     return t
 
 
-def process_row(p: dict[str, Any]) -> list[Any]:
+def process_row(p: TopProcess) -> list[Any]:
     """A ``top_processes`` entry as the terminal and HTML tables show it (PROCESS_COLUMNS)."""
     return [pid_text(p), "yes" if p["gpu_process"] else "", ms(p["stall_ns"]), f"{p['share_pct']:.1f}%",
             p["stalls"], causes_text(p["by_cause"])]
 
 
-def describe(s: dict[str, Any]) -> str:
+def describe(s: Stall) -> str:
     """One line saying what a stall waited on, e.g. 'pid 4242 (worker) pread64 /data/x.bin, 3 block requests'."""
     c = s["culprit"]
     if s["cause"] == "unknown":
@@ -259,7 +260,7 @@ def describe(s: dict[str, Any]) -> str:
     return text
 
 
-def throttled_text(c: dict[str, Any]) -> str:
+def throttled_text(c: Culprit) -> str:
     """', quota 20 ms per 100 ms (cgroup v1): 80.0 ms throttled; the cgroup 2 of 2 periods, 160.0 ms': a
     throttled culprit's quota and what was measured (its own waits, then the cgroup's counters)."""
     quota, period = c.get("quota_us"), c.get("period_us")
@@ -274,7 +275,7 @@ def throttled_text(c: dict[str, Any]) -> str:
     return text
 
 
-def _worst(report: dict[str, Any]) -> Table:
+def _worst(report: Report) -> Table:
     t = Table(title=f"Longest stalls (top {TOP_STALLS})", title_justify="left")
     for col in ("at", "dev", "duration", "cause", "via", "what it waited on"):
         t.add_column(col, justify="right" if col in ("at", "duration") else "left")
@@ -287,14 +288,14 @@ def _worst(report: dict[str, Any]) -> Table:
     return t
 
 
-def _input_bound(report: dict[str, Any], console: Console) -> None:
+def _input_bound(report: Report, console: Console) -> None:
     ib = report["summary"].get("input_bound")
     if not ib:
         return
     console.print(Text(input_bound_text(ib)))
 
 
-def input_bound_text(ib: dict[str, Any]) -> str:
+def input_bound_text(ib: InputBound) -> str:
     """The verdict as the report has it; without a share (none could be measured) the verdict alone."""
     share, measured = ib.get("pct"), ""
     if isinstance(share, int | float):
@@ -308,12 +309,12 @@ def _points(x: float | None) -> str:
     return f"{x:+.1f} pts" if abs(x) >= 0.05 else "same"
 
 
-def _share(row: dict[str, Any], side: str) -> str:
+def _share(pct: float, ns: int) -> str:
     """A compare row's share of one run's window, "-" where that run had none of it."""
-    return f"{row[side + '_pct']:.1f}%" if row[side + "_ns"] else "-"
+    return f"{pct:.1f}%" if ns else "-"
 
 
-def render_compare(doc: dict[str, Any], console: Console, before: str, after: str) -> None:
+def render_compare(doc: Comparison, console: Console, before: str, after: str) -> None:
     """`gputrace compare`: the two runs' GPU busy share, stall budget by cause and culprits side by side."""
     b, a = doc["before"], doc["after"]
     console.print(Text(f"gputrace compare {shown(before)} → {shown(after)}", style="bold"))
@@ -343,16 +344,18 @@ def render_compare(doc: dict[str, Any], console: Console, before: str, after: st
         t = Table(title="Culprits (% of GPU window; processes are per run: new pids each run)", title_justify="left")
         for col in ("kind", "culprit", "before", "after"):
             t.add_column(col, justify="right" if col in ("before", "after") else "left")
-        for r in doc["culprits"]:
-            t.add_row(*_cells(r["kind"], shown(r["culprit"]), _share(r, "before"), _share(r, "after")))
+        for c in doc["culprits"]:
+            t.add_row(*_cells(c["kind"], shown(c["culprit"]), _share(c["before_pct"], c["before_ns"]),
+                              _share(c["after_pct"], c["after_ns"])))
         console.print(t)
     if doc.get("processes"):
         t = Table(title="Stall time by process name (% of GPU window; processes of one name summed)",
                   title_justify="left")
         for col in ("process", "processes", "before", "after", "change"):
             t.add_column(col, justify="left" if col == "process" else "right")
-        for r in doc["processes"]:
-            name = f"{r['comm']} (GPU process)" if r["gpu_process"] else r["comm"]
-            t.add_row(*_cells(shown(name), f"{r['before_processes']} → {r['after_processes']}", _share(r, "before"),
-                              _share(r, "after"), _points(r["change_points"])))
+        for p in doc["processes"]:
+            name = f"{p['comm']} (GPU process)" if p["gpu_process"] else p["comm"]
+            t.add_row(*_cells(shown(name), f"{p['before_processes']} → {p['after_processes']}",
+                              _share(p["before_pct"], p["before_ns"]), _share(p["after_pct"], p["after_ns"]),
+                              _points(p["change_points"])))
         console.print(t)

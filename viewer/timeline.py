@@ -9,7 +9,8 @@ stall covers is busy (or idle for less than the minimum gap); time outside it ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from gputrace.documents import Device, Report, Stall
 
 # The contract's causes, in the order the legends list them; a letter each for the terminal strip.
 LETTERS = {
@@ -23,7 +24,7 @@ def letter(cause: str) -> str:
     return LETTERS.get(cause, OTHER)
 
 
-def span(report: dict[str, Any]) -> tuple[int, int]:
+def span(report: Report) -> tuple[int, int]:
     """The capture's time line, widened to every device's window (GPU work recorded before the start)."""
     cap = report["capture"]
     t0 = min([cap["start_ns"], *(d["first_ns"] for d in report["devices"] if "first_ns" in d)])
@@ -31,7 +32,7 @@ def span(report: dict[str, Any]) -> tuple[int, int]:
     return t0, max(t1, t0 + 1)
 
 
-def device_stalls(report: dict[str, Any], dev: dict[str, Any]) -> list[dict[str, Any]]:
+def device_stalls(report: Report, dev: Device) -> list[Stall]:
     """The stalls of one device: in a report of several captures, device ids repeat across hosts."""
     host = dev.get("host")
     return [s for s in report["stalls"] if s["device"] == dev["id"] and (host is None or s.get("host") == host)]
@@ -44,7 +45,7 @@ class Slice:
     window_ns: int = 0  # the part of the slice inside the device's window
     by_cause: dict[str, int] = field(default_factory=dict)
     stalls: int = 0
-    longest: dict[str, Any] | None = None  # the longest stall that touches the slice, to name its culprit
+    longest: Stall | None = None  # the longest stall that touches the slice, to name its culprit
 
     @property
     def stalled_ns(self) -> int:
@@ -54,7 +55,7 @@ class Slice:
         return max(self.by_cause.items(), key=lambda kv: kv[1])[0]
 
 
-def slices(report: dict[str, Any], dev: dict[str, Any], stalls: list[dict[str, Any]], n: int) -> list[Slice]:
+def slices(report: Report, dev: Device, stalls: list[Stall], n: int) -> list[Slice]:
     """``n`` equal slices of ``span(report)``; each stall adds its overlap to the slices it crosses, so the
     work is the number of stalls plus the slices they cover, whatever their count."""
     t0, t1 = span(report)
@@ -78,7 +79,7 @@ def slices(report: dict[str, Any], dev: dict[str, Any], stalls: list[dict[str, A
     return out
 
 
-def strip(report: dict[str, Any], dev: dict[str, Any], width: int) -> str:
+def strip(report: Report, dev: Device, width: int) -> str:
     """One character per slice: the letter of the cause with the most stall time where stalls took at least
     half of the slice's time in the window, BUSY where they took less, OUTSIDE where the device had no window."""
     chars = []

@@ -159,6 +159,15 @@ class JobTable:
             self._dir_bytes[uid] = (now, size)
         return size + sum(j.written for j in self._jobs.values() if j.uid == uid and j.state == "running")
 
+    def room_for(self, uid: int) -> str:
+        """Why ``uid`` may not have another capture written here now (its quota), or "" when it may."""
+        try:
+            with self._lock:
+                self._check_quota(uid)
+        except UserError as e:
+            return str(e)
+        return ""
+
     def _check_quota(self, uid: int) -> None:
         quota = self.limits.user_quota_bytes
         # Less room than a capture's header and first moments would be a capture cut off as it starts: refused.

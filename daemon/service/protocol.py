@@ -5,7 +5,7 @@ schema-checked before anything happens. A client-supplied name is a plain file n
 
 Wire format (both directions): 4-byte big-endian length, then a UTF-8 JSON object.
     {"op": "capture", "pids": [4242], "duration_s": 10, "name": "run1.gputrace", "min_gap_ms": 1, "wait": true}
-    {"op": "list"}    {"op": "status"}    {"op": "stop", "job": 3}
+    {"op": "list"}    {"op": "status"}    {"op": "stop", "job": 3}    {"op": "dump", "pid": 4242}
 Replies carry "ok": true/false and "error" when false; a waited capture gets a second frame when it ends.
 """
 
@@ -24,7 +24,7 @@ MAX_PIDS = 64
 PID_MAX = 1 << 22
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}")
 OPS = {"capture": {"pids", "duration_s", "name", "min_gap_ms", "wait", "off"}, "list": set(), "status": set(),
-       "stop": {"job"}}
+       "stop": {"job"}, "dump": {"pid"}}
 
 
 class ProtocolError(Exception):
@@ -102,6 +102,8 @@ def validate(req: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(f"unexpected field(s) for {op}: {', '.join(sorted(map(str, extra)))[:200]}")
     if op == "stop":
         _int(req.get("job"), "job", 1, 1 << 31)
+    if op == "dump":
+        _int(req.get("pid"), "pid", 1, PID_MAX)
     if op == "capture":
         pids = req.get("pids")
         if not isinstance(pids, list) or not 1 <= len(pids) <= MAX_PIDS:
@@ -140,10 +142,11 @@ def _number(value: Any, what: str, lo: float, hi: float) -> float:
     return float(value)
 
 
-def check_name(name: Any) -> str:
+def check_name(raw: Any) -> str:
     """A plain file name for the capture (".gputrace" added when missing); never a path."""
-    if not isinstance(name, str):
+    if not isinstance(raw, str):
         raise ProtocolError("name must be a string")
+    name: str = raw
     if "/" in name or "\0" in name or name in (".", "..") or name.startswith("."):
         raise ProtocolError("name must be a plain file name, not a path")
     if not name.endswith(".gputrace"):

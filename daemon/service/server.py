@@ -32,6 +32,7 @@ from gputrace.daemon.service.jobs import (
     Job,
     JobTable,
     Limits,
+    hand_over,
     prepare_state_dir,
     salvage_staging,
 )
@@ -39,6 +40,9 @@ from gputrace.daemon.service.protocol import (
     MAX_REPLY as MAX_REPLY,  # re-exported: `gputrace daemon` imports it from here
 )
 from gputrace.daemon.service.protocol import MAX_REQUEST, ProtocolError, recv_frame, send_frame, validate
+from gputrace.daemon.watch.discover import start_time
+from gputrace.daemon.watch.flight import FlightLimits
+from gputrace.daemon.watch.watcher import WATCH_OFF, WatchConfig, Watcher
 from gputrace.errors import UserError
 from gputrace.pidfds import close_pidfds, peer_credentials, pidfd_support
 
@@ -56,7 +60,7 @@ MAX_CONNECTIONS_ROOT = 8  # root's own, beside the others': four users at their 
 class Service:
     def __init__(self, socket_path: Path, state_dir: Path, limits: Limits, *, otlp: str | None = None,
                  otlp_protocol: str = "grpc", log: Any = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 stopping: threading.Event | None = None) -> None:
+                 stopping: threading.Event | None = None, watch: WatchConfig | None = None) -> None:
         self.socket_path = socket_path
         self.request_timeout_s = request_timeout_s
         self.state_dir = state_dir
@@ -67,6 +71,8 @@ class Service:
         self._open: dict[int, int] = {}  # uid -> connections being served
         self._open_lock = threading.Lock()
         self.pin_callers, self.pin_targets = pidfd_support()
+        self.watcher = Watcher(state_dir, watch, self.log, self._hand_over_dump,
+                               room_for=self.jobs.room_for) if watch is not None else None
         self.listener = self._listen()
 
     def _listen(self) -> socket.socket:
@@ -86,6 +92,8 @@ class Service:
     def serve(self) -> None:
         self.log(f"gputraced {__version__} listening on {self.socket_path}, captures in {self.state_dir}")
         self.log(self._pidfd_line())
+        if self.watcher is not None:
+            self.watcher.start()
         try:
             while not self.stopping.is_set():
                 ready, _, _ = select.select([self.listener], [], [], 0.2)
@@ -94,7 +102,11 @@ class Service:
         finally:
             self.listener.close()
             self.socket_path.unlink(missing_ok=True)
+            if self.watcher is not None:
+                self.watcher.ask_to_stop()  # its sessions end beside the captures'
             self.jobs.stop_all()
+            if self.watcher is not None:
+                self.watcher.stop()
             self.log("gputraced stopped")
 
     def _accept(self) -> None:
@@ -171,6 +183,8 @@ class Service:
         elif op == "stop":
             job = self.jobs.stop(req["job"], uid)
             send_frame(conn, {"ok": True, "job": job.as_dict()})
+        elif op == "dump":
+            self._dump(conn, req["pid"], caller)
         else:
             self._capture(conn, req, caller)
 
@@ -194,13 +208,36 @@ class Service:
             send_frame(conn, {"ok": job.state == "done", "event": "done", "job": job.as_dict(), "log": list(job.log),
                               **({"error": job.error} if job.error else {})})
 
+    def _dump(self, conn: socket.socket, pid: int, caller: Caller) -> None:
+        """The flight window of the watched job ``pid`` belongs to, into the caller's directory. Authorised as a
+        capture is: the job's process must be the caller's (root: anyone's); a job that has ended, by the
+        owner it had."""
+        if self.watcher is None:
+            raise UserError("this gputraced does not watch GPU jobs (start it with --watch)")
+        job = self.watcher.find(pid)
+        if job is None:
+            raise UserError(f"pid {pid} is not in a job this service watches (gputrace daemon status lists them)")
+        if start_time(job.pid) == job.found.start:
+            close_pidfds(authorize(caller.uid, [job.pid]))
+        elif caller.uid not in (0, job.found.uid):
+            raise ProtocolError(f"not allowed: the job of pid {job.pid} was uid {job.found.uid}'s; only root may "
+                                "dump other users' jobs")
+        path = self.watcher.dump(job, {"kind": "request", "detail": f"gputrace daemon dump by uid {caller.uid}"})
+        send_frame(conn, {"ok": True, "path": str(path), "pid": job.pid})
+
+    def _hand_over_dump(self, stage: Path, name: str, uid: int, gid: int) -> Path:
+        user_dir = self.state_dir / str(uid)
+        hand_over(stage, [name], user_dir, uid, gid)
+        return user_dir / name
+
     def status(self, uid: int) -> dict[str, Any]:
         running = [j for j in self.jobs.visible_to(uid) if j.state == "running"]
         uptime = round(time.time() - self.started, 1)
         return {"ok": True, "version": __version__, "pid": os.getpid(), "uptime_s": uptime,
                 "socket": str(self.socket_path), "state_dir": str(self.state_dir), "running": len(running),
                 "caller_uid": uid, "capabilities": f"{effective_caps():016x}",
-                "pidfd": {"callers": self.pin_callers, "targets": self.pin_targets}}
+                "pidfd": {"callers": self.pin_callers, "targets": self.pin_targets},
+                **({"watch": self.watcher.status(uid)} if self.watcher is not None else {})}
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -249,6 +286,28 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_USER_QUOTA_MIB}; 0: no quota)")
     p.add_argument("--otlp", metavar="ENDPOINT", help="also send each capture's stalls to this OTLP collector")
     p.add_argument("--otlp-protocol", choices=("grpc", "http"), default="grpc")
+    w = p.add_argument_group("watch mode (the flight recorder)")
+    w.add_argument("--watch", action="store_true",
+                   help="also watch every GPU job on the host (armed processes, processes that map libcuda or open "
+                        "/dev/nvidia*, NVML's running processes): each traced into a flight recorder")
+    w.add_argument("--flight-seconds", type=float, default=60.0, metavar="SEC",
+                   help="seconds of full detail kept per job (default 60)")
+    w.add_argument("--flight-mib", type=float, default=256.0, metavar="MIB",
+                   help="disk each job's flight recorder may take, oldest detail dropped first (default 256)")
+    w.add_argument("--watch-max-jobs", type=int, default=16, metavar="N",
+                   help="jobs watched at once; more GPU processes are refused and counted (default 16)")
+    w.add_argument("--watch-off", action="append", default=[], metavar="FAMILY[,FAMILY]",
+                   help="source families off in watch mode (default: sampler; 'none' for every family)")
+    w.add_argument("--metrics-textfile", type=Path, metavar="PATH",
+                   help="write per-job metrics here for node_exporter's textfile collector (replaced atomically)")
+    w.add_argument("--trigger-busy-below", type=float, default=0.5, metavar="RATIO",
+                   help="dump a job whose GPU busy share stays below this ... (default 0.5)")
+    w.add_argument("--trigger-busy-low-s", type=float, default=30.0, metavar="SEC",
+                   help="... for this many seconds (default 30)")
+    w.add_argument("--trigger-cooldown-s", type=float, default=300.0, metavar="SEC",
+                   help="automatic dumps of one job at most this often (default 300)")
+    w.add_argument("--flight-segment-s", type=float, default=None, help=argparse.SUPPRESS)
+    w.add_argument("--watch-scan-s", type=float, default=1.0, help=argparse.SUPPRESS)
     p.add_argument("--keep-caps", action="store_true", help="do not drop unneeded capabilities at startup")
     p.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S, help=argparse.SUPPRESS)
 
@@ -264,12 +323,35 @@ def serve_from_args(args: argparse.Namespace) -> int:
     stopping = threading.Event()  # before the socket exists: a stop sent once it appears is never lost
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
+    watch = watch_config(args) if args.watch else None
     service = Service(args.socket, args.state_dir, limits, otlp=args.otlp, otlp_protocol=args.otlp_protocol,
-                      request_timeout_s=args.request_timeout_s, stopping=stopping)
+                      request_timeout_s=args.request_timeout_s, stopping=stopping, watch=watch)
     if not args.keep_caps:
         _log(drop_privileges())
     service.serve()
     return 0
+
+
+def watch_config(args: argparse.Namespace) -> WatchConfig:
+    """The watch mode's settings from the command line, checked."""
+    from gputrace.families import parse_off
+
+    for flag, value in (("--flight-seconds", args.flight_seconds), ("--flight-mib", args.flight_mib),
+                        ("--watch-max-jobs", args.watch_max_jobs), ("--watch-scan-s", args.watch_scan_s)):
+        if not 0 < value < float("inf"):
+            raise UserError(f"{flag} must be a number > 0")
+    if not 0 <= args.trigger_busy_below <= 1:
+        raise UserError("--trigger-busy-below must be a ratio between 0 and 1")
+    off = WATCH_OFF if not args.watch_off else frozenset() if args.watch_off == ["none"] else parse_off(args.watch_off)
+    segment_s = args.flight_segment_s or min(10.0, max(1.0, args.flight_seconds / 6))
+    flight = FlightLimits(args.flight_seconds, int(args.flight_mib * MIB), segment_s)
+    textfile = args.metrics_textfile
+    if textfile is not None and not textfile.parent.is_dir():
+        raise UserError(f"--metrics-textfile: {textfile.parent} is not a directory")
+    return WatchConfig(flight=flight, max_jobs=args.watch_max_jobs, scan_s=args.watch_scan_s,
+                       off=off, busy_below=args.trigger_busy_below,
+                       busy_low_s=args.trigger_busy_low_s, cooldown_s=args.trigger_cooldown_s,
+                       metrics_textfile=textfile)
 
 
 def main(argv: list[str] | None = None) -> int:

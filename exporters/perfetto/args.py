@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gputrace.analysis.report import holders_text
+from gputrace.documents import Stall
 from gputrace.probes.ebpf import uring
 from gputrace.records import Collective, GpuKernel, GpuMemcpy
 
@@ -34,11 +36,11 @@ def _dims(v: Any) -> str:
         return str(v)
 
 
-def stall_args(st: dict[str, Any], dur: int) -> dict[str, Any]:
+def stall_args(st: Stall, dur: int) -> dict[str, Any]:
     """A report stall's culprit, object, bytes and hops, flattened to annotations."""
     args: dict[str, Any] = {"duration_ns": dur}
     raw = st.get("culprit")
-    culprit: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    culprit: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
     for k, name in (("comm", "culprit_comm"), ("pid", "culprit_pid"), ("tid", "culprit_tid"), ("op", "op"),
                     ("object", "object"), ("bytes", "bytes"), ("duration_ns", "culprit_duration_ns")):
         v = culprit.get(k)

@@ -41,6 +41,7 @@ from gputrace.analysis.attribute import collective_object
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
 from gputrace.capture import CaptureReader
+from gputrace.documents import Report, Stall
 from gputrace.errors import OutputError, UserError
 from gputrace.exporters import ExportResult
 from gputrace.exporters.perfetto import proto as pp
@@ -106,7 +107,7 @@ _time_index: dict[type, tuple[tuple[int, bool], ...]] = {}
 class PerfettoExporter:
     """Writes one Perfetto trace from a capture in a single streaming pass (bounded memory)."""
 
-    def __init__(self, out_path: str | os.PathLike[str], *, report: dict[str, Any] | None = None,
+    def __init__(self, out_path: str | os.PathLike[str], *, report: Report | None = None,
                  pending_cap: int = 50_000) -> None:
         self.out_path = Path(out_path)
         self.report = report
@@ -139,7 +140,7 @@ class PerfettoExporter:
         labels = _labels(hosts, names)
         cap_of = {id(st): i for i, part in enumerate(parts) for st in part.get("stalls", [])}
 
-        def locate(stall: dict[str, Any], ev: Any) -> int:
+        def locate(stall: Stall, ev: Any) -> int:
             own = cap_of.get(id(stall), -1)
             host = ev.get("host") if isinstance(ev, dict) else None
             if own < 0 or not isinstance(host, str) or not host:
@@ -264,7 +265,7 @@ def _create_new(path: Path, out: Path) -> int:
 class _Run(Canvas):
     """The state of one export: tracks, lanes and pending flow ends — nothing per event."""
 
-    def __init__(self, sink: PacketSink, header: dict[str, Any], report: dict[str, Any] | None,
+    def __init__(self, sink: PacketSink, header: dict[str, Any], report: Report | None,
                  pending_cap: int, *, part: _Part | None = None) -> None:
         tracks = None
         if part is not None:  # 2^32 uuids a capture: no two captures' tracks meet
@@ -604,7 +605,7 @@ class _Run(Canvas):
         for i, stall in enumerate(self.stall_links.stalls):
             self.guarded(self.write_stall, stall, self.stall_links.flows_of(i))
 
-    def write_stall(self, st: dict[str, Any], flows: list[int]) -> None:
+    def write_stall(self, st: Stall, flows: list[int]) -> None:
         num, pid = st.get("device", 0), st.get("device_pid", SHARED)
         dev = (pid if type(pid) is int and pid >= 0 else SHARED, num if type(num) is int else 0)
         s, e = self.span(int(st["start_ns"]), int(st["end_ns"]))

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gputrace.documents import Report, Stall
 from gputrace.records import CudaApi
 
 # API calls that enqueue device work with the correlation id of that work.
@@ -111,7 +112,7 @@ def evidence_key(kind: str, pid: int, tid: int, start_ns: int) -> tuple[str, int
 
 EvidenceKey = tuple[str, int, int, int]
 # Which capture an evidence entry's slice is in (-1: none here), for a trace of several hosts' captures.
-Locate = Callable[[dict[str, Any], Any], int]
+Locate = Callable[[Stall, Any], int]
 
 
 class StallLinks:
@@ -122,13 +123,13 @@ class StallLinks:
     (hosts have their own pid spaces), and a late rank's evidence is on its own host.
     """
 
-    def __init__(self, report: dict[str, Any] | None, flows: FlowIds, locate: Locate | None = None) -> None:
-        self.stalls: list[dict[str, Any]] = []
+    def __init__(self, report: Report | None, flows: FlowIds, locate: Locate | None = None) -> None:
+        self.stalls: list[Stall] = []
         self._by_key: dict[tuple[int, str, int, int, int], list[tuple[int, int]]] = {}
         self._stall_flows: list[list[int]] = []
         self._locate = locate
         self.malformed = 0
-        for stall in (report or {}).get("stalls", []) or []:
+        for stall in (report.get("stalls") or [] if report else []):
             self._add_stall(stall, flows)
 
     def _add_stall(self, stall: Any, flows: FlowIds) -> None:
@@ -178,7 +179,7 @@ class CaptureLinks:
 
     def __init__(self, links: StallLinks, capture: int) -> None:
         self._links, self._capture = links, capture
-        self.stalls: list[dict[str, Any]] = []
+        self.stalls: list[Stall] = []
 
     def take(self, key: EvidenceKey) -> list[int]:
         return self._links.take(key, self._capture)

@@ -127,9 +127,11 @@ def annotation(name: str, value: Any) -> bytes:
 def _value(value: Any) -> bytes:
     t = type(value)
     if t is int and 0 <= value < 0x4000:
-        return b"\x20" + _SMALL[value]
+        n: int = value
+        return b"\x20" + _SMALL[n]
     if t is str:
-        return _strings.get(value) or _cached_str(_strings, 6, value)
+        s: str = value
+        return _strings.get(s) or _cached_str(_strings, 6, s)
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):

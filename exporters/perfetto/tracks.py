@@ -186,7 +186,7 @@ class Tracks:
         self.untraced_pids.discard(pid)
         u = self._uuids.get(("p", pid))
         if u in self._described and (old != self.proc_name[pid] or was_untraced):
-            self._describe_process(pid, u)  # type: ignore[arg-type]
+            self._describe_process(pid, u)
         if (pid, pid) not in self.thread_name:
             self.note_thread(pid, pid, comm)
 
@@ -216,7 +216,7 @@ class Tracks:
         self.untraced_threads.discard((pid, tid))
         u = self._uuids.get(("t", pid, tid))
         if u in self._described and (old != comm or was_untraced):
-            self._describe_thread(pid, tid, u)  # type: ignore[arg-type]
+            self._describe_thread(pid, tid, u)
 
     def refresh_comm(self, pid: int, tid: int, comm: str) -> None:
         """A thread's comm as a later event saw it (threads rename themselves: prctl, pthread_setname_np)."""
@@ -224,7 +224,7 @@ class Tracks:
             self.thread_name[(pid, tid)] = comm
             u = self._uuids.get(("t", pid, tid))
             if u in self._described:
-                self._describe_thread(pid, tid, u)  # type: ignore[arg-type]
+                self._describe_thread(pid, tid, u)
 
     def untraced_thread(self, pid: int, tid: int, comm: str) -> int:
         """A thread seen only as a waker: described by its comm and marked untraced."""

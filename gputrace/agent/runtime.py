@@ -395,7 +395,10 @@ def interpreter() -> str:
 
 def hello(agent: Agent) -> dict[str, Any]:
     infos = [backend_info(b) for b in agent.backends]
-    first = lambda key: next((i[key] for i in infos if i.get(key)), "")  # noqa: E731
+
+    def first(key: str) -> str:
+        return next((i[key] for i in infos if i.get(key)), "")
+
     return {
         "type": "hello",
         "protocol": wire.PROTOCOL,

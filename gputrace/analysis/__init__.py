@@ -8,18 +8,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from gputrace.analysis.load import load
 from gputrace.analysis.notes import capture_notes, lost_records
 from gputrace.analysis.report import CAUSES, SCHEMA, assemble, holders_text, pid_text
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.capture import CaptureReader
+from gputrace.documents import Holder, Report, Stall
 
 __all__ = ["CAUSES", "SCHEMA", "analyze", "fmt_ms", "lost_records", "summary_lines"]
 
 
-def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, Any]:
+def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> Report:
     """Read the capture once and attribute every GPU stall of at least ``min_gap_ns``."""
     if min_gap_ns <= 0:
         raise ValueError("min_gap_ns must be > 0")
@@ -29,20 +28,20 @@ def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> dict[str, 
 RUNQUEUE_NOTE_SHARE = 0.2  # of stall time in cpu.runqueue, from which the capture's summary says who had the CPU
 
 
-def cpu_holders(stalls: list[dict[str, Any]], limit: int = 3) -> list[dict[str, Any]]:
+def cpu_holders(stalls: list[Stall], limit: int = 3) -> list[Holder]:
     """The tasks named in the stalls' ``cpu_held_by``, summed by process (by thread where the process is not
     known), most time first."""
-    acc: dict[tuple[int, int], list[Any]] = {}
+    acc: dict[tuple[int, int], Holder] = {}
     for s in stalls:
         for h in s["culprit"].get("cpu_held_by", []):
             key = (h["pid"], 0) if h["pid"] else (0, h["tid"])
-            slot = acc.setdefault(key, [h["pid"], h["tid"], h["comm"], 0])
-            slot[3] += h["ns"]
-    top = sorted(acc.values(), key=lambda v: -v[3])[:limit]
-    return [{"pid": pid, "tid": pid or tid, "comm": comm, "ns": ns} for pid, tid, comm, ns in top]
+            slot = acc.setdefault(key, {"pid": h["pid"], "tid": h["tid"], "comm": h["comm"], "ns": 0})
+            slot["ns"] += h["ns"]
+    top = sorted(acc.values(), key=lambda v: -v["ns"])[:limit]
+    return [{"pid": h["pid"], "tid": h["pid"] or h["tid"], "comm": h["comm"], "ns": h["ns"]} for h in top]
 
 
-def summary_lines(report: dict[str, Any]) -> list[str]:
+def summary_lines(report: Report) -> list[str]:
     """The short form printed at the end of a capture."""
     cap, summ = report["capture"], report["summary"]
     lines = []

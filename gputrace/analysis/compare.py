@@ -12,12 +12,13 @@ from typing import Any
 
 from gputrace.analysis.notes import lost_records
 from gputrace.analysis.report import CAUSES, culprit_label
+from gputrace.documents import COMPARE_SCHEMA as SCHEMA
+from gputrace.documents import CauseChange, Comparison, CulpritChange, ProcessChange, Report, Side
 
-SCHEMA = "gputrace.compare/1"
 TOP_CULPRITS = 8
 
 
-def _side(report: dict[str, Any]) -> dict[str, Any]:
+def _side(report: Report) -> Side:
     summ, cap = report["summary"], report["capture"]
     window = int(summ.get("window_ns", 0))
     return {
@@ -47,11 +48,11 @@ def _change(before: int, wb: int, after: int, wa: int) -> float | None:
     return round(100.0 * (after / wa - before / wb), 2)
 
 
-def _by_cause(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+def _by_cause(before: Report, after: Report) -> list[CauseChange]:
     wb, wa = before["summary"]["window_ns"], after["summary"]["window_ns"]
     cb, ca = before["summary"].get("by_cause", {}), after["summary"].get("by_cause", {})
     order = {c: i for i, c in enumerate(CAUSES)}
-    rows = []
+    rows: list[CauseChange] = []
     for cause in sorted(set(cb) | set(ca), key=lambda c: (-max(_pct(cb.get(c, 0), wb), _pct(ca.get(c, 0), wa)),
                                                            order.get(c, len(order)))):
         b, a = int(cb.get(cause, 0)), int(ca.get(cause, 0))
@@ -60,7 +61,7 @@ def _by_cause(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, A
     return rows
 
 
-def _culprits(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+def _culprits(before: Report, after: Report) -> list[CulpritChange]:
     acc: dict[tuple[str, str], list[int]] = {}
     for i, report in enumerate((before, after)):
         for s in report["stalls"]:
@@ -76,7 +77,7 @@ def _largest(acc: dict[Any, list[int]], wb: int, wa: int) -> list[tuple[Any, lis
     return sorted(acc.items(), key=lambda kv: -max(_pct(kv[1][0], wb), _pct(kv[1][1], wa)))[:TOP_CULPRITS]
 
 
-def _processes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+def _processes(before: Report, after: Report) -> list[ProcessChange]:
     """Each run's ``top_processes`` summed by (comm, gpu_process): how many processes of that name had stall
     time in each run, and how much (as a share of the run's window)."""
     acc: dict[tuple[str, bool], list[int]] = {}
@@ -91,7 +92,7 @@ def _processes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, 
              "change_points": _change(b, wb, a, wa)} for (comm, gpu), (b, a, nb, na) in _largest(acc, wb, wa)]
 
 
-def _notes(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
+def _notes(b: Side, a: Side) -> list[str]:
     notes = []
     for name, side in (("before", b), ("after", a)):
         if not side["complete"]:
@@ -108,14 +109,14 @@ def _notes(b: dict[str, Any], a: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _input_change(b: dict[str, Any], a: dict[str, Any]) -> float | None:
+def _input_change(b: Side, a: Side) -> float | None:
     """Percentage points between the runs' shares of their windows spent waiting on input; None without both."""
     if not (b["window_ns"] and a["window_ns"]) or b["input_bound_pct"] is None or a["input_bound_pct"] is None:
         return None
     return round(a["input_bound_pct"] - b["input_bound_pct"], 2)
 
 
-def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def compare(before: Report, after: Report) -> Comparison:
     """The ``gputrace.compare/1`` document of two ``gputrace.report/1`` reports."""
     b, a = _side(before), _side(after)
     wb, wa = b["window_ns"], a["window_ns"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gputrace.documents import Report
 from gputrace.records import GpuDevice
 
 DeviceKey = tuple[int, int]  # (owning pid, or -1 for a real device, device id)
@@ -78,11 +79,11 @@ class ReportDevices:
     and its name. Without a report, a simulated device is its process's own and a real one is keyed by its
     CUDA id. The report is ours, but it may come from a file: malformed entries are skipped."""
 
-    def __init__(self, report: dict[str, Any] | None) -> None:
+    def __init__(self, report: Report | None) -> None:
         self._keys: dict[tuple[int, int], DeviceKey] = {}
         self.info: dict[DeviceKey, tuple[str, bool]] = {}
         self.uuids: dict[DeviceKey, str] = {}
-        devices = (report or {}).get("devices")
+        devices = report.get("devices") if report else None
         for d in devices if isinstance(devices, list) else []:
             if not isinstance(d, dict) or type(d.get("id")) is not int:
                 continue

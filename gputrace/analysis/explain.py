@@ -12,7 +12,7 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
@@ -21,6 +21,7 @@ from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_
 from gputrace.analysis.throttle import Throttles, runnable_wait
 from gputrace.analysis.timefmt import size_text
 from gputrace.analysis.timeline import HostWait
+from gputrace.documents import BlockFields, Culprit, DirtyFields, Evidence, Frame, LateRank, SampledFields
 from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
 MAX_DEPTH = 8  # hops a wait chain may take to other threads (a round trip back to a thread takes none)
@@ -39,26 +40,35 @@ NATIVE_SAMPLES = 10  # samples outside the interpreter, and none in it, that sho
 INTERPRETER_MODULES = re.compile(r"\((lib)?(python|pypy)[0-9.]*(\.so[0-9.]*)?\)$")  # a frame in the interpreter
 
 
+class PartExtra(TypedDict, total=False):
+    """What a part adds to its stall when it is the largest."""
+
+    why: str
+    remote_fs: bool
+    late_rank: LateRank
+    late_rank_cause: LateRank
+
+
 @dataclass
 class Part:
     cause: str
     ns: int
-    culprit: dict[str, Any]
+    culprit: Culprit
     via: list[str] = field(default_factory=list)
     path: list[int] = field(default_factory=list)  # the tid each hop of ``via`` went to
-    evidence: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    evidence: list[Evidence] = field(default_factory=list)
+    extra: PartExtra = field(default_factory=lambda: PartExtra())
     held: Counter[tuple[int, int, str]] = field(default_factory=Counter)  # a run-queue wait's: who had the CPU
 
     def key(self) -> tuple[str, int, str]:
-        return (self.cause, int(self.culprit.get("pid", 0)), str(self.culprit.get("object", "")))
+        return (self.cause, self.culprit["pid"], self.culprit["object"])
 
 
-def empty_culprit() -> dict[str, Any]:
+def empty_culprit() -> Culprit:
     return {"pid": 0, "tid": 0, "comm": "", "op": "", "object": "", "bytes": 0, "duration_ns": 0}
 
 
-def evidence_syscall(sc: Syscall) -> dict[str, Any]:
+def evidence_syscall(sc: Syscall) -> Evidence:
     if sc.name == FAULT_OP:  # not a syscall: the thread waited off CPU inside a page fault
         return {"pid": sc.pid, "tid": sc.tid, "kind": "offcpu", "what": f"page fault on {sc.obj} at offset {sc.arg}",
                 "start_ns": sc.start_ns, "end_ns": sc.end_ns}
@@ -69,7 +79,7 @@ def evidence_syscall(sc: Syscall) -> dict[str, Any]:
             "end_ns": sc.end_ns}
 
 
-def hottest_frames(cap: Capture, tid: int, a: int, b: int) -> dict[str, Any]:
+def hottest_frames(cap: Capture, tid: int, a: int, b: int) -> SampledFields:
     """Where thread ``tid`` was sampled on CPU in [a, b): its most frequent leaf frames; {} without samples."""
     index = cap.samples.get(tid)
     stacks = index.between(a, b) if index else []
@@ -81,27 +91,28 @@ def hottest_frames(cap: Capture, tid: int, a: int, b: int) -> dict[str, Any]:
         frames = cap.stacks.get((pid, stack))
         leaves[frames[0] if frames else "[unknown]"] += n
     total = len(stacks)
-    top = [{"frame": f, "samples": n, "pct": round(100.0 * n / total, 1)} for f, n in leaves.most_common(MAX_FRAMES)]
+    top: list[Frame] = [{"frame": f, "samples": n, "pct": round(100.0 * n / total, 1)}
+                        for f, n in leaves.most_common(MAX_FRAMES)]
     return {"frames": top, "samples": total}
 
 
-def evidence_block(b: BlockIO) -> dict[str, Any]:
+def evidence_block(b: BlockIO) -> Evidence:
     return {"pid": b.pid, "tid": b.tid, "kind": "block", "what": f"{b.rwbs} {b.nbytes} B on {b.dev}",
             "start_ns": b.issue_ns, "end_ns": b.complete_ns}
 
 
-def evidence_dirty(p: DirtyPause, end_ns: int) -> dict[str, Any]:
+def evidence_dirty(p: DirtyPause, end_ns: int) -> Evidence:
     what = (f"paused {(end_ns - p.ts) / 1e6:.1f} ms for dirty pages on {p.dev}: {size_text(p.wb_dirty)} dirty or "
             f"in writeback, setpoint {size_text(p.wb_setpoint)}")
     return {"pid": p.pid, "tid": p.tid, "kind": "dirty", "what": what, "start_ns": p.ts, "end_ns": end_ns}
 
 
-def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> dict[str, Any]:
+def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> Evidence:
     what = f"off CPU ({o.state})"
-    ev = {"pid": o.pid, "tid": o.tid, "kind": kind, "what": what, "start_ns": o.start_ns, "end_ns": o.end_ns}
+    ev: Evidence = {"pid": o.pid, "tid": o.tid, "kind": kind, "what": what, "start_ns": o.start_ns, "end_ns": o.end_ns}
     if kind == "wakeup":
         ev["what"] = f"woken by pid {o.waker_pid} tid {o.waker_tid} ({o.waker_comm})"
-        ev.update(waker_pid=o.waker_pid, waker_tid=o.waker_tid, wake_ns=o.wake_ns)
+        ev["waker_pid"], ev["waker_tid"], ev["wake_ns"] = o.waker_pid, o.waker_tid, o.wake_ns
     return ev
 
 
@@ -129,11 +140,11 @@ def _on_pipe_or_socket(sc: Syscall) -> bool:
     return sc.fd >= 0 and bool(sc.obj) and classify(sc) == "wait"
 
 
-def _paused(pauses: list[DirtyPause], sleeps: list[OffCpu], end_ns: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _paused(pauses: list[DirtyPause], sleeps: list[OffCpu], end_ns: int) -> tuple[DirtyFields, list[Evidence]]:
     """Culprit fields and evidence of ``pauses`` for dirty pages: each lasts from its tracepoint to the end of
     the sleep among ``sleeps`` that began within PAUSE_SLEEP_NS of it (the kernel's own figure where none
     did), cut at ``end_ns``; the device and its dirty pages are the last pause's."""
-    total, ev = 0, []
+    total, ev = 0, list[Evidence]()
     for p in pauses:
         o = next((o for o in sleeps if p.ts <= o.start_ns <= p.ts + PAUSE_SLEEP_NS), None)
         end = min(o.end_ns if o else p.ts + p.pause_ns, end_ns)
@@ -191,12 +202,12 @@ class Explainer:
         """Whether the kernel source watched this thread: without that, its time cannot be explained."""
         return self.cap.kernel_seen and self.cap.pid_of(tid) in self.cap.kernel_pids
 
-    def culprit(self, tid: int, op: str = "", obj: str = "", nbytes: int = 0, dur: int = 0) -> dict[str, Any]:
+    def culprit(self, tid: int, op: str = "", obj: str = "", nbytes: int = 0, dur: int = 0) -> Culprit:
         pid = self.cap.pid_of(tid)
         return {"pid": pid, "tid": tid, "comm": self.cap.comm(tid) or self.cap.comm(pid), "op": op,
                 "object": obj, "bytes": nbytes, "duration_ns": dur}
 
-    def cpu_culprit(self, tid: int, a: int, b: int) -> dict[str, Any]:
+    def cpu_culprit(self, tid: int, a: int, b: int) -> Culprit:
         """A thread on CPU over [a, b), with its hottest frames where it was sampled."""
         return {**self.culprit(tid, "cpu"), **hottest_frames(self.cap, tid, a, b)}
 
@@ -422,7 +433,7 @@ class Explainer:
         throttled = min(cut.ns, ns)
         parts = []
         if throttled > 0:
-            culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields}
+            culprit: Culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields}
             culprit["throttled_ns"] = throttled
             parts.append(Part("cpu.throttled", throttled, culprit, evidence=cut.evidence[:MAX_EVIDENCE]))
         held = _cpu_holders(cut.rest)
@@ -446,7 +457,7 @@ class Explainer:
             return None
         p = pauses[-1]
         fields, paused = _paused([p], [o], o.end_ns)
-        culprit = {**self.culprit(o.tid, DIRTY_OP, p.dev, 0, o.end_ns - p.ts), **fields}
+        culprit: Culprit = {**self.culprit(o.tid, DIRTY_OP, p.dev, 0, o.end_ns - p.ts), **fields}
         return Part("storage", ns, culprit, evidence=[*paused, evidence_offcpu(o)])
 
     def _syscall(self, sc: Syscall, x: int, y: int, depth: int, end: int) -> list[Part]:
@@ -553,7 +564,7 @@ class Explainer:
         else:
             part = Part("network", ns, self.culprit(req.tid, req.name, req.obj, req.nbytes, req.end_ns - req.start_ns),
                         evidence=[evidence_syscall(req)])
-        part.culprit.update(uring.culprit_fields(requests))
+        part.culprit = {**part.culprit, **uring.culprit_fields(requests)}
         part.evidence = [evidence_syscall(sc), *part.evidence][: MAX_EVIDENCE + 1]
         return part
 
@@ -563,15 +574,16 @@ class Explainer:
         ev = [evidence_syscall(sc)]
         dirty, paused = self._dirty_pauses(sc, blocked)
         if dirty:
-            culprit.update(dirty)
+            culprit = {**culprit, **dirty}
             ev += paused[:MAX_DIRTY_EVIDENCE]
         if tie is not None:
             ev += [evidence_block(b) for b in tie.blocks[:MAX_EVIDENCE]]
-            culprit.update(self._block_fields(tie, sc.tid))
+            culprit = {**culprit, **self._block_fields(tie, sc.tid)}
         if sc.name == FAULT_OP:  # what the fault brought in is what its requests read
-            culprit.update(offset=sc.arg, bytes=sum(b.nbytes for b in tie.blocks) if tie else 0)
+            culprit["offset"] = sc.arg
+            culprit["bytes"] = sum(b.nbytes for b in tie.blocks) if tie else 0
         blocks = tie.blocks if tie else []
-        extra: dict[str, Any] = {}
+        extra: PartExtra = {}
         fstype = filesystem_of(sc.obj, self.mounts) if sc.obj else ""
         servers = [o for o in blocked if o.waker_pid and o.waker_pid != sc.pid
                    and not is_kernel_task(o.waker_pid, o.waker_comm)]
@@ -586,7 +598,7 @@ class Explainer:
             extra["remote_fs"] = is_remote_fs(fstype)
         return Part("storage", ns, culprit, evidence=ev, extra=extra)
 
-    def _dirty_pauses(self, sc: Syscall, blocked: list[OffCpu]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def _dirty_pauses(self, sc: Syscall, blocked: list[OffCpu]) -> tuple[DirtyFields, list[Evidence]]:
         """The pauses the kernel put ``sc``'s thread in for dirtying page cache faster than its device writes it
         back (balance_dirty_pages), inside the call: culprit fields and evidence. Each pause's time is the
         off-CPU span it began (the kernel's own figure where none was recorded), up to the call's end; the
@@ -595,9 +607,9 @@ class Explainer:
         pauses: list[DirtyPause] = index.starting_in(sc.start_ns, sc.end_ns) if index else []
         return _paused(pauses, blocked, sc.end_ns) if pauses else ({}, [])
 
-    def _block_fields(self, tie: Tie, tid: int) -> dict[str, Any]:
+    def _block_fields(self, tie: Tie, tid: int) -> BlockFields:
         blocks = tie.blocks
-        out: dict[str, Any] = {"block_requests": len(blocks), "block_bytes": sum(b.nbytes for b in blocks),
+        out: BlockFields = {"block_requests": len(blocks), "block_bytes": sum(b.nbytes for b in blocks),
                                "block_device": blocks[0].dev,
                                "block_latency_ns": max(b.complete_ns - b.issue_ns for b in blocks),
                                "block_attribution": tie.how}
@@ -655,7 +667,7 @@ class Explainer:
         # holder let go while this thread was on its way back
         return [Part("unknown", y - x, empty_culprit(), evidence=ev, extra=self._no_sched_why())]
 
-    def _no_sched_why(self) -> dict[str, Any]:
+    def _no_sched_why(self) -> PartExtra:
         """Why a wait's end is not known, where the capture ran without the scheduler hooks (their wakeups
         name who ended a wait); nothing otherwise."""
         if "sched" not in self.cap.off:
@@ -756,7 +768,8 @@ class Explainer:
         cut = self.throttles.split(tid, waits) if waits else None
         if cut is None or cut.ns <= 0:
             return [self._tracing(tid, role, b - a)]
-        culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields, "throttled_ns": cut.ns}
+        culprit: Culprit = {**self.culprit(tid, "throttled by its cgroup's CPU quota"), **cut.fields,
+                            "throttled_ns": cut.ns}
         parts = [Part("cpu.throttled", cut.ns, culprit, evidence=cut.evidence[:MAX_EVIDENCE])]
         return parts + ([self._tracing(tid, role, b - a - cut.ns)] if b - a > cut.ns else [])
 

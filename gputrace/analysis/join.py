@@ -33,6 +33,7 @@ from gputrace.analysis.report import (
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.analysis.timeline import InstanceKey, Remote, RemoteCall, host_instances, host_waits, instances
 from gputrace.capture import CaptureReader
+from gputrace.documents import CaptureInfo, Device, Evidence, InProgressThread, JoinedCapture, Report, TopProcess
 from gputrace.errors import UserError
 from gputrace.records import CollectiveCall
 
@@ -63,12 +64,12 @@ class Joined:
     """A joined report and the per-capture reports it was merged from (the same stall dicts, on the first
     capture's clock): an exporter draws each capture's stalls with that capture's records."""
 
-    report: dict[str, Any]
-    parts: list[dict[str, Any]]
+    report: Report
+    parts: list[Report]
 
 
 def analyze_many(readers: Sequence[CaptureReader], names: Sequence[str], *,
-                 min_gap_ns: int = 1_000_000) -> dict[str, Any]:
+                 min_gap_ns: int = 1_000_000) -> Report:
     """The joined report of several captures (``names`` label them: their paths)."""
     return join(readers, names, min_gap_ns=min_gap_ns).report
 
@@ -165,7 +166,7 @@ def _align(caps: list[Capture], names: Sequence[str], jobs: list[list[int]],
     ref = next((o for o, good in zip(offsets, ok, strict=True) if good), 0)
     for i, good in enumerate(ok):
         if good:
-            out[i].header_shift_ns = int(offsets[i] or 0) - int(ref or 0)  # type: ignore[call-overload]
+            out[i].header_shift_ns = int(offsets[i] or 0) - int(ref or 0)
         else:
             out[i].notes.append("its header has no realtime offset: its clock is taken to be the first capture's")
     for job in jobs:
@@ -199,36 +200,35 @@ def _align(caps: list[Capture], names: Sequence[str], jobs: list[list[int]],
     return out
 
 
-_TIMES = ("start_ns", "end_ns")
-
-
-def _shift(d: dict[str, Any], keys: Sequence[str], by: int) -> None:
-    for k in keys:
-        if type(d.get(k)) is int:
-            d[k] += by
-
-
-def _on_first_clock(rep: dict[str, Any], by: int) -> None:
+def _on_first_clock(rep: Report, by: int) -> None:
     """Every time of a capture's report moved onto the first capture's clock."""
-    _shift(rep["capture"], _TIMES, by)
-    for row in rep["capture"].get("in_progress", []):
-        _shift(row, ("start_ns",), by)
-    for d in rep["devices"]:
-        _shift(d, ("first_ns", "last_ns"), by)
+    times: list[CaptureInfo | Evidence] = [rep["capture"]]
     for s in rep["stalls"]:
-        _shift(s, _TIMES, by)
-        for ev in s.get("evidence", []):
-            _shift(ev, _TIMES, by)
-    for row in rep.get("collectives", []):
-        _shift(row, ("enqueued_ns", "started_ns", "completed_ns"), by)
+        s["start_ns"] += by
+        s["end_ns"] += by
+        times += s["evidence"]
+    for t in times:
+        t["start_ns"] += by
+        t["end_ns"] += by
+    row: InProgressThread
+    for row in rep["capture"].get("in_progress", []):
+        row["start_ns"] += by
+    d: Device
+    for d in rep["devices"]:
+        d["first_ns"] += by
+        d["last_ns"] += by
+    for c in rep.get("collectives", []):
+        c["enqueued_ns"] += by
+        c["started_ns"] += by
+        c["completed_ns"] += by
 
 
-def _merge(reports: list[dict[str, Any]], caps: list[Capture], names: Sequence[str], hosts: list[str],
-           align: list[Alignment], jobs: list[list[int]], notes: list[str], min_gap_ns: int) -> dict[str, Any]:
+def _merge(reports: list[Report], caps: list[Capture], names: Sequence[str], hosts: list[str],
+           align: list[Alignment], jobs: list[list[int]], notes: list[str], min_gap_ns: int) -> Report:
     for rep, a in zip(reports, align, strict=True):
         _on_first_clock(rep, a.shift_ns)
     stalls = sorted((s for r in reports for s in r["stalls"]), key=lambda s: (s["start_ns"], s["host"], s["device"]))
-    devices = [{**d, "host": h} for r, h in zip(reports, hosts, strict=True) for d in r["devices"]]
+    devices: list[Device] = [{**d, "host": h} for r, h in zip(reports, hosts, strict=True) for d in r["devices"]]
     caps_out = [r["capture"] for r in reports]
     by_cause: dict[str, int] = {}
     for s in stalls:
@@ -240,7 +240,7 @@ def _merge(reports: list[dict[str, Any]], caps: list[Capture], names: Sequence[s
             drops[k] = drops.get(k, 0) + v
         for k, v in c["records"].items():
             records[k] = records.get(k, 0) + v
-    merged: dict[str, Any] = {
+    merged: CaptureInfo = {
         "start_ns": min(c["start_ns"] for c in caps_out), "end_ns": max(c["end_ns"] for c in caps_out),
         "pids": sorted({p for c in caps_out for p in c["pids"]}), "host": ", ".join(dict.fromkeys(hosts)),
         "drops": drops, "complete": all(c["complete"] for c in caps_out), "records": dict(sorted(records.items())),
@@ -251,31 +251,33 @@ def _merge(reports: list[dict[str, Any]], caps: list[Capture], names: Sequence[s
     if any(c.get("ebpf_missing") for c in caps_out):
         merged["ebpf_missing"] = "; ".join(f"{names[i]}: {c['ebpf_missing']}" for i, c in enumerate(caps_out)
                                            if c.get("ebpf_missing"))
-    report: dict[str, Any] = {
+    window, stall_ns = sum(d["window_ns"] for d in devices), sum(s["duration_ns"] for s in stalls)
+    report: Report = {
         "schema": SCHEMA,
         "capture": merged,
         "devices": devices,
         "summary": {
-            "window_ns": sum(d["window_ns"] for d in devices), "busy_ns": sum(d["busy_ns"] for d in devices),
-            "stall_ns": sum(s["duration_ns"] for s in stalls), "stalls": len(stalls),
+            "window_ns": window, "busy_ns": sum(d["busy_ns"] for d in devices),
+            "stall_ns": stall_ns, "stalls": len(stalls),
             "by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1])),
+            "input_bound": input_bound(window, stalls, merged),
         },
         "stalls": stalls,
+        "top_culprits": top_culprits(stalls),
+        "top_processes": _top_processes(reports, hosts, stall_ns),
+        "min_gap_ns": min_gap_ns,
     }
-    report["summary"]["input_bound"] = input_bound(report)
-    report["top_culprits"] = top_culprits(stalls)
-    report["top_processes"] = _top_processes(reports, hosts, report["summary"]["stall_ns"])
-    report["min_gap_ns"] = min_gap_ns
     rows = sorted((row for r in reports for row in r.get("collectives", [])),
                   key=lambda row: (row["started_ns"], row["host"], row["rank"]))
     if rows:
         report["collectives"] = rows
-    report["captures"] = [
+    captures: list[JoinedCapture] = [
         {"name": names[i], "host": hosts[i], "job": next(k for k, job in enumerate(jobs) if i in job),
          "capture": caps_out[i], "shift_ns": a.shift_ns, "header_shift_ns": a.header_shift_ns,
          "correction_ns": a.correction_ns, "uncertainty_ns": a.uncertainty_ns, "anchors": a.anchors,
          "joined": a.joined}
         for i, a in enumerate(align)]
+    report["captures"] = captures
     known = [a.uncertainty_ns for a in align[1:] if a.uncertainty_ns is not None]
     report["join"] = {
         "captures": len(caps), "jobs": jobs, "clock": names[0] if names else "",
@@ -285,8 +287,9 @@ def _merge(reports: list[dict[str, Any]], caps: list[Capture], names: Sequence[s
     return report
 
 
-def _top_processes(reports: list[dict[str, Any]], hosts: list[str], total: int) -> list[dict[str, Any]]:
-    rows = [{**row, "host": h} for r, h in zip(reports, hosts, strict=True) for row in r.get("top_processes", [])]
+def _top_processes(reports: list[Report], hosts: list[str], total: int) -> list[TopProcess]:
+    rows: list[TopProcess] = [{**row, "host": h} for r, h in zip(reports, hosts, strict=True)
+                              for row in r.get("top_processes", [])]
     for row in rows:
         row["share_pct"] = round(100.0 * row["stall_ns"] / total, 1) if total else 0.0
     return sorted(rows, key=lambda row: -row["stall_ns"])[:MAX_TOP]

@@ -4,19 +4,18 @@ threads still waiting when it stopped."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from gputrace.analysis.overhead import cost_text
 from gputrace.analysis.timefmt import fmt_ms
+from gputrace.documents import CaptureInfo, InProgressThread
 
 
-def no_ebpf_note(cap: dict[str, Any]) -> str:
+def no_ebpf_note(cap: CaptureInfo) -> str:
     why = cap.get("ebpf_missing")
     return (f"note: no eBPF in this capture ({why}): GPU stalls are found, but none can be given a host-side "
             "cause") if why else ""
 
 
-def skipped_probes_note(cap: dict[str, Any]) -> str:
+def skipped_probes_note(cap: CaptureInfo) -> str:
     skipped = cap.get("skipped_probes") or {}
     if not skipped:
         return ""
@@ -25,12 +24,12 @@ def skipped_probes_note(cap: dict[str, Any]) -> str:
             "missing: e.g. the waker of an off-CPU span")
 
 
-def malformed_note(cap: dict[str, Any]) -> str:
+def malformed_note(cap: CaptureInfo) -> str:
     n = cap.get("malformed_records")
     return f"SKIPPED {n} malformed records" if n else ""
 
 
-def unknown_kinds_note(cap: dict[str, Any]) -> str:
+def unknown_kinds_note(cap: CaptureInfo) -> str:
     kinds = cap.get("unknown_record_kinds") or {}
     if not kinds:
         return ""
@@ -39,7 +38,7 @@ def unknown_kinds_note(cap: dict[str, Any]) -> str:
             "the capture was written by a later version, which reads them")
 
 
-def waiting_lines(cap: dict[str, Any], limit: int = 3) -> list[str]:
+def waiting_lines(cap: CaptureInfo, limit: int = 3) -> list[str]:
     """Threads still waiting when the capture stopped: a heading, then the ``limit`` longest, one a line."""
     waiting = cap.get("in_progress") or []
     if not waiting:
@@ -49,7 +48,7 @@ def waiting_lines(cap: dict[str, Any], limit: int = 3) -> list[str]:
             *(f"  {waiting_text(w)}" for w in waiting[:limit])]
 
 
-def waiting_text(w: dict[str, Any]) -> str:
+def waiting_text(w: InProgressThread) -> str:
     """'pid 42 tid 43 (python): read(/data/fifo) for more than 2.0 ms, state S'."""
     what = f"{w['op']}({w['object']})" if w["object"] else w["op"]
     since = "more than " if w["since_before_capture"] else ""
@@ -64,13 +63,13 @@ def waiting_text(w: dict[str, Any]) -> str:
     return text
 
 
-def left_out_note(cap: dict[str, Any]) -> str:
+def left_out_note(cap: CaptureInfo) -> str:
     n = cap.get("left_out")
     return (f"note: {n} process(es) left out of this capture: they gained privileges its owner lacks "
             "(setuid/setgid/setcap), as the kernel would refuse that user ptrace on them") if n else ""
 
 
-def cgroup_errors_note(cap: dict[str, Any]) -> str:
+def cgroup_errors_note(cap: CaptureInfo) -> str:
     """cpu cgroup files the capture could not read: the waits for a CPU of the processes in those cgroups were
     not checked for CPU quota throttling, so they stay ``cpu.runqueue``."""
     rows = [r for r in cap.get("cpu_cgroup_errors") or [] if isinstance(r, dict)]
@@ -82,17 +81,17 @@ def cgroup_errors_note(cap: dict[str, Any]) -> str:
             "them stay cpu.runqueue, not checked for CPU quota throttling")
 
 
-def off_note(cap: dict[str, Any]) -> str:
+def off_note(cap: CaptureInfo) -> str:
     off = cap.get("off") or []
     return (f"note: source families turned off for this capture: {', '.join(off)} (gputrace capture --off); "
             "what they would have shown is not in it") if off else ""
 
 
-def cost_note(cap: dict[str, Any]) -> str:
+def cost_note(cap: CaptureInfo) -> str:
     return cost_text(cap["overhead"]) if "overhead" in cap else ""
 
 
-def device_timing_note(cap: dict[str, Any]) -> str:
+def device_timing_note(cap: CaptureInfo) -> str:
     """Device timing that began after the capture did (an agent injected into a running process): what came
     before on the GPU is not in the capture, and no stall is found there."""
     start, late = cap.get("start_ns"), cap.get("device_timing_from_ns")
@@ -105,7 +104,7 @@ def device_timing_note(cap: dict[str, Any]) -> str:
             + (f": {how}" if how else "") + "); GPU work before that is not in the capture")
 
 
-def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
+def caveats(cap: CaptureInfo) -> list[tuple[str, str]]:
     """(severity, text) of each caveat the capture has, in summary_lines' order: "warn" (no host side at all),
     "note", "alert" (records skipped) or "info" (what tracing cost). The threads still waiting are apart:
     waiting_lines."""
@@ -115,7 +114,7 @@ def caveats(cap: dict[str, Any]) -> list[tuple[str, str]]:
     return [(severity, text) for severity, text in notes if text]
 
 
-def capture_notes(cap: dict[str, Any], waiting: int = 3) -> list[str]:
+def capture_notes(cap: CaptureInfo, waiting: int = 3) -> list[str]:
     """All of the above, as lines."""
     return [text for _, text in caveats(cap)] + waiting_lines(cap, waiting)
 

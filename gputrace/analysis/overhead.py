@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
+
+from gputrace.documents import Overhead, ProgramCost
 
 KERNEL_SOURCES = ("ebpf", "sampler", "uprobe")  # kernel programs' run time
 MAX_ENTRIES = 256  # a capture is untrusted input: a map longer than any capture writes is cut
@@ -22,17 +24,26 @@ def _num_map(raw: Any) -> dict[str, float]:
     return {str(k)[:64]: float(v) for k, v in items if type(v) in (int, float) and v >= 0}
 
 
-def _programs(raw: Any) -> dict[str, dict[str, int]]:
+def _programs(raw: Any) -> dict[str, ProgramCost]:
     if not isinstance(raw, dict):
         return {}
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, ProgramCost] = {}
     for name, v in list(raw.items())[:MAX_ENTRIES]:
         if isinstance(v, dict) and type(v.get("runs")) is int and type(v.get("ns")) is int:
             out[str(name)[:64]] = {"runs": int(v["runs"]), "ns": int(v["ns"])}
     return out
 
 
-def read_overhead(raw: Any) -> dict[str, Any] | None:
+class _Optional(TypedDict, total=False):
+    """Overhead's optional keys (the window and CPUs come before the counts, as they always have)."""
+
+    window_ns: int
+    host_cpus: int
+    programs: dict[str, ProgramCost]
+    missing: dict[str, str]
+
+
+def read_overhead(raw: Any) -> Overhead | None:
     """The trailer's ``overhead`` as the report's ``capture.overhead``; None where the capture has none
     (an older capture, or one cut off before its trailer). Wrong-typed parts are left out."""
     if not isinstance(raw, dict):
@@ -40,13 +51,14 @@ def read_overhead(raw: Any) -> dict[str, Any] | None:
     share = raw.get("cpu_share")
     if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share < 1e6:
         return None
-    out: dict[str, Any] = {"cpu_share": float(share), "by_source": _int_map(raw.get("by_source"))}
-    for key in ("window_ns", "host_cpus"):
-        if type(raw.get(key)) is int:
-            out[key] = raw[key]
-    for key in ("events", "wakeups"):
-        out[key] = _int_map(raw.get(key))
-    out["events_per_s"] = _num_map(raw.get("events_per_s"))
+    size: _Optional = {}
+    if type(raw.get("window_ns")) is int:
+        size["window_ns"] = raw["window_ns"]
+    if type(raw.get("host_cpus")) is int:
+        size["host_cpus"] = raw["host_cpus"]
+    out: Overhead = {"cpu_share": float(share), "by_source": _int_map(raw.get("by_source")), **size,
+                     "events": _int_map(raw.get("events")), "wakeups": _int_map(raw.get("wakeups")),
+                     "events_per_s": _num_map(raw.get("events_per_s"))}
     programs = _programs(raw.get("programs"))
     if programs:
         out["programs"] = programs
@@ -56,7 +68,7 @@ def read_overhead(raw: Any) -> dict[str, Any] | None:
     return out
 
 
-def cost_text(ov: dict[str, Any]) -> str:
+def cost_text(ov: Overhead) -> str:
     """``tracing cost: 0.6 % of host CPU (probes 0.4 %, session 0.2 %, agents 0.0 %)``, with what is missing."""
     whole = ov.get("window_ns", 0) * ov.get("host_cpus", 0)
     by = ov.get("by_source", {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gputrace.analysis import throttle, uring
@@ -24,10 +25,25 @@ from gputrace.analysis.timeline import (
     loss_windows,
     untimed_losses,
 )
+from gputrace.documents import (
+    CAUSES,
+    Attached,
+    CaptureInfo,
+    CollectiveRow,
+    Culprit,
+    Device,
+    InProgressThread,
+    InputBound,
+    Report,
+    Stall,
+    Summary,
+    TopCulprit,
+    TopProcess,
+)
+from gputrace.documents import REPORT_SCHEMA as SCHEMA
+from gputrace.records import CollectiveCall
 
-SCHEMA = "gputrace.report/1"
-CAUSES = ("storage", "network", "collective", "cpu", "cpu.runqueue", "cpu.throttled", "sync", "sleep", "device",
-          "launch", "tracing", "unknown")
+__all__ = ["CAUSES", "SCHEMA", "assemble"]
 # TensorFlow profiler's input-pipeline analysis calls a step input-bound at these shares of waiting on input
 INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH = 5.0, 20.0
 
@@ -41,7 +57,7 @@ def host_of(cap: Capture) -> str:
 
 def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = None,
              remote: dict[InstanceKey, list[Remote]] | None = None,
-             remote_calls: dict[InstanceKey, list[RemoteCall]] | None = None) -> dict[str, Any]:
+             remote_calls: dict[InstanceKey, list[RemoteCall]] | None = None) -> Report:
     """The report of one capture; of one of several captures of a job, with the ranks the others hold
     (``remote``, ``remote_calls``) and an ``attributor`` that knows the others' (analysis/join.py)."""
     timelines, waits = build(cap, min_gap_ns, remote)
@@ -52,8 +68,8 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
         attributor.host_waits(calls_waited)
     # a cut-off capture may miss records anywhere (sources flush batches late), so every stall is suspect
     losses, lost_anywhere = loss_windows(cap), untimed_losses(cap) or bool(cap.problem)
-    stalls = []
-    arrivals: dict[int, dict[str, Any]] = {}  # id() of a collective kernel -> the idle stall its start ended
+    stalls: list[Stall] = []
+    arrivals: dict[int, Stall] = {}  # id() of a collective kernel -> the idle stall its start ended
     for tl in timelines:
         for st in tl.stalls:
             s = attributor.stall(st)
@@ -65,17 +81,17 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
             if st.collective is None and st.op is not None:
                 arrivals[id(st.op)] = s
     stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
-    report: dict[str, Any] = {
+    capture = _capture(cap, timelines)
+    report: Report = {
         "schema": SCHEMA,
-        "capture": _capture(cap, timelines),
+        "capture": capture,
         "devices": [_device(cap, tl) for tl in timelines],
-        "summary": _summary(timelines, stalls),
+        "summary": _summary(timelines, stalls, capture),
         "stalls": stalls,
+        "top_culprits": top_culprits(stalls),
+        "top_processes": top_processes(cap, stalls),
+        "min_gap_ns": min_gap_ns,
     }
-    report["summary"]["input_bound"] = input_bound(report)
-    report["top_culprits"] = top_culprits(stalls)
-    report["top_processes"] = top_processes(cap, stalls)
-    report["min_gap_ns"] = min_gap_ns
     rows = collective_rows(cap, waits, arrivals, host, remote or {}, min_gap_ns)
     rows += call_rows(cap, calls_waited, host, remote_calls or {}, min_gap_ns, {(r["comm"], r["seq"]) for r in rows},
                       attributor)
@@ -85,13 +101,13 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
     return report
 
 
-def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: dict[int, dict[str, Any]], host: str,
-                    remote: dict[InstanceKey, list[Remote]], min_gap_ns: int) -> list[dict[str, Any]]:
+def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: dict[int, Stall], host: str,
+                    remote: dict[InstanceKey, list[Remote]], min_gap_ns: int) -> list[CollectiveRow]:
     """Each rank's part in each collective instance this capture holds (those a Collective record names):
     its identity, when it arrived (its launch: ``enqueued_ns``; its kernel's start: ``started_ns``), when
     the collective completed, how long it waited for the others, and the stall its arrival ended (why it
     arrived then, on its own records). ``late``: whether it arrived last, where other ranks were captured."""
-    rows = []
+    rows: list[CollectiveRow] = []
     for key, members in instances(cap).items():
         comm, name, seq = key
         if seq < 0:
@@ -103,7 +119,7 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
             meta = cap.collectives.get((op.pid, op.correlation_id))
             api = cap.launches.get((op.pid, op.correlation_id))
             w = waits.get(id(op))
-            row: dict[str, Any] = {
+            row: CollectiveRow = {
                 "comm": comm, "seq": seq, "op": name, "bytes": nbytes, "rank": rank,
                 "world": int(meta.world) if meta is not None and type(meta.world) is int else -1,
                 "host": host, "pid": op.pid, "device": op.device, "kernel": op.name,
@@ -122,7 +138,7 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
 
 
 def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote: dict[InstanceKey, list[RemoteCall]],
-              min_gap_ns: int, done: set[tuple[str, int]], attributor: Attributor) -> list[dict[str, Any]]:
+              min_gap_ns: int, done: set[tuple[str, int]], attributor: Attributor) -> list[CollectiveRow]:
     """Each rank's part in each collective instance called on the host (torch.distributed's, gloo's above
     all), as ``collective_rows`` gives a kernel's: arrival (the call entered: ``enqueued_ns`` and
     ``started_ns``), completion, and the time it waited for a later rank. An instance a kernel already
@@ -140,7 +156,7 @@ def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote
         last = max(starts)
         for c in calls:
             w = waits.get(id(c))
-            row: dict[str, Any] = {
+            row: CollectiveRow = {
                 "comm": comm, "seq": seq, "op": name, "bytes": c.nbytes, "rank": c.rank, "world": c.world,
                 "host": host, "pid": c.pid, "tid": c.tid, "device": -1, "kernel": "", "backend": c.backend,
                 "enqueued_ns": c.start_ns, "started_ns": c.start_ns, "completed_ns": c.end_ns,
@@ -152,7 +168,8 @@ def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote
                 found = attributor.arrival(c.tid, a, c.start_ns)
                 if found is not None:
                     _namespaced(cap, found["culprit"])
-                    row["arrival"] = {**found, "stall_ns": c.start_ns - a}
+                    row["arrival"] = {"cause": found["cause"], "culprit": found["culprit"], "via": found["via"],
+                                      "stall_ns": c.start_ns - a}
             rows.append(row)
     return rows
 
@@ -161,7 +178,7 @@ def _previous_returns(cap: Capture) -> dict[int, int]:
     """For each host collective call (by id()), when its thread's previous collective call returned (a
     thread's collectives run one after another). A gloo async op's record ends at its work's completion,
     not at its call's return, which only enqueued it: its start stands for that return."""
-    by_tid: dict[int, list[Any]] = {}
+    by_tid: dict[int, list[CollectiveCall]] = {}
     for c in cap.calls:
         by_tid.setdefault(c.tid, []).append(c)
     out: dict[int, int] = {}
@@ -180,21 +197,21 @@ def communicators(cap: Capture) -> set[str]:
     return {c for c in (comm_of(m) for m in [*cap.collectives.values(), *cap.calls]) if c}
 
 
-def _namespaced(cap: Capture, culprit: dict[str, Any]) -> None:
+def _namespaced(cap: Capture, culprit: Culprit | TopProcess) -> None:
     """A culprit in a container's pid namespace also gets the pid it has there (its logs use that one)."""
-    nspid = cap.nspids.get(culprit.get("pid", 0))
+    nspid = cap.nspids.get(culprit["pid"])
     if nspid:
         culprit["pid_in_namespace"] = nspid
 
 
-def pid_text(c: dict[str, Any]) -> str:
+def pid_text(c: Mapping[str, Any]) -> str:
     """'pid 4242 (python)', or 'pid 4242 (python; pid 3 in its namespace)' for a process in a container."""
     inside = f"; pid {c['pid_in_namespace']} in its namespace" if c.get("pid_in_namespace") else ""
     detail = f"{c.get('comm', '')}{inside}".lstrip("; ")  # no name without eBPF's process records
     return f"pid {c['pid']} ({detail})" if detail else f"pid {c['pid']}"
 
 
-def holders_text(held: list[dict[str, Any]]) -> str:
+def holders_text(held: Sequence[Mapping[str, Any]]) -> str:
     """'pid 700 (hog) 83%, kworker/0:1 (tid 55) 17%': who had the CPU a run-queue wait waited for (a culprit's
     ``cpu_held_by``), by share of that wait. Values come from a capture file: shown, never trusted."""
     rows = [r for r in held if isinstance(r, dict)]
@@ -217,11 +234,11 @@ def capture_start(cap: Capture, timelines: list[DeviceTimeline]) -> int:
     return min([start, *(tl.first_ns for tl in timelines)])
 
 
-def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
+def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> CaptureInfo:
     drops = {k: int(v) for k, v in cap.reader_drops.items() if isinstance(v, int)}
     start = capture_start(cap, timelines)
     end = int(cap.trailer.get("end_ns") or cap.last_ns)
-    out = {"start_ns": start, "end_ns": max(end, start), "pids": sorted(p for p in cap.pids if p > 0),
+    out: CaptureInfo = {"start_ns": start, "end_ns": max(end, start), "pids": sorted(p for p in cap.pids if p > 0),
            "host": str(cap.header.get("host", "")), "drops": drops, "complete": cap.complete,
            "records": dict(sorted(cap.counts.items()))}
     if cap.problem:
@@ -261,13 +278,13 @@ def _capture(cap: Capture, timelines: list[DeviceTimeline]) -> dict[str, Any]:
     return out
 
 
-def _attached(rows: Any) -> list[dict[str, Any]]:
+def _attached(rows: Any) -> list[Attached]:
     """The session's explicit targets and how each got its agent (a file's values: checked, never trusted)."""
-    out: list[dict[str, Any]] = []
+    out: list[Attached] = []
     for r in rows[:64] if isinstance(rows, list) else []:
         if not isinstance(r, dict) or type(r.get("pid")) is not int:
             continue
-        row: dict[str, Any] = {"pid": r["pid"], "how": str(r.get("how", ""))[:20]}
+        row: Attached = {"pid": r["pid"], "how": str(r.get("how", ""))[:20]}
         if "method" in r:
             row["method"] = str(r["method"])[:20]
         if type(r.get("pause_ms")) in (int, float):
@@ -280,14 +297,15 @@ MAX_IN_PROGRESS = 20
 MAX_REQUESTS = 5  # io_uring requests listed for each thread caught in io_uring_enter
 
 
-def in_progress(cap: Capture) -> list[dict[str, Any]]:
+def in_progress(cap: Capture) -> list[InProgressThread]:
     """Threads caught waiting when the capture stopped, longest first: what a hung job is stuck in."""
     rows = sorted(cap.in_progress, key=lambda r: (r.start_ns - r.at_ns, r.tid))[:MAX_IN_PROGRESS]
-    out = []
+    out: list[InProgressThread] = []
     for r in rows:
-        row = {"pid": r.pid, "tid": r.tid, "comm": cap.comm(r.tid) or cap.comm(r.pid), "op": r.name or "off-CPU",
-               "object": r.obj, "state": r.state, "start_ns": r.start_ns, "duration_ns": r.at_ns - r.start_ns,
-               "since_before_capture": bool(r.before)}
+        row: InProgressThread = {
+            "pid": r.pid, "tid": r.tid, "comm": cap.comm(r.tid) or cap.comm(r.pid), "op": r.name or "off-CPU",
+            "object": r.obj, "state": r.state, "start_ns": r.start_ns, "duration_ns": r.at_ns - r.start_ns,
+            "since_before_capture": bool(r.before)}
         requests = uring.in_flight(cap.uring.get(r.pid), r.tid) if r.name == uring.ENTER else []
         if requests:  # what its io_uring_enter was waiting for
             row["requests_in_flight"] = len(requests)
@@ -297,10 +315,10 @@ def in_progress(cap: Capture) -> list[dict[str, Any]]:
     return out
 
 
-def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:
+def _device(cap: Capture, tl: DeviceTimeline) -> Device:
     info = cap.devices.get(tl.key)
     window = tl.last_ns - tl.first_ns
-    out: dict[str, Any] = {
+    out: Device = {
         "id": tl.key[1], "name": info.name if info else "", "simulated": bool(info.simulated) if info else False,
         "busy_ns": tl.busy_ns, "idle_ns": window - tl.busy_ns,
         "window_ns": window, "first_ns": tl.first_ns, "last_ns": tl.last_ns,
@@ -321,29 +339,31 @@ def _device(cap: Capture, tl: DeviceTimeline) -> dict[str, Any]:
     return out
 
 
-def _summary(timelines: list[DeviceTimeline], stalls: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(timelines: list[DeviceTimeline], stalls: list[Stall], capture: CaptureInfo) -> Summary:
     by_cause: dict[str, int] = {}
     for s in stalls:
         by_cause[s["cause"]] = by_cause.get(s["cause"], 0) + s["duration_ns"]
+    window = sum(tl.last_ns - tl.first_ns for tl in timelines)
     return {
-        "window_ns": sum(tl.last_ns - tl.first_ns for tl in timelines),
+        "window_ns": window,
         "busy_ns": sum(tl.busy_ns for tl in timelines),
         "stall_ns": sum(s["duration_ns"] for s in stalls),
         "stalls": len(stalls),
         "by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1])),
+        "input_bound": input_bound(window, stalls, capture),
     }
 
 
-def is_input_stall(s: dict[str, Any]) -> bool:
+def is_input_stall(s: Stall) -> bool:
     """Waiting for data: storage or network, or a data worker's CPU time reached through a wait chain."""
     return s["cause"] in ("storage", "network") or (s["cause"].startswith("cpu") and bool(s["via"]))
 
 
-def input_bound(report: dict[str, Any]) -> dict[str, Any]:
-    window = report["summary"]["window_ns"]
-    ns = sum(s["duration_ns"] for s in report["stalls"] if is_input_stall(s))
+def input_bound(window: int, stalls: list[Stall], capture: CaptureInfo) -> InputBound:
+    """Storage, network and data workers' CPU reached through a wait, as a share of the GPU ``window``."""
+    ns = sum(s["duration_ns"] for s in stalls if is_input_stall(s))
     pct = 100.0 * ns / window if window else 0.0
-    if report["capture"].get("ebpf_missing"):
+    if capture.get("ebpf_missing"):
         verdict = "unknown (no host-side data: the capture ran without eBPF)"  # no stall can show as input
     elif pct >= INPUT_BOUND_HIGH:
         verdict = "highly input-bound"
@@ -355,7 +375,7 @@ def input_bound(report: dict[str, Any]) -> dict[str, Any]:
             "thresholds_pct": [INPUT_BOUND_MODERATE, INPUT_BOUND_HIGH]}
 
 
-def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
+def culprit_label(s: Stall) -> tuple[str, str]:
     """(kind, label) under which a stall's time is counted among the top culprits."""
     c, cause = s["culprit"], s["cause"]
     if cause == "unknown":
@@ -380,7 +400,7 @@ def culprit_label(s: dict[str, Any]) -> tuple[str, str]:
     return cause, c.get("op", "") or cause
 
 
-def top_culprits(stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str, Any]]:
+def top_culprits(stalls: list[Stall], limit: int = 10) -> list[TopCulprit]:
     total = sum(s["duration_ns"] for s in stalls)
     acc: dict[tuple[str, str], list[int]] = {}
     for s in stalls:
@@ -392,7 +412,7 @@ def top_culprits(stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str
              "share_pct": round(100.0 * ns / total, 1) if total else 0.0} for (k, label), (ns, n) in top]
 
 
-def top_processes(cap: Capture, stalls: list[dict[str, Any]], limit: int = 10) -> list[dict[str, Any]]:
+def top_processes(cap: Capture, stalls: list[Stall], limit: int = 10) -> list[TopProcess]:
     """The processes the stall time went to, most first: each stall's whole ``breakdown`` (the largest
     parts by cause, process and object, the rest by cause and process) summed by process. A DataLoader's
     stalls on many shard files are one worker's; the GPU process's own time (``gpu_process``) is there
@@ -407,10 +427,10 @@ def top_processes(cap: Capture, stalls: list[dict[str, Any]], limit: int = 10) -
                 causes[part["cause"]] += part["ns"]
                 seen.add(k)
     top = sorted(acc.items(), key=lambda kv: -kv[1][0].total())[:limit]
-    out = []
+    out: list[TopProcess] = []
     for pid, (causes, seen) in top:
         ns = causes.total()
-        row = {"pid": pid, "comm": cap.comm(pid), "gpu_process": pid in gpu_pids, "stall_ns": ns,
+        row: TopProcess = {"pid": pid, "comm": cap.comm(pid), "gpu_process": pid in gpu_pids, "stall_ns": ns,
                "share_pct": round(100.0 * ns / total, 1) if total else 0.0, "stalls": len(seen),
                "by_cause": dict(causes.most_common())}
         _namespaced(cap, row)

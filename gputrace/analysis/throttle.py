@@ -26,6 +26,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputrace.documents import CgroupError, CgroupFields, CpuCgroup, Evidence, ThrottleFields
 from gputrace.records import CpuThrottle, OffCpu
 
 # The kernel adds a throttle's time to the group's counters a moment after the group may run again (the
@@ -65,8 +66,8 @@ class Split:
     explain as a wait for a CPU (the windows of the waits past their throttled part)."""
 
     ns: int = 0
-    fields: dict[str, Any] = field(default_factory=dict)
-    evidence: list[dict[str, Any]] = field(default_factory=list)
+    fields: ThrottleFields = field(default_factory=lambda: ThrottleFields())
+    evidence: list[Evidence] = field(default_factory=list)
     rest: list[Wait] = field(default_factory=list)
 
 
@@ -140,7 +141,7 @@ class Throttles:
             out.fields = culprit_fields(last.window, out.ns)
         return out
 
-    def counters(self, path: str, a: int, b: int) -> dict[str, int]:
+    def counters(self, path: str, a: int, b: int) -> CgroupFields:
         """The cgroup's counters' increase over the samples that bound [a, b)."""
         if self._samples is None:
             self._samples = {}
@@ -157,12 +158,12 @@ def runnable_wait(o: OffCpu) -> bool:
     return o.state == "R" or 0 < o.wake_ns < o.end_ns
 
 
-def culprit_fields(w: Window, ns: int) -> dict[str, Any]:
+def culprit_fields(w: Window, ns: int) -> ThrottleFields:
     return {"object": w.path, "cgroup_version": w.version, "quota_us": w.quota_us, "period_us": w.period_us,
             "throttled_ns": ns}
 
 
-def _evidence(o: OffCpu, t: Throttled) -> dict[str, Any]:
+def _evidence(o: OffCpu, t: Throttled) -> Evidence:
     w = t.window
     what = (f"runnable, throttled: cgroup {w.path} over its CPU quota ({quota_text(w.quota_us, w.period_us)}), "
             f"{w.throttled_ns / 1e6:.1f} ms throttled in ({w.start_ns}, {w.end_ns}]")
@@ -195,7 +196,7 @@ def windows(samples: list[CpuThrottle]) -> list[Window]:
     return out
 
 
-def counters(rows: list[CpuThrottle], a: int, b: int) -> dict[str, int]:
+def counters(rows: list[CpuThrottle], a: int, b: int) -> CgroupFields:
     """The increase of one cgroup's counters over [a, b), from its readable samples ``rows`` (by time).
     Samples are recorded only when the counters changed: the values at a time are the last record's before
     it, unless the next record says the change may have come sooner (its ``prev_ts`` before that time), when
@@ -235,10 +236,10 @@ def _inside(path: str, group: str) -> bool:
     return path == group or group == "/" or path.startswith(group.rstrip("/") + "/")
 
 
-def errors(cap: Any) -> list[dict[str, str]]:
+def errors(cap: Any) -> list[CgroupError]:
     """The cgroups (and processes' memberships) whose files could not be read, each once: their run-queue
     waits could not be checked for throttling."""
-    seen: dict[tuple[str, str], dict[str, str]] = {}
+    seen: dict[tuple[str, str], CgroupError] = {}
     for r in cap.cpu_throttles:
         if r.error:
             seen.setdefault((r.path, r.error), {"path": r.path, "error": r.error})
@@ -248,14 +249,14 @@ def errors(cap: Any) -> list[dict[str, str]]:
     return list(seen.values())[:20]
 
 
-def limited(cap: Any) -> list[dict[str, Any]]:
+def limited(cap: Any) -> list[CpuCgroup]:
     """The cgroups with a quota that the capture sampled: path, version, quota, period and their counters'
     increase over the capture (for the report's capture section)."""
     by_path: dict[str, list[CpuThrottle]] = {}
     for r in cap.cpu_throttles:
         if not r.error:
             by_path.setdefault(r.path, []).append(r)
-    out = []
+    out: list[CpuCgroup] = []
     for path, rows in sorted(by_path.items()):
         rows.sort(key=lambda r: r.ts)
         first, last = rows[0], rows[-1]

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputrace.analysis.load import Capture, DeviceKey, GpuOp
+from gputrace.analysis.devices import DeviceKey
+from gputrace.analysis.load import Capture, GpuOp
 from gputrace.records import CollectiveCall, GpuKernel
 
 # "broadcast" alone would also match elementwise kernels with broadcasting: not a collective marker

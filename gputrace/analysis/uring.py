@@ -13,9 +13,9 @@ work once woken), so the call's end bounds it.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from typing import Any
 
 from gputrace.analysis.objects import object_kind
+from gputrace.documents import UringFields
 from gputrace.probes.ebpf import uring
 from gputrace.records import IoUringRequest, Syscall
 
@@ -86,7 +86,7 @@ def is_ring_worker(comm: str) -> bool:
     return comm.startswith(WORKER_COMMS)
 
 
-def culprit_fields(requests: list[IoUringRequest]) -> dict[str, Any]:
+def culprit_fields(requests: list[IoUringRequest]) -> UringFields:
     """Extra culprit keys: how many of the ring's requests completed during the wait, and the named one's ring."""
     last = requests[-1]
     return {"io_uring_requests": len(requests), "ring_fd": last.ring_fd}

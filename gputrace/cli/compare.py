@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from gputrace.cli import common
+from gputrace.documents import Report
 
 ORDER = 25
 HELP = "compare two captures: GPU busy time and stall time by cause and culprit, before and after a change"
@@ -28,7 +28,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     common.add_min_gap(p)
 
 
-def _report(path: str, min_gap_ns: int) -> dict[str, Any]:
+def _report(path: str, min_gap_ns: int) -> Report:
     from gputrace.analysis import analyze
     from gputrace.capture import open_capture
 

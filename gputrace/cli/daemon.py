@@ -24,6 +24,9 @@ EXAMPLES = """\
   gputrace daemon list                                  your captures (root: everyone's) and your files
   gputrace daemon status                                the service's version, uptime, running captures
   gputrace daemon stop 3                                end capture job 3 early (it is still written)
+  sudo gputrace daemon --watch --metrics-textfile /var/lib/node_exporter/textfile/gputrace.prom
+                                                        also watch every GPU job (flight recorder, metrics)
+  gputrace daemon dump 4242                             write the last minute of your watched job 4242
 
 The service listens only on a unix socket (default /run/gputrace/gputraced.sock). Each request is checked
 with the caller's kernel credentials (SO_PEERCRED): you may capture only your own processes; root may
@@ -56,8 +59,10 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     stop = sub.add_parser("stop", help="end a running capture job early")
     stop.add_argument("job", type=int, help="the job id (from `gputrace daemon list`)")
     sub.add_parser("list", help="list capture jobs and your capture files")
-    sub.add_parser("status", help="show the service's status")
-    for sp in (cap, stop, sub.choices["list"], sub.choices["status"]):
+    sub.add_parser("status", help="show the service's status (with --watch: the jobs watched, cost, drops)")
+    dump = sub.add_parser("dump", help="write a watched job's flight recorder window as a capture")
+    dump.add_argument("pid", type=int, help="a process of the job (gputrace daemon status lists the jobs)")
+    for sp in (cap, stop, sub.choices["list"], sub.choices["status"], dump):
         _socket_arg(sp, argparse.SUPPRESS)
         sp.add_argument("--json", action="store_true", help="print the service's reply as JSON")
 
@@ -72,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     req: dict[str, Any] = {"op": args.daemon_command}
     if args.daemon_command == "stop":
         req["job"] = args.job
+    if args.daemon_command == "dump":
+        req["pid"] = args.pid
     reply = next(request(args.socket, req))
     _print(reply, args.json)
     return 0
@@ -82,7 +89,7 @@ class _Replies:
     waiting for one leaves the connection usable (a generator would be closed by it)."""
 
     def __init__(self, path: Path, req: dict[str, Any], timeout_s: float | None = 30.0) -> None:
-        from gputrace.daemon.service.server import send_frame
+        from gputrace.daemon.service.protocol import send_frame
 
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
@@ -102,7 +109,7 @@ class _Replies:
 
     def next(self) -> dict[str, Any] | None:
         """The next reply frame (None: the service closed the connection). A refusal is a UserError."""
-        from gputrace.daemon.service.server import MAX_REPLY, ProtocolError, recv_frame
+        from gputrace.daemon.service.protocol import MAX_REPLY, ProtocolError, recv_frame
 
         try:
             reply = recv_frame(self.sock, MAX_REPLY)
@@ -172,14 +179,39 @@ def _print(reply: dict[str, Any], as_json: bool) -> None:
         print(f"files in {reply.get('directory', '')}:")
         for f in reply.get("files", []):
             print(f"  {f['name']}  {f['bytes']:,} bytes")
+    elif "path" in reply:
+        print(f"Wrote {reply['path']}")
+        print(f"Next:\n  gputrace report {reply['path']}")
     elif "job" in reply:
         print(_job_line(reply["job"]))
         for path in reply["job"].get("files", []):
             print(f"Wrote {path}")
     else:
         for key, value in reply.items():
-            if key != "ok":
+            if key not in ("ok", "watch"):
                 print(f"{key}: {value}")
+        if "watch" in reply:
+            _print_watch(reply["watch"])
+
+
+def _print_watch(w: dict[str, Any]) -> None:
+    cost = w.get("cost", {})
+    print(f"watch: {w.get('watching', 0)} jobs watched (at most {w.get('max_jobs')}), {w.get('refused', 0)} refused "
+          f"at the cap, {w.get('vanished', 0)} gone before tracing began; flight recorder "
+          f"{w.get('flight_seconds'):g} s, at most {w.get('flight_mib'):g} MiB per job; "
+          f"off: {', '.join(w.get('off', [])) or 'none'}")
+    print(f"watch cost: {cost.get('host_cpu_share', 0):.2%} of host CPU (jobs' probes and agents "
+          f"{cost.get('jobs_cpu_share', 0):.2%}, the service {cost.get('service_cpu_share', 0):.2%}); "
+          f"{cost.get('scans', 0)} scans of {cost.get('processes', 0)} processes took {cost.get('scan_cpu_s', 0)} s "
+          f"CPU; {cost.get('segments_analysed', 0)} segments analysed in {cost.get('analysis_cpu_s', 0)} s CPU, "
+          f"{cost.get('analysis_skipped', 0)} skipped")
+    for job in w.get("jobs", []):
+        busy = "-" if job.get("busy_ratio") is None else f"{job['busy_ratio']:.0%}"
+        drops = sum(job.get("drops", {}).values())
+        print(f"  pid {job['pid']} ({job['comm']}, uid {job['uid']}, {job['found_by']}): {job['state']}, GPU busy "
+              f"{busy}, top stall cause {job.get('top_cause') or '-'}, {job['segments']} segments "
+              f"{job['flight_bytes'] / 1048576:.1f} MiB, {drops:,} records dropped, {len(job.get('dumps', []))} dumps"
+              + (f": {job['error']}" if job.get("error") else ""))
 
 
 def _job_line(job: dict[str, Any]) -> str:

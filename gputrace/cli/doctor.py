@@ -6,6 +6,7 @@ import argparse
 import json
 
 from gputrace import __version__
+from gputrace.documents import DOCTOR_SCHEMA, Doctor
 from gputrace.hostcheck import OK, Check, failed_required, run_checks
 
 GPU_SOURCES = ("cupti-python", "NVML")  # what a capture without eBPF still records
@@ -34,15 +35,19 @@ def run(args: argparse.Namespace) -> int:
     checks = run_checks(load_program=not args.no_load)
     failed = failed_required(checks)
     if args.json:
-        doc = {"schema": "gputrace.doctor/1", "version": __version__, "ok": not failed,
-               "checks": [c.as_dict() for c in checks]}
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(document(checks), indent=2))
     else:
         for line in table(checks, verbose=args.verbose):
             print(line)
         print()
         print(verdict(failed, checks))
     return 1 if failed else 0
+
+
+def document(checks: list[Check]) -> Doctor:
+    """The ``gputrace.doctor/1`` document of the checks (``--json``)."""
+    return {"schema": DOCTOR_SCHEMA, "version": __version__, "ok": not failed_required(checks),
+            "checks": [c.as_dict() for c in checks]}
 
 
 def table(checks: list[Check], *, verbose: bool = False) -> list[str]:

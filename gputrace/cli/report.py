@@ -7,9 +7,9 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from gputrace.cli import common
+from gputrace.documents import Report
 from gputrace.errors import UserError
 
 ORDER = 20
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def analyze_paths(paths: list[str], min_gap_ns: int) -> dict[str, Any]:
+def analyze_paths(paths: list[str], min_gap_ns: int) -> Report:
     """The joined report of several captures (gputrace.analysis.join)."""
     from gputrace.analysis.join import analyze_many
     from gputrace.capture import open_capture

@@ -137,7 +137,8 @@ class Btf:
 
     def _ref(self, tid: int) -> int:
         """The third word of type `tid`: the type it refers to (pointer, typedef, qualifier) or its size."""
-        return _TYPE.unpack_from(self._data, self._offsets[tid])[2]
+        ref: int = _TYPE.unpack_from(self._data, self._offsets[tid])[2]
+        return ref
 
     def _valid(self, tid: int) -> bool:
         return 0 < tid < len(self._offsets)

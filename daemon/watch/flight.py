@@ -1,0 +1,327 @@
+"""The flight recorder: a watched job's last N seconds of full detail, as a rolling set of capture segments.
+
+A ``FlightRecorder`` stands where the session's ``CaptureWriter`` would (the session's writer thread alone calls
+it). It writes ordinary capture files, one per segment (``seg-<start ns>.gputrace`` in the job's root-only
+directory): every ``segment_s``, or when a segment reaches a quarter of the byte bound, the segment gets its
+trailer and is renamed into place, and the next one opens. Each segment stands alone: it starts with the
+header, every source's metadata and the state the analysis needs to read it (processes, threads, open files,
+devices, agents), the open files read again from /proc at that moment. Closed segments older than the window,
+or over the byte bound, are deleted oldest first. A crash leaves only the open segment unfinished, as a
+partial capture file that ``salvage`` names as a cut-off segment (readable up to the cut).
+
+``dump_capture`` joins segments into one ordinary capture (header, the segments' frames in order, a trailer
+with their drops summed and the trigger that asked for it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from gputrace import clock
+from gputrace.capture import MAX_FRAME_BYTES, CaptureWriter
+
+# Records that say what the others mean (who a pid is, what an fd names, which devices exist): carried into
+# every segment so that each can be read alone.
+STATE_KINDS = frozenset({"ProcInfo", "ThreadInfo", "FdInfo", "EpollEntry", "FileMap", "GpuDevice", "AgentInfo",
+                         "AgentThread", "CpuCgroup", "StackFrames", "SourceStatus"})
+MAX_STATE_ROWS = 50_000  # state rows carried at most; more are counted (flight.state_rows) and not carried
+CONTROL = "watch"  # metadata from this source steers the recorder and is not written
+SEGMENT_RE = re.compile(r"^seg-(\d{1,20})\.gputrace$")
+_PARTIAL_RE = re.compile(r"^\.(seg-\d{1,20}\.gputrace)\.\d+\.partial$")
+
+
+@dataclass(frozen=True)
+class FlightLimits:
+    seconds: float = 60.0  # the window kept
+    max_bytes: int = 256 << 20  # all of a job's segments together
+    segment_s: float = 10.0  # a segment is closed after this long
+
+    @property
+    def segment_bytes(self) -> int:
+        return max(1 << 20, self.max_bytes // 4)
+
+
+@dataclass
+class Segment:
+    path: Path
+    start_ns: int
+    end_ns: int = 0
+    bytes: int = 0
+    drops: dict[str, int] = field(default_factory=dict)
+
+
+class FlightRecorder:
+    """A CaptureWriter look-alike writing rolling segments into ``directory`` (see the module docstring).
+
+    ``on_closed(segment)`` runs (on the writer thread) for each segment closed; ``snapshot()`` gives the state
+    rows read fresh from /proc for each new segment; ``drops()`` the session's cumulative drops (set once the
+    session is running)."""
+
+    def __init__(self, directory: Path, header: dict[str, Any], limits: FlightLimits, *,
+                 on_closed: Callable[[Segment], None] = lambda s: None,
+                 snapshot: Callable[[], Sequence[tuple[Any, ...]]] = lambda: ()) -> None:
+        self.directory, self.header, self.limits = directory, header, limits
+        self.on_closed, self.snapshot = on_closed, snapshot
+        self.drops: Callable[[], dict[str, int]] = dict
+        self.path = directory / "live.gputrace"  # what the session calls its output; segments are the files
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()  # guards ``closed`` against a dump listing it while it rotates
+        self.closed: list[Segment] = existing_segments(directory)
+        self.evicted = 0  # segments deleted for the byte bound before they left the window
+        self.state_overflow = 0
+        self.rotations = 0  # a counter a dump waits on: a segment was closed
+        self.rotated = threading.Condition()
+        self._meta: dict[str, dict[str, Any]] = {}
+        self._state: dict[str, dict[str, Sequence[Any]]] = {}  # kind -> {row's repr: row}, in arrival order
+        self._state_rows = 0
+        self._drops_base: dict[str, int] = {}
+        self._cur: CaptureWriter | None = None
+        self._seg: Segment | None = None
+        self._open()
+
+    # ---------------------------------------------------------------------- CaptureWriter's interface ---
+    def write_meta(self, source: str, meta: dict[str, Any]) -> None:
+        if source == CONTROL:
+            if meta.get("rotate"):
+                self._rotate()
+            return
+        self._meta[source] = meta
+        self._writer().write_meta(source, meta)
+        self._maybe_rotate()
+
+    def write(self, records: Iterable[tuple[Any, ...]]) -> None:
+        by_kind: dict[str, list[tuple[Any, ...]]] = {}
+        for r in records:
+            by_kind.setdefault(type(r).__name__, []).append(r)
+        for kind, rows in by_kind.items():
+            self.write_rows(kind, rows)
+
+    def write_rows(self, kind: str, rows: Sequence[Sequence[Any]]) -> None:
+        if kind in STATE_KINDS:
+            self._keep_state(kind, rows)
+        self._writer().write_rows(kind, rows)
+        self._count(kind, len(rows))
+        self._maybe_rotate()
+
+    def write_kernel(self, blob: bytes, nevents: int) -> None:
+        self._writer().write_kernel(blob, nevents)
+        self._count("kernel_events", nevents)
+        self._maybe_rotate()
+
+    def close(self, trailer: dict[str, Any]) -> Path:
+        """The session ended: the open segment gets the session's trailer (its drops made the segment's own)."""
+        seg, cur = self._seg, self._writer()
+        assert seg is not None
+        final = dict(trailer)
+        final["drops"] = self._segment_drops(trailer.get("drops", {}))
+        final["complete"] = not any(final["drops"].values())
+        final["tracing_ns"] = seg.start_ns
+        final["flight"] = self._flight_fields()
+        self._cur = None
+        path = cur.close(final)
+        self._closed(seg, cur.written, final)
+        return path
+
+    def abort(self) -> None:
+        if self._cur is not None:
+            self._cur.abort()
+            self._cur = None
+
+    # ------------------------------------------------------------------------------------ segments ---
+    def request_rotation(self, emit: Callable[[str, dict[str, Any]], None], timeout_s: float = 5.0) -> bool:
+        """Have the writer thread close the open segment (through the session's queue, so after what is queued);
+        True once it did."""
+        with self.rotated:
+            before = self.rotations
+            emit(CONTROL, {"rotate": True})
+            return self.rotated.wait_for(lambda: self.rotations > before or self._cur is None, timeout_s)
+
+    def segments(self) -> list[Segment]:
+        with self.lock:
+            return list(self.closed)
+
+    def bytes_held(self) -> int:
+        with self.lock:
+            held = sum(s.bytes for s in self.closed)
+        cur = self._cur
+        return held + (cur.written if cur is not None else 0)
+
+    def _writer(self) -> CaptureWriter:
+        if self._cur is None:
+            raise ValueError("flight recorder is closed")
+        return self._cur
+
+    def _count(self, kind: str, n: int) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + n
+
+    def _open(self) -> None:
+        start = clock.monotonic_ns()
+        seg = Segment(self.directory / f"seg-{start:020d}.gputrace", start)
+        header = {**self.header, "start_ns": start, "flight": {"segment_of": self.header.get("targets", [])}}
+        self._cur = CaptureWriter(seg.path, header)
+        self._seg = seg
+        for source, meta in self._meta.items():
+            self._cur.write_meta(source, {"tracing_ns": start} if source == "session" else meta)
+        for kind, rows in self._state.items():
+            self._cur.write_rows(kind, list(rows.values()))
+        self._cur.write(list(self.snapshot()))
+
+    def _maybe_rotate(self) -> None:
+        seg, cur = self._seg, self._cur
+        if seg is None or cur is None:
+            return
+        if (clock.monotonic_ns() - seg.start_ns >= self.limits.segment_s * 1e9
+                or cur.written >= self.limits.segment_bytes):
+            self._rotate()
+
+    def _rotate(self) -> None:
+        seg, cur = self._seg, self._cur
+        if seg is None or cur is None:
+            return
+        drops = self._segment_drops(self.drops())
+        trailer = {"end_ns": clock.monotonic_ns(), "tracing_ns": seg.start_ns, "stop_reason": "flight segment",
+                   "drops": drops, "complete": not any(drops.values()), "flight": self._flight_fields()}
+        self._cur = None
+        cur.close(trailer)
+        self._closed(seg, cur.written, trailer)
+        self._open()
+
+    def _closed(self, seg: Segment, size: int, trailer: dict[str, Any]) -> None:
+        seg.end_ns, seg.bytes, seg.drops = int(trailer["end_ns"]), size, dict(trailer["drops"])
+        with self.lock:
+            self.closed.append(seg)
+            self._trim()
+        with self.rotated:
+            self.rotations += 1
+            self.rotated.notify_all()
+        self.on_closed(seg)
+
+    def _trim(self) -> None:
+        """Called with the lock held: the oldest segment goes once the window is covered without it, and
+        while all segments together are over the byte bound."""
+        now = clock.monotonic_ns()
+        window_ns = self.limits.seconds * 1e9
+        while len(self.closed) > 1 and now - self.closed[1].start_ns >= window_ns:
+            _unlink(self.closed.pop(0).path)
+        open_bytes = self._cur.written if self._cur is not None else 0
+        while self.closed and sum(s.bytes for s in self.closed) + open_bytes > self.limits.max_bytes:
+            _unlink(self.closed.pop(0).path)
+            self.evicted += 1
+
+    def _segment_drops(self, total: dict[str, int]) -> dict[str, int]:
+        """This segment's share of the session's cumulative drops."""
+        out = {k: int(v) - self._drops_base.get(k, 0) for k, v in total.items()}
+        self._drops_base = {k: int(v) for k, v in total.items()}
+        if self.state_overflow:
+            out["flight.state_rows"] = self.state_overflow
+            self.state_overflow = 0
+        return {k: v for k, v in out.items() if v}
+
+    def _flight_fields(self) -> dict[str, Any]:
+        return {"segment_s": self.limits.segment_s, "window_s": self.limits.seconds, "evicted": self.evicted}
+
+    def _keep_state(self, kind: str, rows: Sequence[Sequence[Any]]) -> None:
+        kept = self._state.setdefault(kind, {})
+        for row in rows:
+            key = repr(row)  # rows hold lists (a command line): not hashable themselves
+            if key in kept:
+                continue
+            if self._state_rows >= MAX_STATE_ROWS:
+                self.state_overflow += 1
+                continue
+            kept[key] = row
+            self._state_rows += 1
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def existing_segments(directory: Path) -> list[Segment]:
+    """The closed segments a job's directory holds (an earlier run of the service's too), oldest first."""
+    out = []
+    for p in sorted(directory.iterdir()):
+        m = SEGMENT_RE.match(p.name)
+        if m and p.is_file() and not p.is_symlink():
+            st = p.stat()
+            out.append(Segment(p, int(m[1]), 0, st.st_size))
+    return out
+
+
+def salvage(directory: Path) -> int:
+    """Segments a killed service left open become cut-off segments (readable up to the cut). Returns how many."""
+    n = 0
+    for p in directory.iterdir():
+        m = _PARTIAL_RE.match(p.name)
+        if m and p.is_file() and not p.is_symlink():
+            os.rename(p, directory / m[1])
+            n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------------------- dumps ---
+
+
+def frames(path: Path) -> Iterator[list[Any]]:
+    """The frames of a capture file in order; a segment cut off by a crash ends at the cut."""
+    with open(path, "rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=MAX_FRAME_BYTES,
+                                    use_list=True)
+        try:
+            for frame in unpacker:
+                if isinstance(frame, list) and frame and isinstance(frame[0], str):
+                    yield frame
+        except (msgpack.OutOfData, ValueError, msgpack.ExtraData):
+            return
+
+
+def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], trigger: dict[str, Any]) -> Path:
+    """Join ``segments`` (oldest first) into one capture at ``out``: ``header`` with the trigger, their frames
+    in order, a trailer with their drops summed (a segment without a trailer makes the dump incomplete)."""
+    writer = CaptureWriter(out, {**header, "flight": {"trigger": trigger, "segments": len(segments)}})
+    drops: dict[str, int] = {}
+    complete, first_ns = True, 0
+    last: dict[str, Any] = {}
+    try:
+        for seg in segments:
+            trailer = None
+            for frame in frames(seg):
+                tag = frame[0]
+                if tag == "M" and len(frame) == 3:
+                    writer.write_meta(frame[1], frame[2])
+                elif tag == "R" and len(frame) == 3:
+                    writer.write_rows(frame[1], frame[2])
+                elif tag == "K" and len(frame) == 2:
+                    writer.write_kernel(frame[1], 0)
+                elif tag == "T" and isinstance(frame[1], dict):
+                    trailer = frame[1]
+            if trailer is None:
+                complete = False
+                continue
+            for k, v in trailer.get("drops", {}).items():
+                drops[k] = drops.get(k, 0) + int(v)
+            first_ns = first_ns or int(trailer.get("tracing_ns", 0))
+            last = trailer
+    except BaseException:
+        writer.abort()
+        raise
+    final = {"end_ns": int(last.get("end_ns", clock.monotonic_ns())), "tracing_ns": first_ns,
+             "stop_reason": f"flight recorder dump ({trigger.get('kind', '')})", "drops": drops,
+             "complete": complete and not any(drops.values()), "sources": last.get("sources", {}),
+             "trigger": trigger}
+    return writer.close(final)
+
+
+def dump_name(comm: str, pid: int, kind: str, n: int) -> str:
+    """flight-<comm>-<pid>-<date-time>-<n>-<trigger>.gputrace (``n``: the job's n-th dump)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", comm)[:15].lstrip(".-") or "job"
+    return f"flight-{safe}-{pid}-{time.strftime('%Y%m%d-%H%M%S')}-{n}-{kind}.gputrace"

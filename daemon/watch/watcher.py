@@ -1,0 +1,455 @@
+"""gputraced's watch mode: every GPU job on the host traced continuously into its flight recorder.
+
+One thread scans for GPU processes (discover.py) every ``scan_s``; each new one whose ancestors are not
+watched already becomes a job: a capture session of its process tree (the session follows forks) with the
+watch source set, writing into a FlightRecorder in <state>/.flight/<pid>-<start>/ (root-only). Each closed
+segment is analysed on one low-priority thread: its GPU busy share and stall causes feed the metrics and the
+automatic triggers (busy share below a threshold for T seconds; the top stall cause changing), which dump the
+flight window into the job owner's directory as an ordinary capture, as ``gputrace daemon dump PID`` does.
+
+Bounds: at most ``max_jobs`` jobs watched at once (more are refused and counted), each holding at most
+``flight.max_bytes`` on disk; the analysis queue holds ANALYSIS_QUEUE segments (more are skipped, counted);
+ended jobs' directories are kept for KEEP_ENDED jobs, for a dump after the job is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gputrace.daemon.watch.discover import Found, Scanner, ancestors, start_time
+from gputrace.daemon.watch.flight import FlightLimits, FlightRecorder, Segment, dump_capture, dump_name, salvage
+from gputrace.daemon.watch.metrics import JobMetrics, write_textfile
+from gputrace.documents import Report
+from gputrace.errors import UserError
+
+FLIGHT = ".flight"
+WATCH_OFF = frozenset({"sampler"})  # stack samples: the costliest detail that no stall's cause depends on
+ANALYSIS_QUEUE = 64
+KEEP_ENDED = 16
+ANALYSIS_NICE = 10
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    flight: FlightLimits = field(default_factory=FlightLimits)
+    max_jobs: int = 16
+    scan_s: float = 1.0
+    off: frozenset[str] = WATCH_OFF
+    min_gap_ms: float = 1.0
+    busy_below: float = 0.5  # automatic dump: the job's GPU busy share under this ...
+    busy_low_s: float = 30.0  # ... for this long
+    cause_min_share: float = 0.05  # a segment's top stall cause counts when its stalls take this share of it
+    cooldown_s: float = 300.0  # automatic dumps of one job at most this often
+    metrics_textfile: Path | None = None
+
+
+@dataclass
+class WatchJob:
+    found: Found
+    directory: Path
+    gid: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    state: str = "starting"  # starting, watching, ended, failed
+    error: str = ""
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    recorder: FlightRecorder | None = None
+    session: Any = None
+    metrics: JobMetrics = field(default_factory=JobMetrics)
+    low_since_ns: int | None = None
+    low_fired: bool = False
+    top_cause: str | None = None
+    last_auto: float = 0.0
+    baseline: bool = False  # a segment with GPU records was analysed: cause changes count from then on
+    suppressed: int = 0  # automatic triggers within the cooldown, not dumped
+    dumps: list[dict[str, Any]] = field(default_factory=list)
+    thread: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.found.pid
+
+    def as_dict(self) -> dict[str, Any]:
+        rec = self.recorder
+        segs = rec.segments() if rec is not None else []
+        cost = self.metrics.cpu_share
+        return {"pid": self.pid, "comm": self.found.comm, "uid": self.found.uid, "found_by": self.found.how,
+                "state": self.state, "since": round(self.started, 3), **({"error": self.error} if self.error else {}),
+                "segments": len(segs), "flight_bytes": rec.bytes_held() if rec is not None else 0,
+                "flight_evicted": rec.evicted if rec is not None else 0,
+                "busy_ratio": self.metrics.busy_ratio, "top_cause": self.top_cause,
+                "tracing_cpu_share": cost, "drops": dict(self.metrics.drops), "dumps": self.dumps[-5:],
+                "triggers_suppressed": self.suppressed}
+
+
+class Watcher:
+    """The watch mode's threads and state. ``hand_over(stage, name, uid, gid)`` publishes a dump into the
+    owner's directory (the service's own hand-over); ``log`` is the service's log."""
+
+    def __init__(self, state_dir: Path, config: WatchConfig, log: Callable[[str], None],
+                 hand_over: Callable[[Path, str, int, int], Path], *,
+                 room_for: Callable[[int], str] = lambda uid: "") -> None:
+        self.state_dir, self.config, self.log, self.hand_over = state_dir, config, log, hand_over
+        self.room_for = room_for  # why ``uid`` has no room for another dump, or ""
+        self.flight_dir = state_dir / FLIGHT
+        self.jobs: dict[tuple[int, int], WatchJob] = {}
+        self.refused = 0  # GPU processes not watched: the job cap was reached
+        self.refused_keys: set[tuple[int, int]] = set()
+        self.vanished = 0  # found, but gone before their session started
+        self.analysis_skipped = 0
+        self.changed = True  # what the metrics file shows is out of date
+        self.analysis_cpu_ns = 0
+        self.analysed = 0
+        self.stopping = threading.Event()
+        self.began, self.cpu0 = time.monotonic(), time.process_time_ns()
+        self.lock = threading.Lock()
+        self.scanner = Scanner(exclude=self._is_ours)
+        self._queue: queue.Queue[tuple[WatchJob, Segment]] = queue.Queue(ANALYSIS_QUEUE)
+        self._threads: list[threading.Thread] = []
+        self._prepare()
+
+    # ---------------------------------------------------------------------------------- lifecycle ---
+    def _prepare(self) -> None:
+        """<state>/.flight, root-only; segments an earlier run left open made readable; directories of jobs
+        that are gone kept for the KEEP_ENDED newest (dumpable), the rest removed."""
+        self.flight_dir.mkdir(mode=0o700, exist_ok=True)
+        if self.flight_dir.is_symlink() or self.flight_dir.lstat().st_uid != os.geteuid():
+            raise UserError(f"{self.flight_dir} must be a directory owned by uid {os.geteuid()}")
+        os.chmod(self.flight_dir, 0o700)
+        gone = []
+        for d in self.flight_dir.iterdir():
+            if d.is_symlink() or not d.is_dir():
+                d.unlink()
+                continue
+            if n := salvage(d):
+                self.log(f"watch: {d.name}: {n} flight segment(s) cut off when the service last stopped, kept")
+            pid, _, start = d.name.partition("-")
+            if not (pid.isdigit() and start.isdigit() and start_time(int(pid)) == int(start)):
+                gone.append(d)
+        gone.sort(key=lambda d: d.stat().st_mtime)
+        for d in gone[: max(0, len(gone) - KEEP_ENDED)]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def start(self) -> None:
+        loops = ((self._scan_loop, "scan"), (self._analysis_loop, "analysis"))
+        for target, name in loops:
+            t = threading.Thread(target=target, name=f"gputraced-watch-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self.log(f"watch: watching GPU jobs (at most {self.config.max_jobs}; flight recorder "
+                 f"{self.config.flight.seconds:g} s, at most {self.config.flight.max_bytes >> 20} MiB each; "
+                 f"sources off: {', '.join(sorted(self.config.off)) or 'none'})")
+
+    def ask_to_stop(self) -> None:
+        self.stopping.set()
+        for job in self._all():
+            job.stop.set()
+
+    def stop(self, wait_s: float = 60.0) -> None:
+        """Every job's session ends and closes its open segment; nothing is left half-written."""
+        self.ask_to_stop()
+        deadline = time.monotonic() + wait_s
+        for job in self._all():
+            if job.thread is not None:
+                job.thread.join(max(0.0, deadline - time.monotonic()))
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._write_metrics()
+
+    def _all(self) -> list[WatchJob]:
+        with self.lock:
+            return list(self.jobs.values())
+
+    def _is_ours(self, pid: int) -> bool:
+        return pid == os.getpid() or os.getpid() in ancestors(pid, depth=4)
+
+    # ------------------------------------------------------------------------------------ finding ---
+    def _scan_loop(self) -> None:
+        while not self.stopping.wait(self.config.scan_s):
+            try:
+                for found in self.scanner.scan():
+                    self._consider(found)
+            except Exception as e:  # noqa: BLE001 - a scan's failure must not end watching
+                self.log(f"watch: scan failed: {type(e).__name__}: {e}")
+            self._forget_ended()
+            if self.changed:  # jobs came, went or were refused: the metrics say so now, not at the next segment
+                self.changed = False
+                self._write_metrics()
+
+    def _consider(self, found: Found) -> None:
+        key = (found.pid, found.start)
+        with self.lock:
+            live = {k[0] for k, j in self.jobs.items() if j.state in ("starting", "watching")}
+            if key in self.jobs and self.jobs[key].state in ("starting", "watching"):
+                return
+            if live & set(ancestors(found.pid)):
+                return  # its job's session follows it already
+            if len(live) >= self.config.max_jobs:
+                if key not in self.refused_keys and len(self.refused_keys) < 65_536:
+                    self.refused_keys.add(key)
+                    self.refused += 1
+                    self.changed = True
+                    if self.refused == 1:
+                        self.log(f"watch: {self.config.max_jobs} jobs watched already (--watch-max-jobs); "
+                                 f"pid {found.pid} ({found.comm}) and later ones are refused and counted")
+                self.scanner.retry_later(found.pid)
+                return
+            directory = self.flight_dir / f"{found.pid}-{found.start}"
+            job = WatchJob(found, directory, _gid_of(found.pid))
+            self.jobs[key] = job
+            self.changed = True
+        directory.mkdir(mode=0o700, exist_ok=True)
+        (directory / "job.json").write_text(json.dumps({"pid": found.pid, "start": found.start, "uid": found.uid,
+                                                        "gid": job.gid, "comm": found.comm}))
+        t = threading.Thread(target=self._run_job, args=(job,), name=f"gputraced-watch-{found.pid}", daemon=True)
+        job.thread = t
+        t.start()
+
+    def _forget_ended(self) -> None:
+        with self.lock:
+            ended = [k for k, j in self.jobs.items() if j.state in ("ended", "failed")]
+            for key in ended[: max(0, len(ended) - KEEP_ENDED)]:
+                job = self.jobs.pop(key)
+                shutil.rmtree(job.directory, ignore_errors=True)
+
+    # ---------------------------------------------------------------------------------- a job's run ---
+    def _run_job(self, job: WatchJob) -> None:
+        from gputrace.daemon.session import CaptureOptions, run_capture
+
+        f = job.found
+        self.log(f"watch: pid {f.pid} ({f.comm}, uid {f.uid}) found ({f.how}); watching its process tree")
+
+        def make_writer(path: Path, header: dict[str, Any], **_: Any) -> FlightRecorder:
+            job.recorder = FlightRecorder(job.directory, header, self.config.flight,
+                                          on_closed=lambda seg: self._analyse_later(job, seg),
+                                          snapshot=lambda: _tree_snapshot(f.pid))
+            return job.recorder
+
+        def on_session(session: Any) -> None:
+            job.session = session
+            assert job.recorder is not None
+            job.recorder.drops = session.drops_so_far
+            job.state = "watching"
+
+        opts = CaptureOptions(output=job.directory / "live.gputrace", pids=[f.pid], perfetto=False, progress=False,
+                              analyse=False, min_gap_ms=self.config.min_gap_ms, off=self.config.off,
+                              sample_hz=0 if "sampler" in self.config.off else 499,
+                              argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
+                              owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session)
+        try:
+            result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
+            job.state = "ended"
+            self.log(f"watch: pid {f.pid}: ended ({result.stop_reason})")
+        except UserError as e:
+            job.state, job.error = "failed", str(e)
+            if job.session is None:
+                self.vanished += 1
+            self.log(f"watch: pid {f.pid}: not watched: {e}")
+        except Exception as e:  # noqa: BLE001 - one job's bug must not take the service down
+            job.state, job.error = "failed", f"internal error: {type(e).__name__}: {e}"
+            self.log("".join(traceback.format_exception(e)).rstrip())
+        finally:
+            job.ended = time.time()
+            self.changed = True
+
+    def _job_log(self, job: WatchJob, msg: str) -> None:
+        if msg.startswith("gputrace: error") or "unavailable" in msg or "degraded" in msg:
+            self.log(f"watch: pid {job.pid}: {msg}")
+
+    # ----------------------------------------------------------------------------------- analysis ---
+    def _analyse_later(self, job: WatchJob, seg: Segment) -> None:
+        try:
+            self._queue.put_nowait((job, seg))
+        except queue.Full:
+            self.analysis_skipped += 1
+
+    def _analysis_loop(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ANALYSIS_NICE)
+        while not (self.stopping.is_set() and self._queue.empty()):
+            try:
+                job, seg = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            t0 = time.thread_time_ns()
+            try:
+                self._analyse(job, seg)
+            except Exception as e:  # noqa: BLE001 - a segment that cannot be read is told, not fatal
+                self.log(f"watch: pid {job.pid}: analysing {seg.path.name}: {type(e).__name__}: {e}")
+            self.analysis_cpu_ns += time.thread_time_ns() - t0
+            self.analysed += 1
+            self._write_metrics()
+
+    def _analyse(self, job: WatchJob, seg: Segment) -> None:
+        from gputrace.daemon.finish import analyse
+
+        if not seg.path.exists():
+            return  # evicted before its turn
+        report = analyse(seg.path, self.config.min_gap_ms)
+        job.metrics.add(report, seg.drops)
+        job.metrics.cpu_share = _job_cost(job)
+        if self.stopping.is_set():
+            return
+        self._busy_trigger(job, report, seg)
+        self._cause_trigger(job, report)
+
+    def _busy_trigger(self, job: WatchJob, report: Report, seg: Segment) -> None:
+        ratio = job.metrics.busy_ratio
+        if ratio is None or not report.get("devices"):
+            return
+        if ratio >= self.config.busy_below:
+            job.low_since_ns, job.low_fired = None, False
+            return
+        if job.low_since_ns is None:
+            job.low_since_ns = seg.start_ns
+        low_s = (seg.end_ns - job.low_since_ns) / 1e9
+        if low_s >= self.config.busy_low_s and not job.low_fired:
+            job.low_fired = True
+            self._auto_dump(job, {"kind": "busy_low", "detail": f"GPU busy {ratio:.0%} < "
+                                  f"{self.config.busy_below:.0%} for {low_s:.1f} s"})
+
+    def _cause_trigger(self, job: WatchJob, report: Report) -> None:
+        """A dump when the top stall cause of a segment differs from the last segment's (a job that stalls
+        where it did not, or on something else). Segments without GPU records (before the agent connected)
+        are no baseline."""
+        if not report.get("devices"):
+            return
+        summary = report.get("summary", {})
+        by_cause: dict[str, int] = summary.get("by_cause", {})
+        window = int(summary.get("window_ns", 0)) or 1
+        top = max(by_cause, key=lambda c: by_cause[c]) if by_cause else None
+        if top is not None and by_cause[top] / window < self.config.cause_min_share:
+            top = None
+        before, job.top_cause = job.top_cause, top
+        if job.baseline and top is not None and top != before:
+            self._auto_dump(job, {"kind": "cause_change", "detail": f"top stall cause {before or 'none'} -> {top}"})
+        job.baseline = True
+
+    def _auto_dump(self, job: WatchJob, trigger: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if job.last_auto and now - job.last_auto < self.config.cooldown_s:
+            job.suppressed += 1  # told once per cooldown, counted in status
+            if job.suppressed == 1:
+                self.log(f"watch: pid {job.pid}: {trigger['detail']}: no dump (one was written "
+                         f"{now - job.last_auto:.0f} s ago; at most one per {self.config.cooldown_s:g} s)")
+            return
+        job.last_auto, job.suppressed = now, 0
+        try:
+            self.dump(job, trigger)
+        except UserError as e:
+            self.log(f"watch: pid {job.pid}: {trigger['detail']}: no dump: {e}")
+
+    # -------------------------------------------------------------------------------------- dumps ---
+    def find(self, pid: int) -> WatchJob | None:
+        """The job ``pid`` belongs to: the newest job of that pid, or the live job of one of its ancestors."""
+        jobs = self._all()
+        own = [j for j in jobs if j.pid == pid]
+        if own:
+            return max(own, key=lambda j: j.started)
+        up = set(ancestors(pid))
+        for job in jobs:
+            if job.pid in up and job.state == "watching":
+                return job
+        return None
+
+    def dump(self, job: WatchJob, trigger: dict[str, Any]) -> Path:
+        """The job's flight window as one capture in its owner's directory; returns its path there."""
+        uid, rec = job.found.uid, job.recorder
+        if rec is None:
+            raise UserError(f"pid {job.pid}: its flight recorder has not started yet; try again in a moment")
+        if why := self.room_for(uid):
+            raise UserError(why)
+        session = job.session
+        if job.state == "watching" and session is not None and session.sink is not None:
+            rec.request_rotation(session.sink.emit_meta)
+        stage = Path(tempfile.mkdtemp(prefix="dump-", dir=self.flight_dir))
+        try:
+            linked = []
+            with rec.lock:  # linked, not copied, under the lock: the writer thread may delete a segment next
+                for seg in rec.closed:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.link(seg.path, stage / seg.path.name)
+                        linked.append(stage / seg.path.name)
+            if not linked:
+                raise UserError(f"pid {job.pid}: no flight segment closed yet; try again in a moment")
+            name = dump_name(job.found.comm, job.pid, trigger["kind"], len(job.dumps) + 1)
+            header = {**rec.header, "argv": ["gputraced", "dump", f"uid={uid}", str(job.pid)]}
+            dump_capture(linked, stage / name, header, trigger)
+            for p in linked:
+                p.unlink()
+            path = self.hand_over(stage, name, uid, job.gid)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        job.dumps.append({"path": str(path), "trigger": trigger, "at": round(time.time(), 3)})
+        job.metrics.dumps[trigger["kind"]] = job.metrics.dumps.get(trigger["kind"], 0) + 1
+        self.log(f"watch: pid {job.pid}: dumped {len(linked)} segment(s) to {path} (trigger: {trigger['kind']}: "
+                 f"{trigger['detail']})")
+        return path
+
+    # -------------------------------------------------------------------------------- status, metrics ---
+    def status(self, uid: int) -> dict[str, Any]:
+        jobs = [j.as_dict() for j in self._all() if uid == 0 or j.found.uid == uid]
+        watching = sum(j.state in ("starting", "watching") for j in self._all())
+        jobs_cpu = sum(j.metrics.cpu_share or 0.0 for j in self._all() if j.state == "watching")
+        elapsed = max(1e-9, time.monotonic() - self.began)
+        service_cpu = (time.process_time_ns() - self.cpu0) / 1e9 / (elapsed * (os.cpu_count() or 1))
+        return {"jobs": jobs, "watching": watching, "max_jobs": self.config.max_jobs, "refused": self.refused,
+                "vanished": self.vanished, "flight_seconds": self.config.flight.seconds,
+                "flight_mib": self.config.flight.max_bytes / (1 << 20), "off": sorted(self.config.off),
+                "cost": {"scan_cpu_s": round(self.scanner.cpu_ns / 1e9, 3), "scans": self.scanner.scans,
+                         "processes": self.scanner.processes, "analysis_cpu_s": round(self.analysis_cpu_ns / 1e9, 3),
+                         "segments_analysed": self.analysed, "analysis_skipped": self.analysis_skipped,
+                         "jobs_cpu_share": round(jobs_cpu, 6), "service_cpu_share": round(service_cpu, 6),
+                         "host_cpu_share": round(jobs_cpu + service_cpu, 6)},
+                **({"nvml": self.scanner.nvml} if self.scanner.nvml else {})}
+
+    def _write_metrics(self) -> None:
+        path = self.config.metrics_textfile
+        if path is None:
+            return
+        try:
+            write_textfile(path, self._all(), self)
+        except OSError as e:
+            self.log(f"watch: cannot write {path}: {e.strerror}")
+
+
+def _job_cost(job: WatchJob) -> float | None:
+    """Share of the host's CPU the job's kernel programs and agents took so far, from its session's cost meter
+    (the service's own threads are counted once, for the whole service: Watcher.status)."""
+    cost = getattr(job.session, "cost", None)
+    rows = list(getattr(cost, "last", []))
+    if cost is None or not rows or not cost.start_ns:
+        return None
+    window = rows[0].ts - cost.start_ns
+    ns = sum(r.cpu_ns for r in rows if r.source != "session")
+    return round(ns / (window * (os.cpu_count() or 1)), 6) if window > 0 else None
+
+
+def _tree_snapshot(pid: int) -> list[tuple[Any, ...]]:
+    """Processes, threads and open files of ``pid`` and its descendants, read now (a new segment's state)."""
+    from gputrace.probes import procfs
+
+    rows: list[tuple[Any, ...]] = []
+    for p in [pid, *procfs.descendants(pid)]:
+        with contextlib.suppress(OSError):
+            rows.extend(procfs.snapshot(p))
+    return rows
+
+
+def _gid_of(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_gid
+    except OSError:
+        return 0

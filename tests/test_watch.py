@@ -1,0 +1,314 @@
+"""gputraced --watch for real: a service on a private socket and state dir, real simulated GPU jobs found as they
+start, flight recorders on disk, dumps by request and by trigger, the metrics textfile, floods and restarts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from workloads.loopdev import loopfs, write_file
+
+from gputrace.agent import arming
+from gputrace.capture import CaptureReader
+from gputrace.daemon.service.protocol import recv_frame, send_frame
+
+__all__ = ["loopfs"]  # the fixture, used by name
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+# A training loop on the simulated GPU: KERNEL_MS of work, then SLEEP_MS of host time, for SECONDS. Given a file
+# and a "go" path, once the go path exists it also reads 256 KiB of the file (from the device) every step.
+JOB = """
+import os, sys, time
+from gputrace.sim import Device
+secs, kernel_ms, sleep_ms = (float(a) for a in sys.argv[1:4])
+slow, go = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else ("", "")
+s = Device(0).stream()
+print("up", flush=True)
+t, fd, off = time.monotonic(), -1, 0
+while time.monotonic() - t < secs:
+    if slow and fd < 0 and os.path.exists(go):
+        fd = os.open(slow, os.O_RDONLY)
+        print("reading", flush=True)
+    if fd >= 0:
+        if not os.pread(fd, 256 << 10, off):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            off = 0
+        off += 256 << 10
+    s.launch("step", duration_ms=kernel_ms)
+    s.synchronize()
+    time.sleep(sleep_ms / 1000)
+"""
+
+
+class WatchSvc:
+    def __init__(self, base: Path, *extra: str) -> None:
+        self.base, self.sock, self.state = base, base / "run" / "gputraced.sock", base / "state"
+        self.attach = base / "attach"
+        self.metrics = base / "metrics" / "gputrace.prom"
+        self.metrics.parent.mkdir(exist_ok=True)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
+        self.env["GPUTRACE_ATTACH_DIR"] = str(self.attach)
+        self.job_file = base / "job.py"
+        self.job_file.write_text(JOB)
+        os.chmod(self.job_file, 0o644)
+        self.start(*extra)
+
+    def start(self, *extra: str) -> None:
+        self.sock.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gputrace", "daemon", "--socket", str(self.sock), "--state-dir", str(self.state),
+             "--watch", "--watch-scan-s", "0.2", "--flight-seconds", "8", "--flight-segment-s", "1",
+             "--metrics-textfile", str(self.metrics), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=self.env)
+        deadline = time.monotonic() + 30
+        while not self.sock.exists():
+            assert self.proc.poll() is None, self.proc.communicate()
+            assert time.monotonic() < deadline, "service did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> str:
+        """SIGTERM, as systemd stops it; its log."""
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=90)
+        return err
+
+    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(self.sock))
+            send_frame(s, req)
+            reply = recv_frame(s, 16 << 20)
+            assert reply is not None
+            return reply
+
+    def watched(self, pid: int) -> dict[str, Any] | None:
+        jobs = [j for j in self.ask({"op": "status"})["watch"]["jobs"] if j["pid"] == pid]
+        return jobs[-1] if jobs else None
+
+    def client(self, *args: str, user: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*(user or []), sys.executable, "-m", "gputrace", "daemon", *args, "--socket",
+                               str(self.sock)], capture_output=True, text=True, timeout=120, cwd="/")
+
+    def job(self, *args: str, user: list[str] | None = None) -> subprocess.Popen[str]:
+        """A simulated GPU job, armed (it announces itself as a GPU process), once it runs."""
+        env = {**self.env, **arming.environment(None, base=self.env)}
+        p = subprocess.Popen([*(user or []), sys.executable, str(self.job_file), *args], env=env,
+                             stdout=subprocess.PIPE, text=True, cwd="/")
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        return p
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """Poll ``check`` until it returns something true; fail saying ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def watch_service(*extra: str) -> Iterator[WatchSvc]:
+    if os.geteuid() != 0:
+        pytest.fail("watch-mode tests run as root (eBPF, a second user)")
+    base = Path(tempfile.mkdtemp(prefix="gputraced-watch-"))
+    os.chmod(base, 0o755)  # uid 65534 reaches the socket and the job script
+    svc = WatchSvc(base, *extra)
+    try:
+        yield svc
+    finally:
+        if svc.proc.poll() is None:
+            svc.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _metric(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
+        if m and all(f'{k}="{v}"' in (m[1] or "").split(",") for k, v in labels.items()):
+            return float(m[2])
+    return None
+
+
+def _kill(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
+    with watch_service() as svc:
+        jobs = [svc.job("30", "10", "10") for _ in range(3)]
+        try:
+            for p in jobs:  # found, traced, and at least two segments with GPU records analysed
+                wait_until(f"pid {p.pid} watched and measured",
+                           lambda p=p: (j := svc.watched(p.pid)) and j["state"] == "watching" and
+                           j["busy_ratio"] is not None and j["segments"] >= 3, timeout=90)
+
+            def all_measured() -> str:  # the file is rewritten once the analysis that status shows is done
+                text = svc.metrics.read_text() if svc.metrics.exists() else ""
+                ok = all(_metric(text, "gputrace_gpu_busy_ratio", pid=str(p.pid), device="0") is not None
+                         for p in jobs)
+                return text if ok else ""
+
+            text = wait_until("every job in the metrics file", all_measured)
+            for p in jobs:
+                busy = _metric(text, "gputrace_gpu_busy_ratio", pid=str(p.pid), device="0")
+                # 10 ms kernels, 10 ms sleeps: half busy (the sync and the loop's own time come on top of the sleep)
+                assert busy is not None and 0.3 <= busy <= 0.6, (busy, text)
+                # and the sleeps are the stalls: about as long as the kernels ran
+                sleep = _metric(text, "gputrace_stall_seconds_total", pid=str(p.pid), cause="sleep")
+                ran = _metric(text, "gputrace_gpu_busy_seconds_total", pid=str(p.pid), device="0")
+                assert sleep is not None and ran, (p.pid, text)
+                assert 0.5 * ran <= sleep <= 1.5 * ran, (p.pid, sleep, ran)
+                pattern = rf'gputrace_stall_seconds_total{{pid="{p.pid}",comm="python",cause="([^"]+)"}} (\S+)'
+                causes = re.findall(pattern, text)
+                assert max(causes, key=lambda c: float(c[1]))[0] == "sleep", causes
+                job = svc.watched(p.pid)
+                assert job is not None and job["found_by"] == "armed" and job["top_cause"], job
+            assert (svc.metrics.stat().st_mode & 0o777) == 0o644
+            assert not list(svc.metrics.parent.glob(".*")), "a temporary metrics file left behind"
+        finally:
+            _kill(*jobs)
+        for p in jobs:
+            wait_until(f"pid {p.pid} seen ended", lambda p=p: (svc.watched(p.pid) or {}).get("state") == "ended")
+        flight = svc.state / ".flight"
+        assert (flight.stat().st_mode & 0o777) == 0o700
+        for p in jobs:
+            [d] = flight.glob(f"{p.pid}-*")
+            segs = sorted(d.glob("seg-*.gputrace"))
+            assert segs and not list(d.glob(".*partial")), list(d.iterdir())
+            with CaptureReader(segs[-1]) as reader:  # each segment is a whole capture on its own
+                kinds = {type(r).__name__ for r in reader.records()}
+                assert reader.complete, reader.problem
+            assert {"GpuDevice", "ProcInfo"} <= kinds, kinds
+
+
+def test_dump_by_pid_is_for_the_jobs_owner() -> None:
+    with watch_service() as svc:
+        mine = svc.job("60", "5", "5", user=NOBODY)
+        roots = svc.job("60", "5", "5")
+        try:
+            for p in (mine, roots):
+                wait_until(f"pid {p.pid} recorded", lambda p=p: (svc.watched(p.pid) or {}).get("segments", 0) >= 2,
+                           timeout=90)
+            r = svc.client("dump", str(mine.pid), user=NOBODY)
+            assert r.returncode == 0, r.stdout + r.stderr
+            path = Path(r.stdout.split("Wrote ")[1].split()[0])
+            assert path.parent == svc.state / "65534" and path.name.endswith("-request.gputrace"), path
+            st = path.stat()
+            assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o600)
+            refused = svc.client("dump", str(roots.pid), user=NOBODY)
+            assert refused.returncode != 0 and "not allowed" in refused.stderr, refused.stderr
+            assert not list((svc.state / "65534").glob(f"flight-*-{roots.pid}-*")), "another user's job was dumped"
+            r = svc.client("dump", str(mine.pid))  # root may dump anyone's: it goes to the job's owner
+            assert r.returncode == 0 and "/65534/" in r.stdout, r.stdout + r.stderr
+        finally:
+            _kill(mine, roots)
+        report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(path), "--json"],
+                                capture_output=True, text=True, timeout=120)
+        assert report.returncode == 0, report.stderr
+        data = json.loads(report.stdout)
+        assert data["devices"] and data["devices"][0]["simulated"] and data["capture"]["complete"], data["capture"]
+        assert mine.pid in data["capture"]["pids"] and data["summary"]["busy_ns"] > 0
+        with CaptureReader(path) as reader:
+            list(reader.records())
+            assert reader.trailer is not None and reader.trailer["trigger"]["kind"] == "request"
+            assert reader.header["flight"]["trigger"]["kind"] == "request"
+
+
+def test_a_job_that_starts_reading_a_slow_file_is_dumped_naming_it(loopfs: Any) -> None:
+    slow = write_file(loopfs.mountpoint / "shard-slow.bin", 8 << 20)
+    go = loopfs.mountpoint / "go"
+    group = BLKIO / f"gputrace-watch-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{loopfs.majmin} {1 << 20}\n")
+        with watch_service("--trigger-cooldown-s", "0.001") as svc:
+            job = svc.job("90", "5", "5", str(slow), str(go))
+            try:
+                (group / "cgroup.procs").write_text(str(job.pid))
+                wait_until("a baseline", lambda: (svc.watched(job.pid) or {}).get("top_cause") == "sleep", 90)
+                go.touch()
+                assert job.stdout is not None and job.stdout.readline().strip() == "reading"
+                dump = wait_until("a dump for the cause change", lambda: [
+                    d for d in (svc.watched(job.pid) or {}).get("dumps", [])
+                    if d["trigger"]["kind"] == "cause_change" and d["trigger"]["detail"].endswith("-> storage")])
+            finally:
+                _kill(job)
+            log = svc.stop()
+            assert "dumped" in log and "cause_change" in log and "-> storage" in log, log[-2000:]
+            report = subprocess.run([sys.executable, "-m", "gputrace", "report", dump[0]["path"], "--json"],
+                                    capture_output=True, text=True, timeout=120)
+    finally:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    assert report.returncode == 0, report.stderr
+    stalls = json.loads(report.stdout)["stalls"]
+    storage = [s for s in stalls if s["cause"] == "storage"]
+    assert storage and {s["culprit"]["object"] for s in storage} == {str(slow)}, stalls[-3:]
+
+
+def test_a_flood_of_short_lived_gpu_processes_stays_bounded() -> None:
+    with watch_service("--watch-max-jobs", "2") as svc:
+        env = {**svc.env, **arming.environment(None, base=svc.env)}
+        flood = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"], env=env)
+                 for _ in range(24)]
+        most = 0
+        while any(p.poll() is None for p in flood):
+            status = svc.ask({"op": "status"})["watch"]
+            most = max(most, status["watching"])
+            time.sleep(0.1)
+        status = svc.ask({"op": "status"})["watch"]
+        assert most <= 2, most
+        assert status["refused"] >= 1 and status["max_jobs"] == 2, status
+        assert svc.proc.poll() is None
+
+        def refusals_written() -> str:
+            text = svc.metrics.read_text() if svc.metrics.exists() else ""
+            return text if (_metric(text, "gputrace_watch_refused_total") or 0) >= 1 else ""
+
+        text = wait_until("the refusals in the metrics", refusals_written)
+        assert _metric(text, "gputrace_watched_jobs") is not None
+
+
+def test_sigterm_closes_every_segment_and_a_restart_resumes_watching() -> None:
+    with watch_service("--flight-seconds", "60") as svc:
+        job = svc.job("120", "5", "5")
+        try:
+            wait_until("segments", lambda: (svc.watched(job.pid) or {}).get("segments", 0) >= 2, 90)
+            log = svc.stop()
+            assert "gputraced stopped" in log, log[-2000:]
+            [d] = (svc.state / ".flight").glob(f"{job.pid}-*")
+            assert not list(d.glob(".*")), list(d.iterdir())  # nothing half-written
+            before = sorted(d.glob("seg-*.gputrace"))
+            for seg in before:
+                with CaptureReader(seg) as reader:
+                    list(reader.records())
+                    assert reader.complete and reader.trailer is not None, (seg, reader.problem)
+            svc.start()
+            wait_until("the job watched again", lambda: (j := svc.watched(job.pid)) and j["state"] == "watching"
+                       and j["segments"] > len(before), 90)
+            assert all(s.exists() for s in before[-2:]), "the segments of the last run were kept"
+            r = svc.client("dump", str(job.pid))
+            assert r.returncode == 0, r.stderr
+        finally:
+            _kill(job)
