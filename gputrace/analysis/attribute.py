@@ -291,4 +291,8 @@ def _from_parts(parts: list[Part], gpu_ev: list[Evidence]) -> Verdict:
         out["why"] = best.extra["why"]
     if "remote_fs" in best.extra:
         out["remote_fs"] = best.extra["remote_fs"]
+    if "late_rank" in best.extra:  # a thread's wait in a collective call (gloo's): why the late rank was late
+        out["late_rank"] = best.extra["late_rank"]
+    if "late_rank_cause" in best.extra:
+        out["late_rank_cause"] = best.extra["late_rank_cause"]
     return out
