@@ -14,11 +14,12 @@ since its previous collective): why that rank got there when it did.
 Times go out as epoch ns, converted with the capture header's monotonic->realtime offset through
 gputrace.clock.
 
-Spans are recorded with the OpenTelemetry SDK and handed to the OTLP exporter here, batch by batch, instead
+Spans are recorded with the OpenTelemetry SDK and handed to an OTLP exporter here, batch by batch, instead
 of through a BatchSpanProcessor (which drops spans when its queue is full and only logs it): every span a
 batch failed to deliver is counted in ``ExportResult.dropped``, and so is every span a collector received but
-rejected (the response's ``partial_success``, which the SDK's exporters do not read: read here from each
-response).
+rejected (the response's ``partial_success``, which the SDK's exporters do not read). Over gRPC the exporter
+is ours (exporters/otlp_grpc.py: the SDK's encoder, grpcio's stub, every answer read); over HTTP it is the
+SDK's, on a requests Session whose response hook reads each answer.
 """
 
 from __future__ import annotations
@@ -100,11 +101,14 @@ class OtlpExporter:
                 f"OTLP endpoint {self.endpoint} ({self.protocol}) unreachable: {reason}; "
                 f"{result.dropped} spans not delivered", result)
         rejections = Rejections()
-        shipper = _BatchShipper(self._make_exporter(rejections), self.batch_size, result, self.timeout_s, rejections)
         with _quiet_exporter_logs() as errors:
-            record_spans(report, header, shipper)
-            shipper.flush()
-            shipper.exporter.shutdown()
+            shipper = _BatchShipper(self._make_exporter(rejections, errors), self.batch_size, result, self.timeout_s,
+                                    rejections)
+            try:
+                record_spans(report, header, shipper)
+                shipper.flush()
+            finally:
+                shipper.exporter.shutdown()
         if result.dropped:
             failed = result.dropped - shipper.rejected  # in requests that failed, not rejected from one that worked
             detail = failure_detail(errors)
@@ -136,16 +140,17 @@ class OtlpExporter:
         except OSError as e:
             return e.strerror or str(e)
 
-    def _make_exporter(self, rejections: Rejections) -> SpanExporter:
+    def _make_exporter(self, rejections: Rejections, errors: list[str]) -> SpanExporter:
+        """The transport: both read every answer's partial success into ``rejections``; a failed batch's error
+        goes to ``errors`` (gRPC: said by ours; HTTP: logged by the SDK's exporter, collected there)."""
         if self.protocol == "grpc":
             # gRPC's core logs each failed connection attempt (a TLS handshake, say) straight to stderr, around
             # the one error said here; read when grpc is first imported, and a user's own setting is kept
             os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+            from gputrace.exporters.otlp_grpc import GrpcSpanExporter
 
-            exporter = Grpc(endpoint=self.endpoint, insecure=not self.secure, timeout=self.timeout_s)
-            rejections.tap_grpc(exporter)
-            return exporter
+            return GrpcSpanExporter(self.endpoint, secure=self.secure, timeout_s=self.timeout_s,
+                                    on_response=rejections.note, errors=errors)
         import requests
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
@@ -156,7 +161,7 @@ class OtlpExporter:
 
 class Rejections:
     """Spans a collector received but rejected: an OTLP response's ``partial_success`` (the request succeeded,
-    ``rejected_spans`` of it did not), which the SDK's exporters discard. Read here from every response."""
+    ``rejected_spans`` of it did not), which the SDK's exporters discard. Fed every response."""
 
     def __init__(self) -> None:
         self.spans = 0
@@ -178,27 +183,6 @@ class Rejections:
             return
         with contextlib.suppress(DecodeError):  # not protobuf (a proxy's page, JSON): no rejection to read
             self.note(ExportTraceServiceResponse.FromString(response.content))
-
-    def tap_grpc(self, exporter: Any) -> None:
-        """Make the gRPC exporter's stub (and those it makes when it reconnects) show us each response before
-        handing it back. Its attributes are private: where a version lacks them, nothing is tapped."""
-
-        def tap(stub: Any) -> Any:
-            export = stub.Export
-
-            def tapped_export(*args: Any, **kwargs: Any) -> Any:
-                response = export(*args, **kwargs)
-                self.note(response)
-                return response
-
-            stub.Export = tapped_export
-            return stub
-
-        make_stub = getattr(exporter, "_stub", None)
-        if callable(make_stub):
-            exporter._stub = lambda channel: tap(make_stub(channel))
-        if getattr(exporter, "_client", None) is not None:
-            tap(exporter._client)
 
 
 def parse_endpoint(endpoint: str, protocol: str) -> tuple[str, str, int, bool]:
@@ -233,7 +217,7 @@ def _analyze(reader: CaptureReader, min_gap_ns: int) -> Report:
     return report
 
 
-_TRANSIENT = "Transient error "  # how the OTLP exporters log a failure they retry
+_TRANSIENT = "Transient error "  # how the SDK's HTTP exporter logs a failure it retries
 
 
 def failure_detail(errors: Sequence[str]) -> str:
@@ -494,7 +478,7 @@ class _ErrorList(logging.Handler):
 
 
 @contextmanager
-def _quiet_exporter_logs() -> Iterator[Sequence[str]]:
+def _quiet_exporter_logs() -> Iterator[list[str]]:
     """Collect the OTLP exporter's warnings (for one clear error) instead of letting them spill as log noise."""
     handler = _ErrorList()
     saved = []

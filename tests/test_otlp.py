@@ -302,6 +302,46 @@ def test_spans_a_collector_rejects_are_counted(capture: CaptureReader, protocol:
     assert any("rejected 2 of the spans it received (partial success): spans too old" in n for n in result.notes)
 
 
+@pytest.mark.parametrize(("code", "delay"), [(grpc.StatusCode.UNAVAILABLE, None),
+                                           (grpc.StatusCode.DEADLINE_EXCEEDED, None),
+                                           (grpc.StatusCode.RESOURCE_EXHAUSTED, 0.2)])
+def test_a_transient_grpc_failure_is_retried_then_delivered(
+        capture: CaptureReader, code: grpc.StatusCode, delay: float | None) -> None:
+    """The OTLP specification's transient codes are retried after a backoff (or the delay the collector asks
+    for); the batch then arrives once, and nothing is counted as lost."""
+    with otlp_receiver.grpc_receiver(Receiver(fail=[(code, delay)])) as (receiver, port):
+        result = OtlpExporter(f"127.0.0.1:{port}", report=_report(), timeout_s=5).write(capture)
+    assert (result.items, result.dropped, result.notes) == (5, 0, [])
+    assert len(receiver.calls) == 2 and len(receiver.requests) == 1
+    waited = receiver.calls[1] - receiver.calls[0]
+    assert waited >= (delay if delay is not None else 0.4), f"retried after {waited:.2f} s"
+    _check_delivery(receiver.requests)
+
+
+def test_resource_exhausted_without_a_retry_delay_is_not_retried(capture: CaptureReader) -> None:
+    """RESOURCE_EXHAUSTED is transient only when the collector says when to come back (OTLP specification)."""
+    with otlp_receiver.grpc_receiver(Receiver(fail=[(grpc.StatusCode.RESOURCE_EXHAUSTED, None)])) as served:
+        receiver, port = served
+        with pytest.raises(OtlpUnreachable) as err:
+            OtlpExporter(f"127.0.0.1:{port}", report=_report(), timeout_s=5).write(capture)
+    assert len(receiver.calls) == 1 and err.value.result.dropped == 5
+    assert "failed: gRPC RESOURCE_EXHAUSTED: call 1 failed on purpose; 5 spans not delivered" in str(err.value)
+
+
+def test_grpc_sends_the_headers_of_the_otlp_environment(
+        capture: CaptureReader, grpc_receiver: tuple[Receiver, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hosted collector wants an API key: OTEL_EXPORTER_OTLP_HEADERS (or its _TRACES_ form) says it."""
+    receiver, port = grpc_receiver
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=secret%20one,X-Team=gpu")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    result = OtlpExporter(f"127.0.0.1:{port}", report=_report()).write(capture)
+    assert (result.items, result.dropped) == (5, 0)
+    assert receiver.metadata[0]["x-api-key"] == "secret one" and receiver.metadata[0]["x-team"] == "gpu"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd")
+    with pytest.raises(UserError, match="unknown OTLP compression 'zstd'"):
+        OtlpExporter(f"127.0.0.1:{port}", report=_report()).write(capture)
+
+
 def test_endpoint_parsing() -> None:
     assert parse_endpoint("collector", "grpc") == ("collector:4317", "collector", 4317, False)
     assert parse_endpoint("http://c:9000", "http")[0] == "http://c:9000/v1/traces"

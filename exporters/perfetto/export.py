@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,8 @@ from gputrace.records import (
     ThreadInfo,
     TracingCost,
 )
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # the CLI stops on these (gputrace.signals)
 
 if TYPE_CHECKING:
     from gputrace.analysis.join import Joined
@@ -180,9 +183,17 @@ class PerfettoExporter:
 
     def _to_file(self, body: Callable[[PacketSink], list[str]]) -> ExportResult:
         tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
-        fd = _create_new(tmp, self.out_path)
-        f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
+        # A stop signal (its handler raises) must not land between the file's creation and the cleanup below
+        # being armed: held until then, it is delivered inside the try.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
+            fd = _create_new(tmp, self.out_path)
+            f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            raise
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             sink = PacketSink(_Named(f, self.out_path))
             notes = body(sink)
             with _writing(self.out_path):
