@@ -18,11 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # Import names of distributions whose import name differs from the distribution's.
-IMPORT_NAMES = {"nvidia-ml-py": "pynvml", "grpcio": "grpc", "googleapis-common-protos": "google.rpc",
-                "opentelemetry-exporter-otlp-proto-common": "opentelemetry.exporter.otlp.proto.common", "protobuf": "google.protobuf", "cupti-python": "cupti",
-                "opentelemetry-sdk": "opentelemetry.sdk", "opentelemetry-proto": "opentelemetry.proto",
-                "opentelemetry-exporter-otlp-proto-grpc": "opentelemetry.exporter.otlp.proto.grpc",
-                "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http"}
+IMPORT_NAMES = {
+    "nvidia-ml-py": "pynvml", "grpcio": "grpc", "googleapis-common-protos": "google.rpc", "protobuf": "google.protobuf",
+    "cupti-python": "cupti", "opentelemetry-sdk": "opentelemetry.sdk", "opentelemetry-proto": "opentelemetry.proto",
+    "opentelemetry-exporter-otlp-proto-common": "opentelemetry.exporter.otlp.proto.common",
+    "opentelemetry-exporter-otlp-proto-grpc": "opentelemetry.exporter.otlp.proto.grpc",
+    "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http",
+}
 # Imported by the package and installed by the system, not by pip (bcc comes with the distribution's python3-bpfcc).
 SYSTEM = {"bcc"}
 
