@@ -9,14 +9,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 from workloads import uring_reader
 from workloads.ebpfcap import ebpf_capture, of, read_capture
-from workloads.loopdev import LoopFs, loop_filesystem, write_file
+from workloads.loopdev import LoopFs, write_file
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.capture import open_capture
@@ -67,12 +66,6 @@ class Reader:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-@pytest.fixture
-def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
-    with loop_filesystem(tmp_path) as fs:
-        yield fs
 
 
 @pytest.mark.parametrize("hook", ["raw", "classic"])

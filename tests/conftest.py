@@ -1,0 +1,40 @@
+"""Shared test scaffolding. Each section stands alone; add new ones as sections of their own.
+
+pytest puts this file's directory (tests/) on sys.path, so the helper modules beside it import by name in
+every test, the scenario tests under tests/scenarios/ included: ``waiting`` (wait for the event itself),
+``agent_harness`` (a real agent channel), ``workloads.*`` (real processes, files and devices).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from workloads.loopdev import LoopFs, loop_filesystem
+
+# ------------------------------------------------------------------------------------------ markers ---
+# `kernel`: the test needs the host's kernel as root: eBPF (bcc), loop devices, mounts, cgroups, ptrace
+# of other users' processes, setpriv, or a real training framework. `pytest -m "not kernel"` runs the rest
+# (records, capture files, analysis, exporters, viewers, the simulated device, the agent channel) anywhere,
+# unprivileged; CI runs everything. A module says so with `pytestmark = pytest.mark.kernel`; a test that
+# takes a fixture in KERNEL_FIXTURES is marked here.
+KERNEL_FIXTURES = frozenset({"loopfs"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if KERNEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kernel)
+
+
+# ------------------------------------------------------------------------------------- loop devices ---
+@pytest.fixture
+def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
+    """A fresh ext4 filesystem on a loop device, mounted under ``tmp_path`` and torn down after the test
+    (tests/workloads/loopdev.py; ``loop_filesystem`` there for a size of one's own or several at once)."""
+    if os.geteuid() != 0:
+        pytest.fail("loop-device tests run as root (losetup, mount)")
+    with loop_filesystem(tmp_path) as fs:
+        yield fs
