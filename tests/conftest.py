@@ -19,13 +19,13 @@ from workloads.loopdev import LoopFs, loop_filesystem
 # of other users' processes, setpriv, or a real training framework. `pytest -m "not kernel"` runs the rest
 # (records, capture files, analysis, exporters, viewers, the simulated device, the agent channel) anywhere,
 # unprivileged; CI runs everything. A module says so with `pytestmark = pytest.mark.kernel`; a test that
-# takes a fixture in KERNEL_FIXTURES is marked here.
+# takes a fixture in KERNEL_FIXTURES, or needs a GPU (`gpu`), is marked here.
 KERNEL_FIXTURES = frozenset({"loopfs"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if KERNEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if KERNEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.kernel)
 
 

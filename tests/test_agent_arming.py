@@ -393,6 +393,7 @@ while time.monotonic() < end:
 """
 
 
+@pytest.mark.kernel
 def test_a_job_forking_many_short_lived_children_holds_no_offer_for_the_dead(tmp_path: Path) -> None:
     """`capture -p` of an armed service that runs a subprocess again and again: each armed child is offered the
     session while it lives, and the offer goes with it (before, every child kept a socket: EMFILE in minutes)."""

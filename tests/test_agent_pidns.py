@@ -18,6 +18,8 @@ from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.probes import procfs
 from gputrace.probes.procfs import ns_chain
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_sim.py"
 

@@ -18,6 +18,8 @@ from gputrace.probes import procfs
 from gputrace.probes.ebpf.syscalls import syscall_numbers
 from gputrace.records import BlockIO, OffCpu, ProcFork, Syscall, SyscallAgg
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 WORKLOADS = Path(__file__).parent / "workloads"
 SIZE_A, SIZE_B = 3 << 20, (2 << 20) + 40960
 

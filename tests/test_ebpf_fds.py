@@ -21,6 +21,8 @@ from gputrace.analysis.objects import classify
 from gputrace.probes.ebpf.syscalls import syscall_numbers
 from gputrace.records import FdInfo, OffCpu, Syscall, SyscallAgg
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 WORKLOADS = Path(__file__).parent / "workloads"
 CHUNK = 8 << 20  # fdcalls.py reads each file whole: about a millisecond, well over the threshold
 THRESHOLD_NS = 50_000

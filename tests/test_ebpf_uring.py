@@ -25,6 +25,8 @@ from gputrace.probes.ebpf.host import uring_supported
 from gputrace.records import BlockIO, Drops, InProgress, IoUringRequest, OffCpu, Syscall, SyscallAgg
 from gputrace.testing.perfetto_check import check_trace
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 WORKLOADS = Path(__file__).parent / "workloads"
 SIZE, CHUNK, DEPTH = (3 << 20) + 4096, 1 << 20, 2
 DROP_CACHE, ASYNC = uring_reader.DROP_CACHE, uring_reader.ASYNC

@@ -32,6 +32,8 @@ from gputrace.errors import UserError
 from gputrace.pidfds import close_pidfds
 from gputrace.records import SourceStatus
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 

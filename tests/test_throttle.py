@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_analysis import TRAINER, only_stall, run, trainer
 from workloads.cpu_cgroup import CPU, SPINNER, cpu_cgroup
 
@@ -147,6 +148,7 @@ def test_a_process_that_exits_is_dropped_and_a_removed_group_is_no_error(tmp_pat
     assert not [r for r in sink.of(CpuThrottle) if r.error], sink.records
 
 
+@pytest.mark.kernel
 def test_v1_throttling_of_a_real_process_is_recorded(tmp_path: Path) -> None:
     """A process in a real v1 cpu group allowed 20 ms per 100 ms, using CPU until the kernel throttled it twice:
     its membership, the group's quota and the throttled time the kernel counted, in samples that bound each
