@@ -20,6 +20,7 @@ from workloads.loopdev import LoopFs, loop_filesystem
 # (records, capture files, analysis, exporters, viewers, the simulated device, the agent channel) anywhere,
 # unprivileged; CI runs everything. A module says so with `pytestmark = pytest.mark.kernel`; a test that
 # takes a fixture in KERNEL_FIXTURES, or needs a GPU (`gpu`), is marked here.
+# `slow`: the few tests that take tens of seconds without the kernel; `-m "not kernel and not slow"`.
 KERNEL_FIXTURES = frozenset({"loopfs"})
 
 

@@ -230,6 +230,7 @@ def _long_capture(path: Path, n: int = 200_000) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_export_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
     # SIGHUP: the ssh session running it closed. The partial trace (tens of MB on a real capture) must go.
@@ -259,6 +260,7 @@ def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, list[str]]:
     return out, seen.decode().replace("\r\x1b[K", "\n").replace("\r", "\n").split("\n")
 
 
+@pytest.mark.slow
 def test_long_export_and_report_show_progress_on_a_terminal_only(tmp_path: Path) -> None:
     cap = _long_capture(tmp_path / "big.gputrace", 300_000)
     out, lines = _on_a_terminal(["export", str(cap), "--perfetto", "a.pftrace"], tmp_path)
