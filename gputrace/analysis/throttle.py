@@ -102,7 +102,7 @@ class Throttles:
                 spans_by_tid: dict[int, dict[int, Throttled]]) -> None:
         """Give the longest runnable wait of each thread of the group up to the window's throttled time."""
         lo, hi = w.start_ns - w.throttled_ns, w.end_ns
-        best: list[tuple[int, int, OffCpu]] = []
+        best: list[list[tuple[int, int, OffCpu]]] = []  # per thread: the waits taken, by start
         for pid, rows in members.items():
             for tid in threads.get(pid, ()):
                 index = self.cap.offcpu.get(tid)
