@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_harness import PYTHON, Harness, clean_env, of, wait_for
+from agent_harness import PYTHON, Harness, clean_env, of
+from waiting import LineLog, wait_for
 
 from gputrace.agent import arming
 from gputrace.capture import CaptureReader
@@ -109,7 +110,8 @@ def test_an_offer_after_a_dead_session_is_taken_though_its_inode_is_reused(tmp_p
     env = {**clean_env(), **arming.environment(None, base={}), "GPUTRACE_ATTACH_DIR": str(attach)}
     h = Harness(tmp_path, attach_dir=str(attach))
     p = h.spawn("""
-import time
+import logging, sys, time
+logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(message)s")  # the agent says what it tried
 from gputrace.sim import Device
 s = Device(0).stream()
 print("ready", flush=True)
@@ -119,13 +121,16 @@ while True:
     time.sleep(0.01)
 """, env=env)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    out = LineLog(p.stdout)
     stale = attach / f"{p.pid}.sock"
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(str(stale))  # what a killed session leaves: a socket file nobody listens on
     dead.close()
-    time.sleep(2 * arming.WATCH_PERIOD_S + 0.5)  # the agent has seen it (and failed to connect)
+    out.wait_line(f"cannot reach session at {stale}")  # the agent has seen it and failed to connect
     h.server.offer(p.pid)  # usually on the freed inode (ext4); the identity test below does not depend on it
     wait_for(lambda: h.server.stats["records"] > 10, timeout_s=5, what="the agent taking the new offer")
+    p.kill()
+    out.text()
     h.finish()
 
 
@@ -138,8 +143,9 @@ def test_an_offer_on_the_same_inode_reads_as_new(tmp_path: Path) -> None:
     s.close()
     first = arming._trusted_offer(str(offer))
     assert first is not None and arming._trusted_offer(str(offer)) == first
-    time.sleep(0.01)
-    os.chmod(offer, 0o666)  # same inode, new change time, as a socket bound anew on that inode has
+    # same inode, new change time, as a socket bound anew on that inode has (the file system's clock ticks
+    # coarser than nanoseconds: changed again until the time it stamps has moved on)
+    wait_for(lambda: os.chmod(offer, 0o666) or os.stat(offer).st_ctime_ns != first[2], what="a new change time")
     again = arming._trusted_offer(str(offer))
     assert again is not None and again[:2] == first[:2] and again != first
     offer.unlink()
@@ -189,7 +195,7 @@ def test_losses_of_one_session_are_not_reported_by_the_next(tmp_path: Path) -> N
                 p.stdin.write("burst\n")
                 p.stdin.flush()
                 assert p.stdout.readline().strip() == "burst"
-                time.sleep(0.3)  # the agent's next flush reports it
+                wait_for(lambda h=h: h.server.drops().get(f"pid{p.pid}.queue", 0), 10, "the agent reporting its losses")
             h.finish()
             losses.append(h.server.drops().get(f"pid{p.pid}.queue", 0))
         assert losses[0] >= 90 and losses[1] == 0, losses  # the burst, and other records it crowded out
@@ -262,7 +268,7 @@ def test_a_forked_worker_does_not_claim_the_gpu_backend_that_ran_in_its_parent(t
     # GPU work to lose, so the session must not say its records may be lost (seen on an H100).
     h = Harness(tmp_path)
     p = h.spawn("""
-import multiprocessing as mp, time
+import multiprocessing as mp, sys, time
 from gputrace.agent import arming
 
 class Gpu:  # runs in this process and is not fork-safe, as CuptiBackend
@@ -279,16 +285,20 @@ if __name__ == "__main__":
     arming.register_backend(Gpu())
     q = mp.get_context("fork").Process(target=work, daemon=True)
     q.start()
-    time.sleep(1.5)  # its own agent connects and says hello
+    print(q.pid, flush=True)
+    sys.stdin.readline()  # once the session has heard its own agent say hello
     q.terminate()
     q.join()
-    print(q.pid, flush=True)
-""")
+""", stdin=True)
     h.allowed.update(range(p.pid, p.pid + 2000))
-    out, err = p.communicate(timeout=30)
+    assert p.stdout is not None and p.stdin is not None
+    worker = int(p.stdout.readline())
+    wait_for(lambda: worker in h.server.heard_from(), 10, "the worker's agent saying hello")
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    _, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     recs = h.finish()
-    worker = int(out)
     assert {(a.pid, a.source) for a in of(recs, "AgentInfo")} == {(p.pid, "fakegpu")}
     peers = {s["pid"]: s for s in h.reader.meta["agent"]["peers"]}  # type: ignore[union-attr]
     assert peers[worker]["backends"] == [] and "forked from a process" in peers[worker]["unavailable"]["fakegpu"]
@@ -383,6 +393,7 @@ while time.monotonic() < end:
 """
 
 
+@pytest.mark.kernel
 def test_a_job_forking_many_short_lived_children_holds_no_offer_for_the_dead(tmp_path: Path) -> None:
     """`capture -p` of an armed service that runs a subprocess again and again: each armed child is offered the
     session while it lives, and the offer goes with it (before, every child kept a socket: EMFILE in minutes)."""

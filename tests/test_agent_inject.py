@@ -14,6 +14,8 @@ from gputrace.agent import arming
 from gputrace.daemon.attach import inject
 from gputrace.errors import UserError
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 
 def _start(argv: list[str]) -> subprocess.Popen[bytes]:
     p = subprocess.Popen(argv, stdout=subprocess.PIPE)

@@ -19,6 +19,8 @@ from gputrace.probes import procfs
 from gputrace.probes.procfs import ns_chain
 from gputrace.testing.schemas import validate
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_sim.py"
 

@@ -25,6 +25,8 @@ from gputrace.daemon.attach import symbols as elfsyms
 from gputrace.errors import PermissionDenied, UserError
 from gputrace.probes import procfs
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY311 = Path("/usr/bin/python3.11")
 PY314_ROOT = ROOT / "build" / "python3.14"

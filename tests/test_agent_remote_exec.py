@@ -23,6 +23,8 @@ from gputrace.daemon.attach import inject, nsexec
 from gputrace.errors import UserError
 from gputrace.probes import procfs
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY314_ROOT = ROOT / "build" / "python3.14"
 PY314 = PY314_ROOT / "usr" / "bin" / "python3.14"

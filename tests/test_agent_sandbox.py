@@ -30,6 +30,8 @@ from test_agent_remote_exec import CONTAINER  # its own root, pid and mount name
 from gputrace.capture import CaptureReader
 from gputrace.probes import procfs
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY314_ROOT = ROOT / "build" / "python3.14"
 PY314 = PY314_ROOT / "usr" / "bin" / "python3.14"

@@ -24,6 +24,8 @@ from gputrace.testing.perfetto_check import check_trace
 from gputrace.testing.synth import Builder, ns
 from gputrace.viewer.terminal import describe
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 sys.path.insert(0, str(SCENARIOS))
 

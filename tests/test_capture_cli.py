@@ -18,6 +18,8 @@ from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.probes import procfs
 from gputrace.records import FdInfo, ProcFork, ProcInfo, SourceStatus, Syscall
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 
 

@@ -116,6 +116,7 @@ def test_a_header_that_cannot_be_written_leaves_no_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.kernel
 def test_full_disk_keeps_whole_frames(tmp_path: Path) -> None:
     """A real full filesystem (a tiny tmpfs): the error says so, and the file keeps every whole frame."""
     mnt = tmp_path / "small"

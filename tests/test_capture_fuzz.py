@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).with_name("fuzz_capture_runner.py")
 
 
+@pytest.mark.slow
 def test_thousands_of_mutated_captures_never_escape_as_a_traceback(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(RUNNER), str(tmp_path), "23", "2000"], capture_output=True,

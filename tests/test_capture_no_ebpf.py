@@ -10,8 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from gputrace.capture import CaptureReader
 from gputrace.testing.schemas import validate
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY314 = ROOT / "build" / "python3.14" / "usr" / "bin" / "python3.14"

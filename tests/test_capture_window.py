@@ -22,6 +22,8 @@ from gputrace.daemon.session import CaptureOptions, run_capture
 from gputrace.records import ProcExec
 from gputrace.testing.synth import BASE_NS, Builder, ns
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TRAINER = 100
 

@@ -60,6 +60,7 @@ def test_bad_numbers_are_refused_before_tracing(tmp_path: Path, bad: list[str]) 
     assert not list(tmp_path.iterdir()) and time.monotonic() - t0 < 30
 
 
+@pytest.mark.kernel
 def test_thread_id_stands_for_its_process(tmp_path: Path) -> None:
     script = ("import os, sys, threading\n"
               "t = threading.Thread(target=sys.stdin.readline)\n"
@@ -97,6 +98,7 @@ def _interrupt(cap: subprocess.Popen[str], sig: int) -> str:
         cap.kill()
 
 
+@pytest.mark.kernel
 def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> None:
     cap = _loading(tmp_path, preexec_fn=_sigint_default)
     err = _interrupt(cap, signal.SIGINT)
@@ -105,6 +107,7 @@ def test_ctrl_c_while_probes_load_says_nothing_was_written(tmp_path: Path) -> No
     assert "Traceback" not in err and not list(tmp_path.iterdir())
 
 
+@pytest.mark.kernel
 def test_sigterm_while_probes_load_leaves_nothing_behind(tmp_path: Path) -> None:
     """Not the partial file, and not the command held (forked, not yet exec'd) until tracing starts."""
     cap = _loading(tmp_path)
@@ -117,6 +120,7 @@ def test_sigterm_while_probes_load_leaves_nothing_behind(tmp_path: Path) -> None
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in held), 10, "the held command to be gone")
 
 
+@pytest.mark.kernel
 def test_ctrl_c_after_tracing_names_the_written_capture(tmp_path: Path) -> None:
     cap = subprocess.Popen(GPUTRACE + ["capture", "-d", "1", "-o", "x.gputrace", "--", "sleep", "30"],
                            cwd=tmp_path, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
@@ -145,6 +149,7 @@ def test_ctrl_c_after_tracing_names_the_written_capture(tmp_path: Path) -> None:
         assert reader.complete and reader.trailer is not None and reader.trailer["stop_reason"] == "duration"
 
 
+@pytest.mark.kernel
 def test_capabilities_without_root_is_one_line(tmp_path: Path) -> None:
     """CAP_BPF + CAP_PERFMON pass the capability check, but tracefs stays root-only."""
     os.chmod(tmp_path, 0o777)
@@ -190,6 +195,7 @@ def test_dangling_symlink_at_the_output_needs_force(tmp_path: Path, capsys: pyte
     assert not out.is_symlink() and out.is_file() and not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.kernel
 def test_force_never_replaces_a_device_node_fifo_or_redirected_stdout(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     # sudo gputrace export ... --perfetto /dev/null -f used to leave a regular file where /dev/null was.
@@ -224,6 +230,7 @@ def _long_capture(path: Path, n: int = 200_000) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_export_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
     # SIGHUP: the ssh session running it closed. The partial trace (tens of MB on a real capture) must go.
@@ -253,6 +260,7 @@ def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, list[str]]:
     return out, seen.decode().replace("\r\x1b[K", "\n").replace("\r", "\n").split("\n")
 
 
+@pytest.mark.slow
 def test_long_export_and_report_show_progress_on_a_terminal_only(tmp_path: Path) -> None:
     cap = _long_capture(tmp_path / "big.gputrace", 300_000)
     out, lines = _on_a_terminal(["export", str(cap), "--perfetto", "a.pftrace"], tmp_path)
@@ -292,6 +300,7 @@ def test_unreadable_capture_says_what_it_is(tmp_path: Path, capsys: pytest.Captu
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.kernel
 def test_capture_the_user_may_not_read(tmp_path: Path) -> None:
     os.chmod(tmp_path, 0o755)
     cap = _capture(tmp_path / "a.gputrace")
@@ -455,6 +464,7 @@ def test_otlp_collector_that_never_answers_costs_one_timeout(tmp_path: Path, pro
     assert elapsed < 4.0, f"{elapsed:.1f} s: a timeout per batch"
 
 
+@pytest.mark.kernel
 def test_terminal_is_told_while_the_probes_load(tmp_path: Path) -> None:
     """Seconds pass between the start and `tracing ...`; on a terminal, capture says why at once."""
     import pty

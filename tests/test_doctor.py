@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gputrace.cli.doctor import verdict
 from gputrace.hostcheck import (
     FAIL,
@@ -22,6 +24,8 @@ from gputrace.hostcheck import (
     failed_required,
 )
 from gputrace.testing.schemas import validate
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]

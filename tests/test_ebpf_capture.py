@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 from agent_harness import wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
-from workloads.loopdev import LoopFs, loop_filesystem, write_file
+from workloads.loopdev import LoopFs, write_file
 
 from gputrace.probes import procfs
 from gputrace.probes.ebpf.syscalls import syscall_numbers
 from gputrace.records import BlockIO, OffCpu, ProcFork, Syscall, SyscallAgg
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SIZE_A, SIZE_B = 3 << 20, (2 << 20) + 40960
@@ -64,12 +66,6 @@ class Tree:
             self.proc.wait()
         os.close(self.pipe_r)
         os.close(self.pipe_w)
-
-
-@pytest.fixture
-def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
-    with loop_filesystem(tmp_path) as fs:
-        yield fs
 
 
 @pytest.fixture

@@ -195,6 +195,7 @@ def test_fds_received_forget_what_the_numbers_held_until_named() -> None:
     assert _objs(d, _sys(0, 5, 1, 4)) == [("read", "/new.bin")]
 
 
+@pytest.mark.kernel
 def test_recursion_misses_are_read_from_a_real_programs_fdinfo() -> None:
     from bcc import BPF
 

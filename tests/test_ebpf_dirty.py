@@ -16,6 +16,8 @@ from workloads.loopdev import LoopFs, dirty_limit, loop_filesystem
 
 from gputrace.records import DirtyPause, OffCpu, Syscall
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 WRITER = """
 import os, sys, time
 sys.stdin.readline()

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from workloads.ebpfcap import of, read_capture
 
 from gputrace.capture import CaptureWriter, host_header
@@ -37,6 +38,7 @@ class StalledSink(QueueSink):
         super().emit_kernel(blob, nevents)
 
 
+@pytest.mark.kernel
 def test_ring_overflow_is_counted_exactly(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", LOOP], stdin=subprocess.PIPE)
     assert proc.stdin is not None

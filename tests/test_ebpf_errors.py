@@ -14,6 +14,8 @@ from gputrace.errors import PermissionDenied, UserError
 from gputrace.probes.ebpf.source import EbpfSource, wanted_tracepoints
 from gputrace.records import ProcExit, ProcFork, SourceStatus, Syscall
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 
 def _exited_pid() -> int:
     p = subprocess.Popen(["true"])

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
 from gputrace.probes.ebpf.host import file_faults_supported
 from gputrace.records import BlockIO, FileMap, OffCpu, PageFault, Syscall
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 WORKLOADS = Path(__file__).parent / "workloads"
 MAPPED_SIZE, PLAIN_SIZE = 2 << 20, 1 << 20

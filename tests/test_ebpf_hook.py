@@ -20,6 +20,8 @@ from gputrace.probes.ebpf.host import program_skips
 from gputrace.probes.ebpf.source import EbpfSource, wanted_tracepoints
 from gputrace.records import Drops, OffCpu, SourceStatus, Syscall
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 # Reads with distinct counts (the `arg` the kernel program copies from the registers), a failed open
 # (its negative return), a path open, and getpid (not a traced syscall: it must leave no record).
 WORKLOAD = """

@@ -11,6 +11,8 @@ import pytest
 from gputrace.probes.ebpf import events, uring
 from gputrace.probes.ebpf import source as ebpf
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def bpf() -> Any:

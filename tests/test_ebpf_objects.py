@@ -14,6 +14,8 @@ from workloads.piped import PipedChild
 
 from gputrace.records import FdInfo, Syscall
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 WORKLOADS = Path(__file__).parent / "workloads"
 
 

@@ -13,6 +13,8 @@ from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.records import OffCpu
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 CHILD = """
 import os, sys, time
 os.sched_setaffinity(0, {0})

@@ -19,6 +19,8 @@ from workloads.piped import PipedChild
 from gputrace.analysis.objects import classify
 from gputrace.records import EpollEntry, Syscall
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 WORKLOAD = Path(__file__).parent / "workloads" / "readywaits.py"
 THRESHOLD_NS = 50_000
 HELD_S = 0.08  # how long the test keeps a wait waiting before it answers: what makes the wait recorded

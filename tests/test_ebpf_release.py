@@ -14,6 +14,8 @@ import pytest
 
 from gputrace.probes.ebpf.host import compile_bpf, unload, unload_in_background, wait_for_unloads
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 GOOD = b"int probe(void *ctx) { return 0; }"
 BAD = b"int probe(void *ctx) { return no_such_name; }"
 

@@ -8,11 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.capture import open_capture
 from gputrace.records import InProgress
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 # The main thread blocks reading a FIFO at once (before tracing begins); on "go" a second thread starts,
 # prints its tid and blocks reading a pipe nobody writes.

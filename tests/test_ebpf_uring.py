@@ -9,14 +9,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 from workloads import uring_reader
 from workloads.ebpfcap import ebpf_capture, of, read_capture
-from workloads.loopdev import LoopFs, loop_filesystem, write_file
+from workloads.loopdev import LoopFs, write_file
 
 from gputrace.analysis import analyze, summary_lines
 from gputrace.capture import open_capture
@@ -25,6 +24,8 @@ from gputrace.probes.ebpf import events, final, hooks, uring
 from gputrace.probes.ebpf.host import uring_supported
 from gputrace.records import BlockIO, Drops, InProgress, IoUringRequest, OffCpu, Syscall, SyscallAgg
 from gputrace.testing.perfetto_check import check_trace
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SIZE, CHUNK, DEPTH = (3 << 20) + 4096, 1 << 20, 2
@@ -67,12 +68,6 @@ class Reader:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-@pytest.fixture
-def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
-    with loop_filesystem(tmp_path) as fs:
-        yield fs
 
 
 @pytest.mark.parametrize("hook", ["raw", "classic"])

@@ -6,8 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gputrace.capture import CaptureReader
 from gputrace.records import OffCpu
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 HANDOFF = Path(__file__).parent / "workloads" / "handoff.py"
 

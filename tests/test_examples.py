@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_torch.py"
 
 
@@ -18,6 +20,7 @@ def run(tmp_path: Path, *args: str, device: str = "cpu") -> subprocess.Completed
                           capture_output=True, text=True, timeout=180)  # fmt: skip
 
 
+@pytest.mark.kernel  # PyTorch
 def test_the_torch_example_trains_on_the_cpu_with_a_slow_worker_and_cold_reads(tmp_path: Path) -> None:
     r = run(tmp_path, "--steps", "4", "--batch", "16", "--slow-worker", "1", "--slow-ms", "40", "--cold")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -35,6 +38,7 @@ def test_the_torch_example_refuses_a_slow_worker_it_does_not_have(tmp_path: Path
     assert r.returncode == 2 and "--slow-worker must name one of the --workers" in r.stderr
 
 
+@pytest.mark.kernel  # PyTorch
 def test_the_torch_example_runs_its_device_work_on_the_simulated_gpu_and_logs_each_step(tmp_path: Path) -> None:
     log = tmp_path / "steps.json"
     # 4 batches an epoch: the persistent workers go on into a second one

@@ -29,6 +29,8 @@ from workloads.loopdev import loop_filesystem, write_file
 from gputrace.exporters.otlp import collective_trace_id
 from gputrace.testing.schemas import validate
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 HERE = Path(__file__).resolve().parent
 RANK = HERE / "workloads" / "sim_rank.py"
 GPUTRACE = [sys.executable, "-m", "gputrace"]

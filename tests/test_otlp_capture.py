@@ -20,6 +20,8 @@ from otlp_receiver import Receiver, grpc_receiver
 from gputrace.capture import open_capture
 from gputrace.testing.synth import Builder, ns
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 TRAINER, WORKER = 100, 200
 PATH = "/data/shard-0042.bin"
 

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from workloads.loopdev import small_tmpfs
 
 from gputrace.testing.synth import Builder
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TRAINER = 100

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from gputrace.probes.ebpf import overlay
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 MOUNTINFO = "\n".join([
     "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw",

@@ -550,6 +550,7 @@ print(tracemalloc.get_traced_memory()[1])
 """
 
 
+@pytest.mark.slow
 def test_sample_state_is_bounded_by_stacks_not_samples(tmp_path: Path) -> None:
     def peak(n: int) -> int:
         """In an interpreter of its own: tracemalloc counts every thread's allocations, and threads other

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_sampler import HOT, Spinner, sampled, spin  # noqa: F401  (spin: the fixture building the C workload)
 
 from gputrace.capture import CaptureReader
 from gputrace.exporters.perfetto.export import PerfettoExporter
 from gputrace.records import BlockIO, InProgress, OffCpu, PageFault, StackFrames, StackSample, Syscall
 from gputrace.testing.perfetto_check import check_trace
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 WORKLOAD = r"""
 import mmap, os, sys, threading, time

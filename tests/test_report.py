@@ -132,6 +132,7 @@ def test_json_goes_out_in_few_writes_on_an_unbuffered_stdout(tmp_path: Path, mon
     assert writes < 20, f"{writes} write() calls for {out.stat().st_size:,} bytes"
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("unbuffered", ["", "1"])
 def test_json_cut_by_a_full_disk_is_told(tmp_path: Path, unbuffered: str) -> None:
     """`report --json > r.json` where the disk fills up part way (a real 64 KiB tmpfs): an unbuffered stdout

@@ -31,6 +31,8 @@ from gputrace.probes.sampler import BPF_DIR, SampleEvent, StackSampler, clean_na
 from gputrace.records import Drops, StackFrames, StackSample
 from gputrace.testing.synth import Builder
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 HERE = Path(__file__).resolve().parent
 SPIN_C = HERE / "workloads" / "spin.c"
 HOT = "decode_jpeg_block"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_harness import wait_for
+from waiting import LineLog, connectable, wait_for
 
 from gputrace.capture import CaptureReader
 from gputrace.daemon.service.auth import authorize
@@ -31,6 +31,8 @@ from gputrace.daemon.service.protocol import ProtocolError, recv_frame, send_fra
 from gputrace.errors import UserError
 from gputrace.pidfds import close_pidfds
 from gputrace.records import SourceStatus
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -43,12 +45,21 @@ class Svc:
         self.state = base / "state"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gputrace", "daemon", "--socket", str(self.sock), "--state-dir", str(self.state),
-             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        deadline = time.monotonic() + 30
-        while not self.sock.exists():
-            assert self.proc.poll() is None, self.proc.communicate()
-            assert time.monotonic() < deadline, "service did not start"
-            time.sleep(0.02)
+             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.proc.stderr is not None
+        self.log = LineLog(self.proc.stderr)  # read as it comes: the test waits for lines, the pipe never fills
+        connectable(self.sock, 30, alive=lambda: self.proc.poll() is None)
+
+    def stop(self, timeout_s: float = 60, *, kill: bool = False) -> str:
+        """End the service (SIGTERM, or SIGKILL) and wait for it; everything it wrote to stderr."""
+        if self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+        self.proc.wait(timeout=timeout_s)
+        return self.log.text()
+
+    def tracing(self, job_id: int) -> None:
+        """Until job ``job_id``'s capture has every source attached (what it says in the service's log)."""
+        self.log.wait_line(f"job {job_id}: gputrace: tracing ", 60)
 
     def raw(self, payload: bytes) -> dict[str, Any]:
         """Send raw bytes; the reply (a refusal is a reply too)."""
@@ -87,9 +98,7 @@ def running_service(prefix: str, *extra: str) -> Iterator[Svc]:
     try:
         yield service
     finally:
-        if service.proc.poll() is None:
-            service.proc.terminate()
-            service.proc.communicate(timeout=90)
+        service.stop(90)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -409,7 +418,7 @@ def test_stop_ends_a_capture_early(svc: Svc) -> None:
     try:
         started = svc.ask({"op": "capture", "pids": [child.pid], "duration_s": 60, "name": "stopped"})
         job_id = started["job"]["id"]
-        time.sleep(0.5)
+        svc.tracing(job_id)
         t0 = time.monotonic()
         r = svc.client("stop", str(job_id))
         assert r.returncode == 0, r.stderr
@@ -430,7 +439,8 @@ def test_ctrl_c_on_a_waiting_client_stops_the_job_and_reports_it(svc: Svc) -> No
                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
         assert client.stderr is not None
         assert "capturing pids" in client.stderr.readline()
-        time.sleep(1.0)
+        [job] = [j for j in svc.ask({"op": "list"})["jobs"] if j["name"].startswith("interrupted")]
+        svc.tracing(job["id"])
         client.send_signal(signal.SIGINT)
         out, err = client.communicate(timeout=60)
     finally:
@@ -449,12 +459,11 @@ def test_two_captures_starting_at_once_both_finish(tmp_path: Path) -> None:
         ids = [service.ask({"op": "capture", "pids": [c.pid], "duration_s": 1, "name": f"twin{i}"})["job"]["id"]
                for i, c in enumerate(children)]
         jobs = [_wait_job(service, job_id, 90) for job_id in ids]
-        assert service.proc.poll() is None, service.proc.communicate()[1][-2000:]
+        assert service.proc.poll() is None, service.log.text()[-2000:]
     finally:
         for c in children:
             c.kill()
-        service.proc.terminate()
-        service.proc.communicate(timeout=90)
+        service.stop(90)
     assert [j["state"] for j in jobs] == ["done", "done"], jobs
     assert all((service.state / "0" / f"twin{i}.gputrace").exists() for i in range(2))
 
@@ -496,8 +505,7 @@ def test_the_client_shows_why_a_capture_ended_and_what_it_said(tmp_path: Path) -
         listed = service.client("list")
     finally:
         child.kill()
-        service.proc.terminate()
-        service.proc.communicate(timeout=90)
+        service.stop(90)
     assert client.returncode == 0, err
     assert f"GPU agent of pid {child.pid}: injected (ptrace" in err and "tracing cost: " in err, err
     assert "job 1: done" in out and "ended by Ctrl-C, SIGTERM or a stop request" in out, out
@@ -530,8 +538,7 @@ def test_listens_on_unix_sockets_only(svc: Svc) -> None:
 
 def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     service = Svc(tmp_path)
-    service.proc.terminate()
-    out, err = service.proc.communicate(timeout=60)
+    err = service.stop(60)
     assert service.proc.returncode == 0, err
     assert "gputraced stopped" in err and not service.sock.exists()
 
@@ -569,8 +576,9 @@ def test_silent_and_excess_connections_are_cut_off(tmp_path: Path) -> None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(str(service.sock))
             idle.append(s)
-        time.sleep(0.2)
-        assert service.raw(_frame(b'{"op": "status"}'))["error"].startswith("busy")
+        # every slot taken once the service has accepted the 32 (a status asked before then is answered)
+        busy = wait_for(lambda: service.raw(_frame(b'{"op": "status"}')).get("error", ""), 10, "the service busy")
+        assert busy.startswith("busy"), busy
         idle[0].settimeout(5)
         assert (recv_frame(idle[0], 1 << 20) or {}).get("error") == "request not received in time"
         for s in idle:
@@ -580,8 +588,7 @@ def test_silent_and_excess_connections_are_cut_off(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "slots were not freed"
             time.sleep(0.1)
     finally:
-        service.proc.terminate()
-        service.proc.communicate(timeout=60)
+        service.stop(60)
 
 
 HOLD_CONNECTIONS = """
@@ -632,8 +639,7 @@ def test_a_request_dripped_slowly_is_cut_off_at_the_deadline(tmp_path: Path) -> 
             reply = recv_frame(s, 1 << 20)
             waited = time.monotonic() - t0
     finally:
-        service.proc.terminate()
-        service.proc.communicate(timeout=60)
+        service.stop(60)
     assert reply == {"ok": False, "error": "request not received in time"}, reply
     assert waited < 3, f"cut off after {waited:.1f} s, not at the 1 s deadline"
 
@@ -663,8 +669,7 @@ def test_service_sends_each_capture_to_an_otlp_collector(tmp_path: Path) -> None
         job = _wait_job(service, reply["job"]["id"])
     finally:
         child.kill()
-        service.proc.terminate()
-        service.proc.communicate(timeout=60)
+        service.stop(60)
         server.stop(None)
     assert job["state"] == "done", job
     assert job["otlp"] == {"sent": len(received), "dropped": 0} and "gputrace capture" in received
@@ -776,16 +781,14 @@ def test_a_capture_cut_off_by_a_killed_service_is_handed_over_at_its_next_start(
         staging = service.state / ".staging"
         wait_for(lambda: any(f.stat().st_size > 4096 for d in staging.iterdir() for f in d.iterdir()), 30,
                  "the capture to write its first records")
-        service.proc.kill()
-        service.proc.communicate(timeout=30)
+        service.stop(30, kill=True)
         [left] = [f for d in staging.iterdir() for f in d.iterdir()]
         assert left.name.endswith(".partial"), left
         service.sock.unlink()  # left by the killed service: wait for the new one's
         service = Svc(base, "--request-timeout-s", "30")  # the same state directory
     finally:
         child.kill()
-        service.proc.terminate()
-        _, err = service.proc.communicate(timeout=90)
+        err = service.stop(90)
     try:
         cap = service.state / "65534" / "crash.cut-off.gputrace"
         st = cap.stat()

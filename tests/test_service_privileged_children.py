@@ -25,6 +25,8 @@ from gputrace.probes.ebpf import btf, events
 from gputrace.probes.ebpf import owner as ebpf_owner
 from gputrace.records import ProcLeftOut
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 # Records that say what a process did: none may come from a left-out process after it was left out.
 TIMED = {"Syscall": "end_ns", "OffCpu": "end_ns", "BlockIO": "issue_ns", "PageFault": "end_ns",
          "InProgress": "at_ns", "StackSample": "ts", "FileMap": "ts", "FdInfo": "ts", "ProcExec": "ts",

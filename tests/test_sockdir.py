@@ -18,6 +18,8 @@ import pytest
 
 from gputrace.daemon.agents.sockdir import MODE, make_socket_dir, remove_stale_socket_dirs
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TMP = Path(tempfile.gettempdir())
 

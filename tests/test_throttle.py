@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_analysis import TRAINER, only_stall, run, trainer
 from workloads.cpu_cgroup import CPU, SPINNER, cpu_cgroup
 
@@ -147,6 +148,7 @@ def test_a_process_that_exits_is_dropped_and_a_removed_group_is_no_error(tmp_pat
     assert not [r for r in sink.of(CpuThrottle) if r.error], sink.records
 
 
+@pytest.mark.kernel
 def test_v1_throttling_of_a_real_process_is_recorded(tmp_path: Path) -> None:
     """A process in a real v1 cpu group allowed 20 ms per 100 ms, using CPU until the kernel throttled it twice:
     its membership, the group's quota and the throttled time the kernel counted, in samples that bound each
@@ -236,3 +238,18 @@ def test_an_unreadable_cgroup_file_leaves_the_wait_a_run_queue_wait_and_says_why
     note = [line for line in summary_lines(r) if "cgroup" in line]
     assert note == [f"note: cpu cgroup files could not be read ({CONTAINER}: {why}): waits for a CPU of the "
                     "processes in them stay cpu.runqueue, not checked for CPU quota throttling"], summary_lines(r)
+
+
+def test_a_late_sampler_window_holds_each_throttled_period_and_a_member_recorded_late(tmp_path: Path) -> None:
+    """A sampler kept off the CPU by a busy host: one window of the group's counters holds two throttled
+    periods, and the process was first recorded in the group during the first wait. Both runnable waits are
+    the group's throttles, not one of them and a run-queue wait."""
+    b = trainer().offcpu(TRAINER, TRAINER, 11.0, 24.0, "R").offcpu(TRAINER, TRAINER, 26.0, 38.0, "R")
+    b.cpu_cgroup(TRAINER, 20.0, CONTAINER)
+    b.throttle(CONTAINER, 2.0, 0.0, 500.0, 10).throttle(CONTAINER, 39.0, 5.0, 525.0, 12)
+    s = only_stall(run(b, tmp_path))
+    parts: dict[str, int] = {}
+    for p in s["breakdown"]:
+        parts[p["cause"]] = parts.get(p["cause"], 0) + p["ns"]
+    assert s["cause"] == "cpu.throttled" and parts["cpu.throttled"] == ns(24) - ns(11) + ns(38) - ns(26), parts
+    assert "cpu.runqueue" not in parts, s["breakdown"]

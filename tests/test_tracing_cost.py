@@ -9,9 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gputrace.capture import CaptureReader
 from gputrace.probes.ebpf.bpfstats import SYSCTL, RunStats, fdinfo_fields
 from gputrace.records import TracingCost
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_sim.py"

@@ -26,6 +26,8 @@ from workloads.piped import PipedChild
 from gputrace.probes.uprobes import SYMBOLS, UprobeEvent, UprobeSource, find_library, program_text, visible_path
 from gputrace.records import CudaApi, SourceStatus
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 MS = 1_000_000
 # symbol → (sleep in µs, CUresult returned)
 FUNCS = {

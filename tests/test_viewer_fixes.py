@@ -283,6 +283,7 @@ def test_a_cut_off_capture_does_not_claim_no_drops(tmp_path: Path) -> None:
     assert "\ndrops: none\n" in outs["whole.gputrace"]
 
 
+@pytest.mark.kernel
 def test_a_full_temporary_directory_is_a_clear_error(tmp_path: Path) -> None:
     """A capture is exported under TMPDIR before it is served: a full one (a real 64 KiB tmpfs here) is named,
     with where else to write the trace, not taken for a failing stdout."""

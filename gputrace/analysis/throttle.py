@@ -15,9 +15,12 @@ thread's throttle, for at most ``D``: every runnable thread of a throttled group
 share a CPU's run queue share one throttle, which the group counts once (a throttle on each CPU the group ran
 on adds its own time, so ``D`` bounds each thread's share, not their sum). The throttled part of a wait
 is taken from its start: the thread left the CPU when throttled (or was woken into a throttled group), and
-what is left after ``D`` is time it waited for a CPU once let run again (``cpu.runqueue``). The process's
-cgroup is the one last recorded for it when the wait began; a process never recorded in the cgroup, a cgroup
-whose files could not be read, or a window without a sample before it, leave the waits run-queue waits.
+what is left after ``D`` is time it waited for a CPU once let run again (``cpu.runqueue``). A window whose
+group was throttled in ``n`` periods (the sampler ran late: a busy host) holds up to ``n`` waits of each
+thread. The process's cgroup is the one last recorded for it when the wait began, or, for a wait before its
+first record, that record where it came before the wait ended (a process is recorded in its group only once
+the sampler has seen it there); a process never recorded in the cgroup, a cgroup whose files could not be
+read, or a window without a sample before it, leave the waits run-queue waits.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class Throttles:
                 spans_by_tid: dict[int, dict[int, Throttled]]) -> None:
         """Give the longest runnable wait of each thread of the group up to the window's throttled time."""
         lo, hi = w.start_ns - w.throttled_ns, w.end_ns
-        best: list[tuple[int, int, OffCpu]] = []
+        best: list[list[tuple[int, int, OffCpu]]] = []  # per thread: the waits taken, by start
         for pid, rows in members.items():
             for tid in threads.get(pid, ()):
                 index = self.cap.offcpu.get(tid)
@@ -108,16 +111,20 @@ class Throttles:
                 # reaped, after the throttle that held it)
                 waits = [(o.end_ns - wait_start(o), tid, o) for o in (index.overlapping(lo, hi) if index else ())
                          if runnable_wait(o) and o.end_ns > w.start_ns - UPDATE_SLACK_NS
-                         and _inside(cgroup_at(rows, wait_start(o)), w.path)]
-                if waits:  # a wait the window's throttle ended ends in the window; one ending later, only if none
-                    best.append(max(waits, key=lambda x: (x[2].end_ns <= hi, x[0])))
-        for length, tid, o in best:
-            spans = spans_by_tid.setdefault(tid, {})
-            start = wait_start(o)
-            t = spans.get(start)
-            ns = min(length - (t.ns if t else 0), w.throttled_ns)
-            if ns > 0:
-                spans[start] = Throttled(start, o.end_ns, (t.ns if t else 0) + ns, w)
+                         and _inside(cgroup_of(rows, wait_start(o), o.end_ns), w.path)]
+                # waits the window's throttles ended end in the window; ones ending later, only if too few do
+                waits.sort(key=lambda x: (x[2].end_ns <= hi, x[0]), reverse=True)
+                best.append(sorted(waits[: max(w.nr_throttled, 1)], key=lambda x: wait_start(x[2])))
+        for chosen in best:
+            left = w.throttled_ns  # each thread's share of the window's throttled time
+            for length, tid, o in chosen:
+                spans = spans_by_tid.setdefault(tid, {})
+                start = wait_start(o)
+                t = spans.get(start)
+                ns = min(length - (t.ns if t else 0), left)
+                if ns > 0:
+                    spans[start] = Throttled(start, o.end_ns, (t.ns if t else 0) + ns, w)
+                    left -= ns
 
     def split(self, tid: int, waits: list[Wait]) -> Split:
         """How much of the waits [(o, a, b)] of ``tid`` for a CPU was its cgroup's throttle."""
@@ -227,6 +234,15 @@ def cgroup_at(rows: list[tuple[int, str]], t: int) -> str:
     """The cgroup last recorded at or before ``t``; "" when none was."""
     i = bisect_right(rows, (t, "\U0010ffff")) - 1
     return rows[i][1] if i >= 0 else ""
+
+
+def cgroup_of(rows: list[tuple[int, str]], start: int, end: int) -> str:
+    """The cgroup of a process for a wait over [start, end): the one recorded when it began, or, before the
+    process's first record, that record's where it was made before the wait ended; "" when neither."""
+    at = cgroup_at(rows, start)
+    if at or not rows or (rows[0][0] <= start):
+        return at
+    return rows[0][1] if rows[0][0] <= end else ""
 
 
 def _inside(path: str, group: str) -> bool:

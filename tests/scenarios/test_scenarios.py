@@ -15,6 +15,8 @@ from typing import Any
 import harness
 import pytest
 
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
 
 def _check_details(name: str, report: dict[str, Any]) -> None:
     """What each mechanism must leave in the report beyond cause and culprit."""

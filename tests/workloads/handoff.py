@@ -1,5 +1,8 @@
 """Two threads hand a semaphore back and forth: the main thread waits ROUNDS times, each wait ended by the
-releaser thread, which sleeps SLEEP_MS before each release (a timer wakes it).
+releaser thread, which sleeps SLEEP_MS before each release (a timer wakes it). The releaser starts its sleep
+only once the main thread has reached that round's wait and sleeps in the kernel, so every round is a wait
+of at least SLEEP_MS however late a loaded machine runs the main thread (else two releases could meet one
+wait, and a round would not block at all).
 
     python handoff.py [ROUNDS] [SLEEP_MS] [--gate]
 
@@ -21,18 +24,29 @@ def main(argv: list[str]) -> None:
     if gate:
         sys.stdin.readline()
     sem = threading.Semaphore(0)
+    main_tid = threading.get_native_id()
+    reached = [-1]  # the round whose wait the main thread has reached
 
     def release() -> None:
-        for _ in range(rounds):
+        for i in range(rounds):
+            while not (reached[0] == i and _sleeping(main_tid)):
+                time.sleep(0.001)
             time.sleep(sleep_s)
             sem.release()
 
     t = threading.Thread(target=release)
     t.start()
-    for _ in range(rounds):
+    for i in range(rounds):
+        reached[0] = i
         sem.acquire()
     t.join()
-    print(threading.get_native_id(), t.native_id, flush=True)
+    print(main_tid, t.native_id, flush=True)
+
+
+def _sleeping(tid: int) -> bool:
+    """Whether thread ``tid`` of this process sleeps (state S in /proc)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
 
 
 if __name__ == "__main__":

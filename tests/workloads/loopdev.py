@@ -1,6 +1,6 @@
 """A real ext4 filesystem on a loop device, for tests that need real block I/O.
 
-Use the ``loopfs`` fixture (``from workloads.loopdev import loopfs``) or ``loop_filesystem(dir)``. Files
+Tests take the ``loopfs`` fixture (tests/conftest.py) or use ``loop_filesystem(dir)``. Files
 written with ``write_file`` and dropped with ``drop_cache`` are read from the device, not the page cache.
 Needs root (losetup, mount).
 """
@@ -13,8 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 
 @dataclass(frozen=True)
@@ -50,14 +48,6 @@ def loop_filesystem(workdir: Path, size_mib: int = 64) -> Iterator[LoopFs]:
             subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
     finally:
         subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
-
-
-@pytest.fixture
-def loopfs(tmp_path: Path) -> Iterator[LoopFs]:
-    if os.geteuid() != 0:
-        pytest.fail("loop-device tests run as root (losetup, mount)")
-    with loop_filesystem(tmp_path) as fs:
-        yield fs
 
 
 def write_file(path: Path, nbytes: int) -> Path:
