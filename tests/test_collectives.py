@@ -52,6 +52,7 @@ def _one_rank(tmp_path: Path) -> list[CollectiveCall]:
     return [CollectiveCall(*r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
+@pytest.mark.kernel  # PyTorch
 def test_the_wrapper_records_each_collective_with_its_identity(tmp_path: Path) -> None:
     calls = _one_rank(tmp_path)
     assert [c.name for c in calls] == ["all_reduce", "broadcast", "all_gather_into_tensor", "barrier", "all_reduce",
@@ -127,6 +128,7 @@ while True:
 """
 
 
+@pytest.mark.kernel  # PyTorch, ptrace and a capture, as root
 def test_an_agent_injected_into_a_running_job_wraps_its_collectives(tmp_path: Path) -> None:
     """``capture -p``: the agent arms in a process that imported torch.distributed long before, wraps its
     collectives then, and numbers them as the group does (PyTorch's count, not one from the attach)."""

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["gputrace"]  # daemon, probes, exporters and viewer through its links to them
+# Caches outside the tree, one per user: the suite also runs unprivileged on a tree it cannot write.
+CACHE = Path(tempfile.gettempdir()) / f"gputrace-lint-{os.getuid()}"
 
 
 def test_ruff() -> None:
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--cache-dir", str(CACHE / "ruff"), "."], cwd=ROOT,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_mypy() -> None:
-    r = subprocess.run([sys.executable, "-m", "mypy", *PACKAGES], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(CACHE / "mypy"), *PACKAGES], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -30,6 +30,8 @@ from workloads.loopdev import loop_filesystem, write_file
 
 from gputrace.exporters.otlp import collective_trace_id
 
+pytestmark = pytest.mark.kernel  # network namespaces, a loop device and eBPF captures, as root
+
 HERE = Path(__file__).resolve().parent
 RANK = HERE / "workloads" / "gloo_rank.py"
 STEPS = 5

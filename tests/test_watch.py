@@ -36,6 +36,8 @@ BLKIO = Path("/sys/fs/cgroup/blkio")
 JOB = """
 import os, sys, time
 from gputrace.sim import Device
+
+pytestmark = pytest.mark.kernel  # gputraced watching real jobs: eBPF captures, loop devices, setpriv, as root
 secs, kernel_ms, sleep_ms = (float(a) for a in sys.argv[1:4])
 slow, go = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else ("", "")
 s = Device(0).stream()
