@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workloads.loopdev import loopfs, write_file
+from workloads.loopdev import LoopFs, write_file
 
 from gputrace.agent import arming
 from gputrace.capture import CaptureReader
 from gputrace.daemon.service.protocol import recv_frame, send_frame
 
-__all__ = ["loopfs"]  # the fixture, used by name
+pytestmark = pytest.mark.kernel  # gputraced watching real jobs: eBPF captures, loop devices, setpriv, as root
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -37,7 +37,6 @@ JOB = """
 import os, sys, time
 from gputrace.sim import Device
 
-pytestmark = pytest.mark.kernel  # gputraced watching real jobs: eBPF captures, loop devices, setpriv, as root
 secs, kernel_ms, sleep_ms = (float(a) for a in sys.argv[1:4])
 slow, go = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else ("", "")
 s = Device(0).stream()
@@ -237,7 +236,7 @@ def test_dump_by_pid_is_for_the_jobs_owner() -> None:
             assert reader.header["flight"]["trigger"]["kind"] == "request"
 
 
-def test_a_job_that_starts_reading_a_slow_file_is_dumped_naming_it(loopfs: Any) -> None:
+def test_a_job_that_starts_reading_a_slow_file_is_dumped_naming_it(loopfs: LoopFs) -> None:
     slow = write_file(loopfs.mountpoint / "shard-slow.bin", 8 << 20)
     go = loopfs.mountpoint / "go"
     group = BLKIO / f"gputrace-watch-{os.getpid()}"
