@@ -30,7 +30,7 @@ from gputrace.daemon.writer import QueueSink
 from gputrace.documents import Report
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
-from gputrace.signals import on_signals
+from gputrace.signals import held, on_signals
 
 Log = Callable[[str], None]
 
@@ -172,7 +172,8 @@ class _Session:
         }
         self._yield_to_the_job()
         make_writer = self.opts.make_writer or CaptureWriter
-        self.writer = make_writer(self.output, header, force=self.opts.force, budget=self.opts.budget)
+        with held():  # a stop signal lands once self.writer names the partial file, so the abort removes it
+            self.writer = make_writer(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
         self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)

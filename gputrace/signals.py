@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 # Stop signals this process was started with ignored (a job started in the background by a script, nohup),
 # read when this module is first imported, before any handler of ours: a command we launch gets them back.
@@ -28,3 +31,14 @@ def on_signals(sigs: Sequence[int], handler: Callable[[int, Any], None]) -> Call
             signal.signal(sig, old)
 
     return restore
+
+
+@contextmanager
+def held(sigs: Sequence[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Stop signals held inside the block and delivered as it ends: for a step that must not be cut between
+    making a file and recording where the cleanup will find it (a handler that raises would leave it behind)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +84,7 @@ from gputrace.records import (
     ThreadInfo,
     TracingCost,
 )
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # the CLI stops on these (gputrace.signals)
+from gputrace.signals import held
 
 if TYPE_CHECKING:
     from gputrace.analysis.join import Joined
@@ -183,17 +181,13 @@ class PerfettoExporter:
 
     def _to_file(self, body: Callable[[PacketSink], list[str]]) -> ExportResult:
         tmp = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.partial")
-        # A stop signal (its handler raises) must not land between the file's creation and the cleanup below
-        # being armed: held until then, it is delivered inside the try.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        f = None
         try:
-            fd = _create_new(tmp, self.out_path)
-            f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
-        except BaseException:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            raise
-        try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            # A stop signal (its handler raises) must not land between the file's creation and ``f`` naming it:
+            # held until then, it is delivered here, inside the try that removes the file.
+            with held():
+                fd = _create_new(tmp, self.out_path)
+                f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
             sink = PacketSink(_Named(f, self.out_path))
             notes = body(sink)
             with _writing(self.out_path):
@@ -202,9 +196,10 @@ class PerfettoExporter:
                 f.close()
                 os.replace(tmp, self.out_path)
         except BaseException:
-            with contextlib.suppress(OSError):  # flushing the rest fails again: the first error is the one told
-                f.close()
-            tmp.unlink(missing_ok=True)
+            if f is not None:  # else the file is not ours (it existed) or was never made
+                with contextlib.suppress(OSError):  # flushing the rest fails again: the first error is the one told
+                    f.close()
+                tmp.unlink(missing_ok=True)
             raise
         return ExportResult(target=str(self.out_path), items=sink.count, notes=notes)
 
