@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from otlp_receiver import grpc_metrics_receiver, http_metrics_receiver
 from workloads.loopdev import loopfs, write_file
 
 from gputrace.agent import arming
@@ -200,6 +201,51 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
                 kinds = {type(r).__name__ for r in reader.records()}
                 assert reader.complete, reader.problem
             assert {"GpuDevice", "ProcInfo"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
+    receiving = grpc_metrics_receiver if protocol == "grpc" else http_metrics_receiver
+    with receiving() as (receiver, port), watch_service("--otlp", f"127.0.0.1:{port}", "--otlp-protocol", protocol,
+                                                        "--otlp-metrics-s", "1") as svc:
+        job = svc.job("60", "10", "10")
+        pid = str(job.pid)
+        try:
+            wait_until("the job measured", lambda: (j := svc.watched(job.pid)) and j["segments"] >= 4
+                       and j["busy_ratio"] is not None, timeout=90)
+
+            def measured(name: str, **labels: str) -> list[float]:
+                return [v for attrs, v in receiver.points(name) if attrs.get("pid") == pid
+                        and all(attrs.get(k) == want for k, want in labels.items())]
+
+            def arrived() -> bool:  # an export after the status above: the figures of 4 segments or more
+                return bool(measured("gputrace_gpu_busy_seconds_total", device="0")
+                            and measured("gputrace_stall_seconds_total", cause="sleep"))
+
+            with receiver.arrived:
+                receiver.arrived.wait_for(lambda: len(receiver.requests) > 0 and arrived(), timeout=60)
+            assert arrived(), receiver.requests[-1:] if receiver.requests else "no request arrived"
+            [busy] = measured("gputrace_gpu_busy_ratio", device="0")
+            [sleep] = measured("gputrace_stall_seconds_total", cause="sleep")
+            [ran] = measured("gputrace_gpu_busy_seconds_total", device="0")
+            assert 0.3 <= busy <= 0.6, busy  # 10 ms kernels, 10 ms sleeps
+            assert ran >= 1.0 and 0.5 * ran <= sleep <= 1.5 * ran, (sleep, ran)
+            request = receiver.requests[-1]
+            resource = {kv.key: kv.value.string_value for rm in request.resource_metrics
+                        for kv in rm.resource.attributes}
+            assert resource["service.name"] == "gputraced", resource
+            kinds = {m.name: (m.WhichOneof("data"), m.unit) for rm in request.resource_metrics
+                     for sm in rm.scope_metrics for m in sm.metrics}
+            assert kinds["gputrace_stall_seconds_total"] == ("sum", "s"), kinds
+            assert kinds["gputrace_gpu_busy_ratio"] == ("gauge", "1"), kinds
+            otlp = svc.ask({"op": "status"})["watch"]["otlp"]
+            assert otlp["exports"] >= 1 and otlp["failed"] == 0, otlp
+        finally:
+            _kill(job)
+        svc.stop()
+        text = svc.metrics.read_text()  # the textfile has the same figures, from the same tally
+        last = _metric(text, "gputrace_stall_seconds_total", pid=pid, cause="sleep")
+        assert last is not None and last >= sleep, (last, sleep)
 
 
 def test_dump_by_pid_is_for_the_jobs_owner() -> None:
