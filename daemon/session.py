@@ -58,7 +58,7 @@ class Pacing:
 
 
 WATCH_PACING = Pacing(wait_s=0.5, ring_poll_ms=250, uprobe_poll_ms=500, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
-                      agent_flush_ms=1000)
+                      agent_flush_ms=250)
 
 
 @dataclass

@@ -164,9 +164,10 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
                            lambda p=p: (j := svc.watched(p.pid)) and j["state"] == "watching" and
                            j["busy_ratio"] is not None and j["segments"] >= 3, timeout=90)
 
-            def all_measured() -> str:  # the file is rewritten once the analysis that status shows is done
+            def all_measured() -> str:  # every job with a second of GPU work or more in the file
                 text = svc.metrics.read_text() if svc.metrics.exists() else ""
                 ok = all(_metric(text, "gputrace_gpu_busy_ratio", pid=str(p.pid), device="0") is not None
+                         and (_metric(text, "gputrace_gpu_busy_seconds_total", pid=str(p.pid), device="0") or 0) >= 1
                          for p in jobs)
                 return text if ok else ""
 
@@ -218,9 +219,9 @@ def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
                 return [v for attrs, v in receiver.points(name) if attrs.get("pid") == pid
                         and all(attrs.get(k) == want for k, want in labels.items())]
 
-            def arrived() -> bool:  # an export after the status above: the figures of 4 segments or more
-                return bool(measured("gputrace_gpu_busy_seconds_total", device="0")
-                            and measured("gputrace_stall_seconds_total", cause="sleep"))
+            def arrived() -> bool:  # an export of the figures of a second of GPU work or more
+                return sum(measured("gputrace_gpu_busy_seconds_total", device="0")) >= 1.0 and bool(
+                    measured("gputrace_stall_seconds_total", cause="sleep"))
 
             with receiver.arrived:
                 receiver.arrived.wait_for(lambda: len(receiver.requests) > 0 and arrived(), timeout=60)
@@ -229,7 +230,7 @@ def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
             [sleep] = measured("gputrace_stall_seconds_total", cause="sleep")
             [ran] = measured("gputrace_gpu_busy_seconds_total", device="0")
             assert 0.3 <= busy <= 0.6, busy  # 10 ms kernels, 10 ms sleeps
-            assert ran >= 1.0 and 0.5 * ran <= sleep <= 1.5 * ran, (sleep, ran)
+            assert 0.5 * ran <= sleep <= 1.5 * ran, (sleep, ran)
             request = receiver.requests[-1]
             resource = {kv.key: kv.value.string_value for rm in request.resource_metrics
                         for kv in rm.resource.attributes}
