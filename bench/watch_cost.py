@@ -165,8 +165,10 @@ def run_state(label: str, args: argparse.Namespace, work: Path, env: dict[str, s
         if profile is not None:
             svc.proc.send_signal(signal.SIGUSR2)
         s0, j0, c0, t0 = cpu_s(svc.proc.pid), sum(cpu_s(p) for p in pids), _traced(svc, pids), time.monotonic()
+        p0 = _probes(svc, pids)
         time.sleep(args.seconds)
         s1, j1, c1, t1 = cpu_s(svc.proc.pid), sum(cpu_s(p) for p in pids), _traced(svc, pids), time.monotonic()
+        p1 = _probes(svc, pids)
         status = svc.status()
         rss = rss_mb(svc.proc.pid)
     finally:
@@ -175,7 +177,8 @@ def run_state(label: str, args: argparse.Namespace, work: Path, env: dict[str, s
         shutil.rmtree(base, ignore_errors=True)
     host = (t1 - t0) * CPUS
     out = {"state": label, "service_cpu": (s1 - s0) / host, "tracing_cpu": (c1 - c0) / host if c0 is not None
-           and c1 is not None else None, "job_cpu": (j1 - j0) / host, "rss_mb": rss, "cost": status["cost"]}
+           and c1 is not None else None, "job_cpu": (j1 - j0) / host, "rss_mb": rss, "cost": status["cost"],
+           "probes_per_job": {k: (p1[k] - p0[k]) / len(pids) / (t1 - t0) for k in p0 if k in p1}}
     if profile is not None and profile.exists():
         out["profile"] = profile.read_text()
     if "Traceback" in log:
@@ -195,6 +198,14 @@ def _rss(rss: dict[str, float] | None) -> str:
     return f"{rss['VmRSS']:.0f} ({rss['RssAnon']:.0f})" if rss else "-"
 
 
+def _probes(svc: Service, pids: list[int]) -> dict[str, float]:
+    """The jobs' kernel programs so far, all jobs together: runs and run time (ns)."""
+    jobs = svc.jobs(pids)
+    if not jobs or any("probe_runs" not in j for j in jobs):
+        return {}
+    return {"runs": sum(j["probe_runs"] for j in jobs), "ns": sum(j["probe_ns"] for j in jobs)}
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.2%}"
 
@@ -211,6 +222,11 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                  f"{cost.get('analysis_cpu_s', 0):.2f} s / {cost.get('segments_analysed', 0)}") if cost else ""
         print(f"{r['state']:10} {_pct(r.get('service_cpu')):>9} {_pct(r.get('tracing_cpu')):>9} {_pct(total):>9} "
               f"{_pct(r['job_cpu']):>9} {_rss(r.get('rss_mb')):>14}  {parts}")
+    for r in rows:
+        probes = r.get("probes_per_job")
+        if probes:
+            print(f"# {r['state']}: each job's kernel programs: {probes['runs']:.0f} runs/s, "
+                  f"{probes['ns'] / 1e6:.2f} ms/s ({probes['ns'] / max(1, probes['runs']):.0f} ns a run)")
     for r in rows:
         if "log" in r:
             print(f"\n# {r['state']}: the service's log ends\n{r['log']}")

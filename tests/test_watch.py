@@ -24,7 +24,9 @@ from workloads.loopdev import loopfs, write_file
 
 from gputrace.agent import arming
 from gputrace.capture import CaptureReader
+from gputrace.daemon.finish import analyse
 from gputrace.daemon.service.protocol import recv_frame, send_frame
+from gputrace.daemon.watch.tally import GPU_OPS, GpuTally
 
 __all__ = ["loopfs"]  # the fixture, used by name
 
@@ -247,6 +249,28 @@ def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
         text = svc.metrics.read_text()  # the textfile has the same figures, from the same tally
         last = _metric(text, "gputrace_stall_seconds_total", pid=pid, cause="sleep")
         assert last is not None and last >= sleep, (last, sleep)
+
+
+def test_a_segments_gpu_tally_is_its_reports_busy_and_stall_time(tmp_path: Path) -> None:
+    """What every segment gets without the full analysis equals what the full analysis says, for a real job's
+    capture, with the GPU records fed in batches out of order (as several streams' batches arrive)."""
+    (tmp_path / "job.py").write_text(JOB)
+    cap = tmp_path / "job.gputrace"
+    done = subprocess.run([sys.executable, "-m", "gputrace", "capture", "-f", "--no-perfetto", "--off", "sampler",
+                           "-o", str(cap), "--", sys.executable, str(tmp_path / "job.py"), "3", "5", "3"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with CaptureReader(cap) as reader:
+        ops = [r for r in reader.records() if type(r).__name__ in GPU_OPS]
+    assert len(ops) > 100, len(ops)
+    tally = GpuTally(1_000_000)
+    for i in range(0, len(ops), 50):
+        tally.add(list(reversed(ops[i:i + 50])))
+    gpu = tally.take()
+    summary = analyse(cap, 1.0)["summary"]
+    assert (gpu.busy_ns, gpu.window_ns, gpu.stall_ns) == (summary["busy_ns"], summary["window_ns"],
+                                                          summary["stall_ns"]), (gpu, summary)
+    assert gpu.stalls == summary["stalls"] > 100 and gpu.late == 0
 
 
 def test_dump_by_pid_is_for_the_jobs_owner() -> None:

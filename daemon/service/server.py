@@ -335,6 +335,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
     watch = watch_config(args) if args.watch else None
     service = Service(args.socket, args.state_dir, limits, otlp=args.otlp, otlp_protocol=args.otlp_protocol,
                       request_timeout_s=args.request_timeout_s, stopping=stopping, watch=watch)
+    if watch is not None:  # the watched jobs' cost meters time their programs: needs CAP_SYS_ADMIN, dropped next
+        from gputrace.probes.ebpf.bpfstats import hold_for_process
+
+        _log(f"watch: {hold_for_process()}")
     if not args.keep_caps:
         _log(drop_privileges())
     service.serve()

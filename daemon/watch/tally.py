@@ -7,20 +7,23 @@ busy time (the union of the operations), the window (first start to last end), a
 operation and no reading back, so every segment gets its busy share and stall time; only the causes need
 the full analysis (watcher.py decides which segments get it).
 
-Memory stays bounded: operations are merged every MERGE_EVERY, and merged busy intervals that ended more
-than HORIZON_NS before the latest operation are final (an operation arriving later than that, which agents'
-batching never makes happen, is clipped to what is final and counted in ``late``).
+Memory and time stay bounded: operations are merged every MERGE_EVERY (sorted, then added at the end of the
+merged busy intervals: they come nearly in order, so that is amortised constant time each), and merged
+intervals that ended more than HORIZON_NS before the latest operation are final (an operation arriving later
+than that, four times the agents' sending period in watch mode, is clipped to what is final and counted in
+``late``).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 GPU_OPS = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset"})  # (pid, device, ..., start_ns, end_ns, ...)
 MERGE_EVERY = 1024
-HORIZON_NS = 5_000_000_000
+HORIZON_NS = 1_000_000_000
 
 
 @dataclass
@@ -80,24 +83,25 @@ class _Device:
 
     def merge(self, final_before: int) -> None:
         """Merge what is pending; intervals ending before ``final_before`` become final."""
-        spans = sorted([*map(tuple, self.merged), *self.pending])
-        self.pending = []
-        merged: list[list[int]] = []
-        for start, end in spans:
+        merged = self.merged
+        for start, end in sorted(self.pending):
             if start < self.final_end:  # reaches into what is final already
                 self.late += 1
                 start = self.final_end
                 if end <= start:
                     continue
-            if merged and start <= merged[-1][1]:
+            if not merged or start > merged[-1][1]:
+                merged.append([start, end])
+            elif start >= merged[-1][0]:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
-                merged.append([start, end])
-        keep = 0
-        while keep < len(merged) and merged[keep][1] < final_before:
-            self._final(*merged[keep])
-            keep += 1
-        self.merged = merged[keep:]
+                _insert(merged, start, end)  # out of order: seldom
+        self.pending = []
+        done = 0
+        while done < len(merged) and merged[done][1] < final_before:
+            self._final(*merged[done])
+            done += 1
+        del merged[:done]
 
     def _final(self, start: int, end: int) -> None:
         if self.final_end >= 0 and start - self.final_end >= self.min_gap_ns:
@@ -110,6 +114,19 @@ class _Device:
         self.merge(self.last + 1)
         self.out.window_ns = max(0, self.last - self.first)
         return self.out
+
+
+def _insert(merged: list[list[int]], start: int, end: int) -> None:
+    """[start, end) into the disjoint, sorted ``merged``, joined with the intervals it overlaps."""
+    i = bisect.bisect_left(merged, [start, start])
+    if i > 0 and merged[i - 1][1] >= start:
+        i -= 1
+        start = merged[i][0]
+    j = i
+    while j < len(merged) and merged[j][0] <= end:
+        end = max(end, merged[j][1])
+        j += 1
+    merged[i:j] = [[start, end]]
 
 
 class GpuTally:

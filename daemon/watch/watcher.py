@@ -101,13 +101,14 @@ class WatchJob:
         rec = self.recorder
         segs = rec.segments() if rec is not None else []
         cost, cost_s = _job_cost(self)
+        probes = _probe_cost(self)
         return {"pid": self.pid, "comm": self.found.comm, "uid": self.found.uid, "found_by": self.found.how,
                 "state": self.state, "since": round(self.started, 3), **({"error": self.error} if self.error else {}),
                 "segments": len(segs), "flight_bytes": rec.bytes_held() if rec is not None else 0,
                 "flight_evicted": rec.evicted if rec is not None else 0,
                 "busy_ratio": self.metrics.busy_ratio, "top_cause": self.top_cause,
                 "segments_analysed": self.metrics.analysed, "segments_estimated": self.metrics.estimated,
-                "tracing_cpu_share": cost, "tracing_cpu_s": cost_s, "drops": dict(self.metrics.drops),
+                "tracing_cpu_share": cost, "tracing_cpu_s": cost_s, **probes, "drops": dict(self.metrics.drops),
                 "dumps": self.dumps[-5:], "triggers_suppressed": self.suppressed}
 
 
@@ -516,6 +517,14 @@ def _trim_heap() -> None:
     MB the service would otherwise keep for as long as it runs (glibc's malloc_trim; elsewhere nothing)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def _probe_cost(job: WatchJob) -> dict[str, int]:
+    """The job's kernel programs so far, from its cost meter: how many times they ran, and their run time."""
+    rows = [r for r in getattr(getattr(job.session, "cost", None), "last", []) if r.source not in ("session", "agent")]
+    if not rows:
+        return {}
+    return {"probe_runs": sum(r.runs for r in rows), "probe_ns": sum(r.cpu_ns for r in rows)}
 
 
 def _tree_snapshot(pid: int) -> list[tuple[Any, ...]]:
