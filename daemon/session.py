@@ -43,6 +43,24 @@ SESSION_NICE = 5  # the session's threads yield the CPU to the traced job's (nic
 MAX_LIVE_OFFERS = 512  # offer sockets held at once (one fd each): far more armed processes than a job runs
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How often the session's threads wake when nothing asks them to. A capture's defaults give a live view
+    within tens of milliseconds; watch mode (WATCH_PACING) trades that for fewer wakeups: the kernel rings
+    and queues hold far longer than these periods, and a ring filling up is drained at once."""
+
+    wait_s: float = 0.05  # the session's loop: stop asked, targets gone, the cost meter's tick
+    ring_poll_ms: int = 50  # the eBPF ring's drain (process events wake it sooner)
+    uprobe_poll_ms: int = 100  # the libcuda uprobes' ring when idle (their calls wake it)
+    uprobe_rescan_s: float = 0.5  # processes without libcuda yet: their maps read again
+    cgroup_tick_s: float = 0.02  # the cpu cgroups' counters (a throttle's end is placed within this)
+    agent_flush_ms: int = 100  # agents send their records this often
+
+
+WATCH_PACING = Pacing(wait_s=0.5, ring_poll_ms=250, uprobe_poll_ms=500, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
+                      agent_flush_ms=250)
+
+
 @dataclass
 class CaptureOptions:
     output: Path | None = None
@@ -67,6 +85,7 @@ class CaptureOptions:
     make_writer: Callable[..., Any] | None = None
     on_session: Callable[[Any], None] | None = None  # given the running session once its sources started
     analyse: bool = True  # analyse the capture at the end (and export it, with ``perfetto``)
+    pacing: Pacing = field(default_factory=Pacing)
 
 
 @dataclass
@@ -205,7 +224,8 @@ class _Session:
             self.log(f"gputrace: removed the agent-socket directories of {len(stale)} killed session(s): "
                      f"{', '.join(stale)}")
         self.sock_dir = make_socket_dir()
-        self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced)
+        self.agents = AgentServer(self.sock_dir / "agent.sock", authorize=self._is_traced,
+                                  flush_ms=self.opts.pacing.agent_flush_ms)
         return self.agents
 
     def _pass_on(self, sig: int) -> None:
@@ -228,7 +248,7 @@ class _Session:
             self.notes.append(f"gputrace: turned off: {', '.join(sorted(off))} (what each costs and what the "
                               "analysis loses without it: gputrace capture --help)")
         self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc,
-                               owner_uid=self.opts.owner_uid, off=off)
+                               owner_uid=self.opts.owner_uid, off=off, poll_ms=self.opts.pacing.ring_poll_ms)
         try:
             self.ebpf.start(self.sink)
             self.sources.append(self.ebpf)
@@ -254,8 +274,10 @@ class _Session:
         if "cgroups" not in off:
             self._start_cgroups()
         if not self.opts.command and "uprobes" not in off:
+            pacing = self.opts.pacing
             self._try_start(self._optional_source("gputrace.probes.uprobes", "UprobeSource", pids,
-                                                  owner_uid=self.opts.owner_uid))
+                                                  owner_uid=self.opts.owner_uid, poll_ms=pacing.uprobe_poll_ms,
+                                                  rescan_s=pacing.uprobe_rescan_s))
 
     def _start_sampler(self) -> None:
         """CPU stack samples of every process traced so far; children forked later come through _on_proc."""
@@ -271,7 +293,8 @@ class _Session:
     def _start_cgroups(self) -> None:
         """The traced processes' cpu cgroups and their throttling counters; children forked later come through
         _on_proc."""
-        cgroups = self._optional_source("gputrace.probes.cgroups", "CgroupSampler", sorted(self.ebpf.live_targets()))
+        cgroups = self._optional_source("gputrace.probes.cgroups", "CgroupSampler", sorted(self.ebpf.live_targets()),
+                                        tick_s=self.opts.pacing.cgroup_tick_s)
         self._try_start(cgroups)
         if cgroups is not None and cgroups in self.sources:
             self.cgroups = cgroups
@@ -368,7 +391,7 @@ class _Session:
                 progress.tick(self)
                 if self.cost is not None:
                     self.cost.tick()
-                self.stop.wait(0.05)
+                self.stop.wait(self.opts.pacing.wait_s)
         finally:
             progress.done()
             self._restore_signals()

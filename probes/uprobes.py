@@ -98,7 +98,7 @@ class UprobeSource:
 
     def __init__(
         self, pids: Iterable[int], *, library: str = "libcuda.so", symbols: Sequence[str] = SYMBOLS,
-        rescan_s: float = 0.5, ringbuf_pages: int = 256, owner_uid: int | None = None,
+        rescan_s: float = 0.5, ringbuf_pages: int = 256, owner_uid: int | None = None, poll_ms: int = 100,
     ) -> None:  # fmt: skip
         """``owner_uid``: the capture is for this non-root user: a process holding privileges it lacks is not
         probed, and no call is recorded of one that gains them later (at an exec)."""
@@ -108,6 +108,7 @@ class UprobeSource:
         self.library = library
         self.symbols = tuple(symbols)
         self.rescan_s = rescan_s
+        self.poll_ms = poll_ms  # the ring's poll when no call wakes it
         self.ringbuf_pages = ringbuf_pages
         self.attached: dict[int, tuple[str, list[str]]] = {}  # pid → (library path, symbols attached)
         self.watching: set[int] = set()
@@ -234,7 +235,7 @@ class UprobeSource:
     def _run(self) -> None:
         next_scan = clock.monotonic_ns()
         while not self._stop.is_set():
-            self._bpf.ring_buffer_poll(100)
+            self._bpf.ring_buffer_poll(self.poll_ms)
             self._flush()
             now = clock.monotonic_ns()
             if self.watching and now >= next_scan:

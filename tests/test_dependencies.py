@@ -17,8 +17,10 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
-# Import names of distributions whose import name differs from the distribution's.
-IMPORT_NAMES = {
+# Import names of distributions whose import name differs from the distribution's (a tuple: several).
+IMPORT_NAMES: dict[str, str | tuple[str, ...]] = {
+    "opentelemetry-api": ("opentelemetry", "opentelemetry.trace", "opentelemetry.metrics", "opentelemetry.context",
+                          "opentelemetry.util"),
     "nvidia-ml-py": "pynvml", "grpcio": "grpc", "googleapis-common-protos": "google.rpc", "protobuf": "google.protobuf",
     "cupti-python": "cupti", "opentelemetry-sdk": "opentelemetry.sdk", "opentelemetry-proto": "opentelemetry.proto",
     "opentelemetry-exporter-otlp-proto-common": "opentelemetry.exporter.otlp.proto.common",
@@ -27,6 +29,11 @@ IMPORT_NAMES = {
 }
 # Imported by the package and installed by the system, not by pip (bcc comes with the distribution's python3-bpfcc).
 SYSTEM = {"bcc"}
+
+
+def _import_names(dist: str) -> tuple[str, ...]:
+    names = IMPORT_NAMES.get(dist, dist.replace("-", "_"))
+    return names if isinstance(names, tuple) else (names,)
 
 
 def _requirements(extra: str | None = None) -> list[Requirement]:
@@ -63,16 +70,16 @@ def test_every_runtime_dependency_is_imported_by_the_package() -> None:
     users, and needs the perfetto package's protos."""
     imports = _package_imports() | _package_imports(testing=True)
     for req in _requirements():
-        name = IMPORT_NAMES.get(req.name, req.name.replace("-", "_"))
-        assert any(i == name or i.startswith(name + ".") for i in imports), \
-            f"{req.name} is declared in pyproject.toml but the package never imports {name}"
+        names = _import_names(req.name)
+        assert any(i == n or i.startswith(n + ".") for i in imports for n in names), \
+            f"{req.name} is declared in pyproject.toml but the package never imports {' or '.join(names)}"
 
 
 def _imports_declared(imports: set[str], requirements: list[Requirement]) -> None:
-    declared = {IMPORT_NAMES.get(r.name, r.name.replace("-", "_")) for r in requirements}
+    declared = {n for r in requirements for n in _import_names(r.name)}
     for name in sorted(_third_party(imports)):
-        ok = (name.split(".")[0] in SYSTEM or any(name == d or name.startswith(d + ".") for d in declared)
-              or (name.startswith("opentelemetry") and any(d.startswith("opentelemetry") for d in declared)))
+        ok = name.split(".")[0] in SYSTEM or name in declared or any(
+            name.startswith(d + ".") for d in declared if d != "opentelemetry")  # the API's root is not all of it
         assert ok, f"the package imports {name}, which no dependency in pyproject.toml declares"
 
 

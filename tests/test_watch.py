@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from otlp_receiver import grpc_metrics_receiver, http_metrics_receiver
 from workloads.loopdev import LoopFs, write_file
 
 from gputrace.agent import arming
 from gputrace.capture import CaptureReader
+from gputrace.daemon.finish import analyse
 from gputrace.daemon.service.protocol import recv_frame, send_frame
+from gputrace.daemon.watch.tally import GPU_OPS, GpuTally
 
 pytestmark = pytest.mark.kernel  # gputraced watching real jobs: eBPF captures, loop devices, setpriv, as root
 
@@ -164,9 +167,10 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
                            lambda p=p: (j := svc.watched(p.pid)) and j["state"] == "watching" and
                            j["busy_ratio"] is not None and j["segments"] >= 3, timeout=90)
 
-            def all_measured() -> str:  # the file is rewritten once the analysis that status shows is done
+            def all_measured() -> str:  # every job with a second of GPU work or more in the file
                 text = svc.metrics.read_text() if svc.metrics.exists() else ""
                 ok = all(_metric(text, "gputrace_gpu_busy_ratio", pid=str(p.pid), device="0") is not None
+                         and (_metric(text, "gputrace_gpu_busy_seconds_total", pid=str(p.pid), device="0") or 0) >= 1
                          for p in jobs)
                 return text if ok else ""
 
@@ -201,6 +205,73 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
                 kinds = {type(r).__name__ for r in reader.records()}
                 assert reader.complete, reader.problem
             assert {"GpuDevice", "ProcInfo"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
+    receiving = grpc_metrics_receiver if protocol == "grpc" else http_metrics_receiver
+    with receiving() as (receiver, port), watch_service("--otlp", f"127.0.0.1:{port}", "--otlp-protocol", protocol,
+                                                        "--otlp-metrics-s", "1") as svc:
+        job = svc.job("60", "10", "10")
+        pid = str(job.pid)
+        try:
+            wait_until("the job measured", lambda: (j := svc.watched(job.pid)) and j["segments"] >= 4
+                       and j["busy_ratio"] is not None, timeout=90)
+
+            def measured(name: str, **labels: str) -> list[float]:
+                return [v for attrs, v in receiver.points(name) if attrs.get("pid") == pid
+                        and all(attrs.get(k) == want for k, want in labels.items())]
+
+            def arrived() -> bool:  # an export of the figures of a second of GPU work or more
+                return sum(measured("gputrace_gpu_busy_seconds_total", device="0")) >= 1.0 and bool(
+                    measured("gputrace_stall_seconds_total", cause="sleep"))
+
+            with receiver.arrived:
+                receiver.arrived.wait_for(lambda: len(receiver.requests) > 0 and arrived(), timeout=60)
+            assert arrived(), receiver.requests[-1:] if receiver.requests else "no request arrived"
+            [busy] = measured("gputrace_gpu_busy_ratio", device="0")
+            [sleep] = measured("gputrace_stall_seconds_total", cause="sleep")
+            [ran] = measured("gputrace_gpu_busy_seconds_total", device="0")
+            assert 0.3 <= busy <= 0.6, busy  # 10 ms kernels, 10 ms sleeps
+            assert 0.5 * ran <= sleep <= 1.5 * ran, (sleep, ran)
+            request = receiver.requests[-1]
+            resource = {kv.key: kv.value.string_value for rm in request.resource_metrics
+                        for kv in rm.resource.attributes}
+            assert resource["service.name"] == "gputraced", resource
+            kinds = {m.name: (m.WhichOneof("data"), m.unit) for rm in request.resource_metrics
+                     for sm in rm.scope_metrics for m in sm.metrics}
+            assert kinds["gputrace_stall_seconds_total"] == ("sum", "s"), kinds
+            assert kinds["gputrace_gpu_busy_ratio"] == ("gauge", "1"), kinds
+            otlp = svc.ask({"op": "status"})["watch"]["otlp"]
+            assert otlp["exports"] >= 1 and otlp["failed"] == 0, otlp
+        finally:
+            _kill(job)
+        svc.stop()
+        text = svc.metrics.read_text()  # the textfile has the same figures, from the same tally
+        last = _metric(text, "gputrace_stall_seconds_total", pid=pid, cause="sleep")
+        assert last is not None and last >= sleep, (last, sleep)
+
+
+def test_a_segments_gpu_tally_is_its_reports_busy_and_stall_time(tmp_path: Path) -> None:
+    """What every segment gets without the full analysis equals what the full analysis says, for a real job's
+    capture, with the GPU records fed in batches out of order (as several streams' batches arrive)."""
+    (tmp_path / "job.py").write_text(JOB)
+    cap = tmp_path / "job.gputrace"
+    done = subprocess.run([sys.executable, "-m", "gputrace", "capture", "-f", "--no-perfetto", "--off", "sampler",
+                           "-o", str(cap), "--", sys.executable, str(tmp_path / "job.py"), "3", "5", "3"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with CaptureReader(cap) as reader:
+        ops = [r for r in reader.records() if type(r).__name__ in GPU_OPS]
+    assert len(ops) > 100, len(ops)
+    tally = GpuTally(1_000_000)
+    for i in range(0, len(ops), 50):
+        tally.add(list(reversed(ops[i:i + 50])))
+    gpu = tally.take()
+    summary = analyse(cap, 1.0)["summary"]
+    assert (gpu.busy_ns, gpu.window_ns, gpu.stall_ns) == (summary["busy_ns"], summary["window_ns"],
+                                                          summary["stall_ns"]), (gpu, summary)
+    assert gpu.stalls == summary["stalls"] > 100 and gpu.late == 0
 
 
 def test_dump_by_pid_is_for_the_jobs_owner() -> None:

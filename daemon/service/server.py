@@ -284,7 +284,8 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                    help="bytes each user's kept and running captures may take in the state directory together: a "
                         "request over it is refused, a capture that reaches it is cut off and kept "
                         f"(default {DEFAULT_USER_QUOTA_MIB}; 0: no quota)")
-    p.add_argument("--otlp", metavar="ENDPOINT", help="also send each capture's stalls to this OTLP collector")
+    p.add_argument("--otlp", metavar="ENDPOINT", help="also send each capture's stalls to this OTLP collector "
+                                                     "(with --watch: the metrics too)")
     p.add_argument("--otlp-protocol", choices=("grpc", "http"), default="grpc")
     w = p.add_argument_group("watch mode (the flight recorder)")
     w.add_argument("--watch", action="store_true",
@@ -296,6 +297,8 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                    help="disk each job's flight recorder may take, oldest detail dropped first (default 256)")
     w.add_argument("--watch-max-jobs", type=int, default=16, metavar="N",
                    help="jobs watched at once; more GPU processes are refused and counted (default 16)")
+    w.add_argument("--watch-user", action="append", type=int, default=[], metavar="UID",
+                   help="watch only this user's GPU processes (repeatable; default: everyone's)")
     w.add_argument("--watch-off", action="append", default=[], metavar="FAMILY[,FAMILY]",
                    help="source families off in watch mode (default: sampler; 'none' for every family)")
     w.add_argument("--metrics-textfile", type=Path, metavar="PATH",
@@ -306,6 +309,12 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                    help="... for this many seconds (default 30)")
     w.add_argument("--trigger-cooldown-s", type=float, default=300.0, metavar="SEC",
                    help="automatic dumps of one job at most this often (default 300)")
+    w.add_argument("--watch-analysis-cpu", type=float, default=0.002, metavar="RATIO",
+                   help="share of the host's CPU the full analysis of flight segments may take on average (default "
+                        "0.002); the other segments' stall time is split by cause as the last analysed one's "
+                        "(1: analyse every segment)")
+    w.add_argument("--otlp-metrics-s", type=float, default=60.0, metavar="SEC",
+                   help="with --otlp: how often the metrics are sent (default 60)")
     w.add_argument("--flight-segment-s", type=float, default=None, help=argparse.SUPPRESS)
     w.add_argument("--watch-scan-s", type=float, default=1.0, help=argparse.SUPPRESS)
     p.add_argument("--keep-caps", action="store_true", help="do not drop unneeded capabilities at startup")
@@ -326,6 +335,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
     watch = watch_config(args) if args.watch else None
     service = Service(args.socket, args.state_dir, limits, otlp=args.otlp, otlp_protocol=args.otlp_protocol,
                       request_timeout_s=args.request_timeout_s, stopping=stopping, watch=watch)
+    if watch is not None:  # the watched jobs' cost meters time their programs: needs CAP_SYS_ADMIN, dropped next
+        from gputrace.probes.ebpf.bpfstats import hold_for_process
+
+        _log(f"watch: {hold_for_process()}")
     if not args.keep_caps:
         _log(drop_privileges())
     service.serve()
@@ -337,9 +350,16 @@ def watch_config(args: argparse.Namespace) -> WatchConfig:
     from gputrace.families import parse_off
 
     for flag, value in (("--flight-seconds", args.flight_seconds), ("--flight-mib", args.flight_mib),
-                        ("--watch-max-jobs", args.watch_max_jobs), ("--watch-scan-s", args.watch_scan_s)):
+                        ("--watch-max-jobs", args.watch_max_jobs), ("--watch-scan-s", args.watch_scan_s),
+                        ("--otlp-metrics-s", args.otlp_metrics_s)):
         if not 0 < value < float("inf"):
             raise UserError(f"{flag} must be a number > 0")
+    if args.otlp:
+        from gputrace.exporters.otlp import parse_endpoint
+
+        parse_endpoint(args.otlp, args.otlp_protocol)  # a bad one said at start, not at the first export
+    if not 0 <= args.watch_analysis_cpu <= 1:
+        raise UserError("--watch-analysis-cpu must be a ratio between 0 and 1")
     if not 0 <= args.trigger_busy_below <= 1:
         raise UserError("--trigger-busy-below must be a ratio between 0 and 1")
     off = WATCH_OFF if not args.watch_off else frozenset() if args.watch_off == ["none"] else parse_off(args.watch_off)
@@ -351,7 +371,9 @@ def watch_config(args: argparse.Namespace) -> WatchConfig:
     return WatchConfig(flight=flight, max_jobs=args.watch_max_jobs, scan_s=args.watch_scan_s,
                        off=off, busy_below=args.trigger_busy_below,
                        busy_low_s=args.trigger_busy_low_s, cooldown_s=args.trigger_cooldown_s,
-                       metrics_textfile=textfile)
+                       metrics_textfile=textfile, analysis_share=args.watch_analysis_cpu,
+                       uids=frozenset(args.watch_user) if args.watch_user else None, otlp=args.otlp,
+                       otlp_protocol=args.otlp_protocol, otlp_interval_s=args.otlp_metrics_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,9 @@
 A process is a GPU process when it is armed for gputrace (its environment says so: what a ``gputrace env``
 service and a ``gputrace.sim`` workload under test do, announcing themselves), maps libcuda, or holds an
 /dev/nvidia* device open. Each scan lists /proc once; a process seen for the first time is read at once (its
-environment, its maps, its fds), one already judged not a GPU process is read again every RECHECK_S (a trainer
-loads libcuda seconds after it starts), kernel threads never. The scan's own CPU time is kept in ``cpu_ns``.
+environment, its maps, its fds), one already judged not a GPU process is read again after RECHECK_S, then after
+twice as long each time up to MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel threads
+never. The scan's own CPU time is kept in ``cpu_ns``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 
 from gputrace.agent.arming import is_armed
 
-RECHECK_S = 5.0
+RECHECK_S = 5.0  # a process judged not a GPU process is judged again after this ...
+MAX_RECHECK_S = 30.0  # ... doubled each time up to this (libcuda is loaded early in a job's life)
 MAX_TRACKED = 65_536  # processes remembered between scans; a host with more is rescanned from scratch
 
 
@@ -33,19 +35,28 @@ class Found:
 @dataclass
 class _Seen:
     start: int
-    checked: float
+    ino: int  # /proc/PID's inode as the listing gave it: a new process under a reused pid has another
+    due: float  # when to judge it again (inf: never)
     gpu: bool
+    wait_s: float = RECHECK_S  # the next pause between judgements
 
 
 @dataclass
 class Scanner:
-    """``scan()`` returns the GPU processes first seen (or first found to be GPU processes) since the last."""
+    """``scan()`` returns the GPU processes first seen (or first found to be GPU processes) since the last.
+
+    A scan lists /proc once (its entries' inodes come with the listing) and reads nothing of a process it
+    has judged already unless its judgement is due or its /proc entry changed: the cost of a scan is the
+    listing plus the new processes."""
 
     exclude: Callable[[int], bool] = lambda pid: False
+    uids: frozenset[int] | None = None  # only these users' processes (None: everyone's)
     recheck_s: float = RECHECK_S
+    max_recheck_s: float = MAX_RECHECK_S
     scans: int = 0
     cpu_ns: int = 0
     processes: int = 0  # seen in the last scan
+    judged: int = 0  # processes read (stat, environment, maps, fds), all scans together
     nvml: str = ""  # why NVML's process list is not used, or "" when it is
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _nvml_handles: list[object] | None = None
@@ -54,49 +65,59 @@ class Scanner:
         t0 = time.thread_time_ns()
         now = time.monotonic()
         out: list[Found] = []
-        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
-        self.processes = len(pids)
-        live = set(pids)
         nvml = self._nvml_pids()
-        for pid in pids:
-            found = self._check(pid, now, pid in nvml)
-            if found is not None:
-                out.append(found)
-        for pid in [p for p in self._seen if p not in live]:
-            del self._seen[pid]
+        live: set[int] = set()
+        with os.scandir("/proc") as listing:
+            for entry in listing:
+                if not entry.name.isdigit():
+                    continue
+                pid, ino = int(entry.name), entry.inode()
+                live.add(pid)
+                seen = self._seen.get(pid)
+                if seen is not None and seen.ino == ino and (seen.gpu or now < seen.due) and pid not in nvml:
+                    continue
+                found = self._check(pid, ino, now, pid in nvml)
+                if found is not None:
+                    out.append(found)
+        self.processes = len(live)
+        if len(self._seen) > len(live):
+            for pid in [p for p in self._seen if p not in live]:
+                del self._seen[pid]
         if len(self._seen) > MAX_TRACKED:
             self._seen.clear()
         self.scans += 1
         self.cpu_ns += time.thread_time_ns() - t0
         return sorted(out, key=lambda f: f.start)  # parents before the children they started
 
-    def _check(self, pid: int, now: float, by_nvml: bool) -> Found | None:
+    def _check(self, pid: int, ino: int, now: float, by_nvml: bool) -> Found | None:
         stat = _stat(pid)
         if stat is None:
             return None
+        self.judged += 1
         start, ppid, comm = stat
         seen = self._seen.get(pid)
-        fresh = seen is not None and now - seen.checked < self.recheck_s and not by_nvml
-        if seen is not None and seen.start == start and (seen.gpu or fresh):
-            return None
-        if ppid == 2 or pid == 2 or self.exclude(pid):  # kernel threads, and the service's own
-            self._seen[pid] = _Seen(start, float("inf"), False)
-            return None
-        how = "nvml" if by_nvml else gpu_evidence(pid)
-        self._seen[pid] = _Seen(start, now, bool(how))
-        if not how:
-            return None
+        same = seen is not None and seen.start == start
+        if same and seen is not None:
+            seen.ino = ino
+            if seen.gpu or (now < seen.due and not by_nvml):
+                return None
         try:
             uid = os.stat(f"/proc/{pid}").st_uid
         except OSError:
             return None
-        return Found(pid, start, ppid, uid, comm, how)
+        if ppid == 2 or pid == 2 or (self.uids is not None and uid not in self.uids) or self.exclude(pid):
+            self._seen[pid] = _Seen(start, ino, float("inf"), False)  # kernel threads, others', the service's
+            return None
+        how = "nvml" if by_nvml else gpu_evidence(pid)
+        wait_s = min(seen.wait_s * 2, self.max_recheck_s) if same and seen is not None else self.recheck_s
+        self._seen[pid] = _Seen(start, ino, now + wait_s, bool(how), wait_s)
+        return Found(pid, start, ppid, uid, comm, how) if how else None
 
     def retry_later(self, pid: int) -> None:
-        """Judge ``pid`` again after RECHECK_S (a GPU process that could not be watched now)."""
+        """Judge ``pid`` again after ``recheck_s`` (a GPU process that could not be watched now)."""
         seen = self._seen.get(pid)
         if seen is not None:
-            seen.gpu, seen.checked = False, time.monotonic()
+            seen.gpu, seen.due, seen.wait_s = False, time.monotonic() + self.recheck_s, self.recheck_s
 
     def _nvml_pids(self) -> set[int]:
         """Pids NVML lists as running compute or graphics work; empty where there is no NVML."""

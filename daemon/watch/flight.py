@@ -28,6 +28,7 @@ import msgpack
 
 from gputrace import clock
 from gputrace.capture import MAX_FRAME_BYTES, CaptureWriter
+from gputrace.daemon.watch.tally import GPU_OPS, GpuTally, SegmentGpu
 
 # Records that say what the others mean (who a pid is, what an fd names, which devices exist): carried into
 # every segment so that each can be read alone.
@@ -57,6 +58,7 @@ class Segment:
     end_ns: int = 0
     bytes: int = 0
     drops: dict[str, int] = field(default_factory=dict)
+    gpu: SegmentGpu | None = None  # its GPU busy and stall time, counted as it was written (tally.py)
 
 
 class FlightRecorder:
@@ -64,11 +66,12 @@ class FlightRecorder:
 
     ``on_closed(segment)`` runs (on the writer thread) for each segment closed; ``snapshot()`` gives the state
     rows read fresh from /proc for each new segment; ``drops()`` the session's cumulative drops (set once the
-    session is running)."""
+    session is running). Each closed segment carries its GPU tally (``Segment.gpu``; stalls are gaps of at
+    least ``min_gap_ns``)."""
 
     def __init__(self, directory: Path, header: dict[str, Any], limits: FlightLimits, *,
                  on_closed: Callable[[Segment], None] = lambda s: None,
-                 snapshot: Callable[[], Sequence[tuple[Any, ...]]] = lambda: ()) -> None:
+                 snapshot: Callable[[], Sequence[tuple[Any, ...]]] = lambda: (), min_gap_ns: int = 1_000_000) -> None:
         self.directory, self.header, self.limits = directory, header, limits
         self.on_closed, self.snapshot = on_closed, snapshot
         self.drops: Callable[[], dict[str, int]] = dict
@@ -84,6 +87,7 @@ class FlightRecorder:
         self._state: dict[str, dict[str, Sequence[Any]]] = {}  # kind -> {row's repr: row}, in arrival order
         self._state_rows = 0
         self._drops_base: dict[str, int] = {}
+        self._tally = GpuTally(min_gap_ns)
         self._cur: CaptureWriter | None = None
         self._seg: Segment | None = None
         self._open()
@@ -108,6 +112,8 @@ class FlightRecorder:
     def write_rows(self, kind: str, rows: Sequence[Sequence[Any]]) -> None:
         if kind in STATE_KINDS:
             self._keep_state(kind, rows)
+        elif kind in GPU_OPS:
+            self._tally.add(rows)
         self._writer().write_rows(kind, rows)
         self._count(kind, len(rows))
         self._maybe_rotate()
@@ -197,6 +203,7 @@ class FlightRecorder:
 
     def _closed(self, seg: Segment, size: int, trailer: dict[str, Any]) -> None:
         seg.end_ns, seg.bytes, seg.drops = int(trailer["end_ns"]), size, dict(trailer["drops"])
+        seg.gpu = self._tally.take()
         with self.lock:
             self.closed.append(seg)
             self._trim()

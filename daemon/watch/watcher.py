@@ -3,9 +3,14 @@
 One thread scans for GPU processes (discover.py) every ``scan_s``; each new one whose ancestors are not
 watched already becomes a job: a capture session of its process tree (the session follows forks) with the
 watch source set, writing into a FlightRecorder in <state>/.flight/<pid>-<start>/ (root-only). Each closed
-segment is analysed on one low-priority thread: its GPU busy share and stall causes feed the metrics and the
-automatic triggers (busy share below a threshold for T seconds; the top stall cause changing), which dump the
-flight window into the job owner's directory as an ordinary capture, as ``gputrace daemon dump PID`` does.
+segment goes to one low-priority thread: its GPU busy share and stall time (counted as it was written:
+tally.py) feed the metrics and the busy trigger; the full analysis (stall causes, culprits) runs on the
+segments that need it, within a CPU budget (``analysis_share`` of the host, as a token bucket): a job's first
+segment with GPU records, a segment whose busy share or stall lengths moved from the last analysed one's, and
+others while the budget lasts. The rest have their stall time split as in the job's last analysed segment.
+The automatic triggers (busy share below a threshold for T seconds; the top stall cause of an analysed segment
+changing) dump the flight window into the job owner's directory as an ordinary capture, as
+``gputrace daemon dump PID`` does.
 
 Bounds: at most ``max_jobs`` jobs watched at once (more are refused and counted), each holding at most
 ``flight.max_bytes`` on disk; the analysis queue holds ANALYSIS_QUEUE segments (more are skipped, counted);
@@ -15,6 +20,7 @@ ended jobs' directories are kept for KEEP_ENDED jobs, for a dump after the job i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -30,7 +36,8 @@ from typing import Any
 
 from gputrace.daemon.watch.discover import Found, Scanner, ancestors, start_time
 from gputrace.daemon.watch.flight import FlightLimits, FlightRecorder, Segment, dump_capture, dump_name, salvage
-from gputrace.daemon.watch.metrics import JobMetrics, write_textfile
+from gputrace.daemon.watch.metrics import JobMetrics, samples, write_textfile
+from gputrace.daemon.watch.tally import SegmentGpu
 from gputrace.documents import Report
 from gputrace.errors import UserError
 
@@ -39,6 +46,9 @@ WATCH_OFF = frozenset({"sampler"})  # stack samples: the costliest detail that n
 ANALYSIS_QUEUE = 64
 KEEP_ENDED = 16
 ANALYSIS_NICE = 10
+BUCKET_S = 60.0  # the analysis budget saved up while idle, and the debt a change may run up, in seconds of it
+CHANGE_BUSY = 0.1  # a segment's busy share this far from the last analysed one's asks for its analysis ...
+CHANGE_STALL = 2.0  # ... as does its mean stall length this many times longer or shorter
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,11 @@ class WatchConfig:
     cause_min_share: float = 0.05  # a segment's top stall cause counts when its stalls take this share of it
     cooldown_s: float = 300.0  # automatic dumps of one job at most this often
     metrics_textfile: Path | None = None
+    analysis_share: float = 0.002  # of the host's CPU, on average, for the full analysis of segments
+    uids: frozenset[int] | None = None  # only these users' processes are watched (None: everyone's)
+    otlp: str | None = None  # the metrics also go to this OTLP endpoint ...
+    otlp_protocol: str = "grpc"
+    otlp_interval_s: float = 60.0  # ... this often
 
 
 @dataclass
@@ -73,6 +88,7 @@ class WatchJob:
     top_cause: str | None = None
     last_auto: float = 0.0
     baseline: bool = False  # a segment with GPU records was analysed: cause changes count from then on
+    last_full: SegmentGpu | None = None  # the GPU tally of its last fully analysed segment
     suppressed: int = 0  # automatic triggers within the cooldown, not dumped
     dumps: list[dict[str, Any]] = field(default_factory=list)
     thread: threading.Thread | None = None
@@ -84,14 +100,16 @@ class WatchJob:
     def as_dict(self) -> dict[str, Any]:
         rec = self.recorder
         segs = rec.segments() if rec is not None else []
-        cost = self.metrics.cpu_share
+        cost, cost_s = _job_cost(self)
+        probes = _probe_cost(self)
         return {"pid": self.pid, "comm": self.found.comm, "uid": self.found.uid, "found_by": self.found.how,
                 "state": self.state, "since": round(self.started, 3), **({"error": self.error} if self.error else {}),
                 "segments": len(segs), "flight_bytes": rec.bytes_held() if rec is not None else 0,
                 "flight_evicted": rec.evicted if rec is not None else 0,
                 "busy_ratio": self.metrics.busy_ratio, "top_cause": self.top_cause,
-                "tracing_cpu_share": cost, "drops": dict(self.metrics.drops), "dumps": self.dumps[-5:],
-                "triggers_suppressed": self.suppressed}
+                "segments_analysed": self.metrics.analysed, "segments_estimated": self.metrics.estimated,
+                "tracing_cpu_share": cost, "tracing_cpu_s": cost_s, **probes, "drops": dict(self.metrics.drops),
+                "dumps": self.dumps[-5:], "triggers_suppressed": self.suppressed}
 
 
 class Watcher:
@@ -111,13 +129,18 @@ class Watcher:
         self.analysis_skipped = 0
         self.changed = True  # what the metrics file shows is out of date
         self.analysis_cpu_ns = 0
-        self.analysed = 0
+        self.analysed = 0  # segments given the full analysis
+        self.estimated = 0  # segments with GPU records not given it (over the budget, nothing changed)
+        self._rate = config.analysis_share * (os.cpu_count() or 1)  # CPU ns the analysis earns per ns
+        self.tokens_ns = self._rate * BUCKET_S * 1e9
+        self._refilled = time.monotonic_ns()
         self.stopping = threading.Event()
         self.began, self.cpu0 = time.monotonic(), time.process_time_ns()
         self.lock = threading.Lock()
-        self.scanner = Scanner(exclude=self._is_ours)
-        self._queue: queue.Queue[tuple[WatchJob, Segment]] = queue.Queue(ANALYSIS_QUEUE)
+        self.scanner = Scanner(exclude=self._is_ours, uids=config.uids)
+        self._queue: queue.Queue[tuple[WatchJob, Segment] | None] = queue.Queue(ANALYSIS_QUEUE)
         self._threads: list[threading.Thread] = []
+        self.otlp: Any = None  # OtlpMetrics, once started
         self._prepare()
 
     # ---------------------------------------------------------------------------------- lifecycle ---
@@ -143,6 +166,11 @@ class Watcher:
             shutil.rmtree(d, ignore_errors=True)
 
     def start(self) -> None:
+        if self.config.otlp:
+            from gputrace.daemon.watch.otlp_metrics import OtlpMetrics
+
+            self.otlp = OtlpMetrics(self.config.otlp, self.config.otlp_protocol, lambda: samples(self._all(), self),
+                                    interval_s=self.config.otlp_interval_s)
         loops = ((self._scan_loop, "scan"), (self._analysis_loop, "analysis"))
         for target, name in loops:
             t = threading.Thread(target=target, name=f"gputraced-watch-{name}", daemon=True)
@@ -164,9 +192,13 @@ class Watcher:
         for job in self._all():
             if job.thread is not None:
                 job.thread.join(max(0.0, deadline - time.monotonic()))
+        if self._threads:
+            self._queue.put(None)  # after every segment queued: the analysis thread ends there
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self._write_metrics()
+        if self.otlp is not None:
+            self.otlp.shutdown()  # the last figures go out
 
     def _all(self) -> list[WatchJob]:
         with self.lock:
@@ -226,7 +258,7 @@ class Watcher:
 
     # ---------------------------------------------------------------------------------- a job's run ---
     def _run_job(self, job: WatchJob) -> None:
-        from gputrace.daemon.session import CaptureOptions, run_capture
+        from gputrace.daemon.session import WATCH_PACING, CaptureOptions, run_capture
 
         f = job.found
         self.log(f"watch: pid {f.pid} ({f.comm}, uid {f.uid}) found ({f.how}); watching its process tree")
@@ -234,7 +266,8 @@ class Watcher:
         def make_writer(path: Path, header: dict[str, Any], **_: Any) -> FlightRecorder:
             job.recorder = FlightRecorder(job.directory, header, self.config.flight,
                                           on_closed=lambda seg: self._analyse_later(job, seg),
-                                          snapshot=lambda: _tree_snapshot(f.pid))
+                                          snapshot=lambda: _tree_snapshot(f.pid),
+                                          min_gap_ns=int(self.config.min_gap_ms * 1e6))
             return job.recorder
 
         def on_session(session: Any) -> None:
@@ -242,12 +275,14 @@ class Watcher:
             assert job.recorder is not None
             job.recorder.drops = session.drops_so_far
             job.state = "watching"
+            _trim_heap()
 
         opts = CaptureOptions(output=job.directory / "live.gputrace", pids=[f.pid], perfetto=False, progress=False,
                               analyse=False, min_gap_ms=self.config.min_gap_ms, off=self.config.off,
                               sample_hz=0 if "sampler" in self.config.off else 499,
                               argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
-                              owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session)
+                              owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session,
+                              pacing=WATCH_PACING)
         try:
             result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
             job.state = "ended"
@@ -278,18 +313,16 @@ class Watcher:
     def _analysis_loop(self) -> None:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ANALYSIS_NICE)
-        while not (self.stopping.is_set() and self._queue.empty()):
-            try:
-                job, seg = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
+        while (item := self._queue.get()) is not None:
+            job, seg = item
             t0 = time.thread_time_ns()
             try:
                 self._analyse(job, seg)
             except Exception as e:  # noqa: BLE001 - a segment that cannot be read is told, not fatal
                 self.log(f"watch: pid {job.pid}: analysing {seg.path.name}: {type(e).__name__}: {e}")
-            self.analysis_cpu_ns += time.thread_time_ns() - t0
-            self.analysed += 1
+            used = time.thread_time_ns() - t0
+            self.analysis_cpu_ns += used
+            self.tokens_ns -= used
             self._write_metrics()
 
     def _analyse(self, job: WatchJob, seg: Segment) -> None:
@@ -297,17 +330,40 @@ class Watcher:
 
         if not seg.path.exists():
             return  # evicted before its turn
-        report = analyse(seg.path, self.config.min_gap_ms)
-        job.metrics.add(report, seg.drops)
-        job.metrics.cpu_share = _job_cost(job)
+        gpu = seg.gpu if seg.gpu is not None else SegmentGpu()
+        report: Report | None = None
+        if self._wants_analysis(job, gpu):
+            report = analyse(seg.path, self.config.min_gap_ms)
+            job.metrics.add(report, seg.drops)
+            job.last_full = gpu
+            self.analysed += 1
+        else:
+            job.metrics.add_tally(gpu, seg.drops)
+            self.estimated += bool(gpu.devices)
+        job.metrics.cpu_share = _job_cost(job)[0]
         if self.stopping.is_set():
             return
-        self._busy_trigger(job, report, seg)
-        self._cause_trigger(job, report)
+        self._busy_trigger(job, bool(gpu.devices), seg)
+        if report is not None:
+            self._cause_trigger(job, report)
 
-    def _busy_trigger(self, job: WatchJob, report: Report, seg: Segment) -> None:
+    def _wants_analysis(self, job: WatchJob, gpu: SegmentGpu) -> bool:
+        """Whether ``gpu``'s segment gets the full analysis: one without GPU records never (it has no stalls);
+        a job's first, or one that moved from the last analysed (a new cause is likely), while the debt stays
+        within BUCKET_S of the budget; any other while there is budget left."""
+        if not gpu.devices:
+            return False
+        now = time.monotonic_ns()
+        cap = self._rate * BUCKET_S * 1e9
+        self.tokens_ns = min(cap, self.tokens_ns + (now - self._refilled) * self._rate)
+        self._refilled = now
+        if job.last_full is None or _moved(job.last_full, gpu):
+            return self.tokens_ns > -cap
+        return self.tokens_ns > 0
+
+    def _busy_trigger(self, job: WatchJob, has_gpu: bool, seg: Segment) -> None:
         ratio = job.metrics.busy_ratio
-        if ratio is None or not report.get("devices"):
+        if ratio is None or not has_gpu:
             return
         if ratio >= self.config.busy_below:
             job.low_since_ns, job.low_fired = None, False
@@ -409,11 +465,15 @@ class Watcher:
                 "vanished": self.vanished, "flight_seconds": self.config.flight.seconds,
                 "flight_mib": self.config.flight.max_bytes / (1 << 20), "off": sorted(self.config.off),
                 "cost": {"scan_cpu_s": round(self.scanner.cpu_ns / 1e9, 3), "scans": self.scanner.scans,
-                         "processes": self.scanner.processes, "analysis_cpu_s": round(self.analysis_cpu_ns / 1e9, 3),
-                         "segments_analysed": self.analysed, "analysis_skipped": self.analysis_skipped,
+                         "processes": self.scanner.processes, "processes_read": self.scanner.judged,
+                         "analysis_cpu_s": round(self.analysis_cpu_ns / 1e9, 3),
+                         "segments_analysed": self.analysed, "segments_estimated": self.estimated,
+                         "analysis_budget_share": self.config.analysis_share,
+                         "analysis_skipped": self.analysis_skipped,
                          "jobs_cpu_share": round(jobs_cpu, 6), "service_cpu_share": round(service_cpu, 6),
                          "host_cpu_share": round(jobs_cpu + service_cpu, 6)},
-                **({"nvml": self.scanner.nvml} if self.scanner.nvml else {})}
+                **({"nvml": self.scanner.nvml} if self.scanner.nvml else {}),
+                **({"otlp": self.otlp.status()} if self.otlp is not None else {})}
 
     def _write_metrics(self) -> None:
         path = self.config.metrics_textfile
@@ -425,16 +485,46 @@ class Watcher:
             self.log(f"watch: cannot write {path}: {e.strerror}")
 
 
-def _job_cost(job: WatchJob) -> float | None:
-    """Share of the host's CPU the job's kernel programs and agents took so far, from its session's cost meter
-    (the service's own threads are counted once, for the whole service: Watcher.status)."""
+def _moved(before: SegmentGpu, now: SegmentGpu) -> bool:
+    """Whether ``now``'s busy share or mean stall length moved far from ``before``'s (CHANGE_BUSY, CHANGE_STALL),
+    or stalls came or went."""
+    a, b = before.busy_ratio(), now.busy_ratio()
+    if a is None or b is None or abs(a - b) >= CHANGE_BUSY:
+        return True
+    if bool(before.stalls) != bool(now.stalls):
+        return True
+    if not now.stalls:
+        return False
+    mean_a, mean_b = before.stall_ns / before.stalls, now.stall_ns / now.stalls
+    return max(mean_a, mean_b) >= CHANGE_STALL * max(1.0, min(mean_a, mean_b))
+
+
+def _job_cost(job: WatchJob) -> tuple[float | None, float | None]:
+    """(share of the host's CPU, CPU seconds) the job's kernel programs and agents took so far, from its
+    session's cost meter (the service's own threads are counted once, for the whole service: Watcher.status)."""
     cost = getattr(job.session, "cost", None)
     rows = list(getattr(cost, "last", []))
     if cost is None or not rows or not cost.start_ns:
-        return None
+        return None, None
     window = rows[0].ts - cost.start_ns
     ns = sum(r.cpu_ns for r in rows if r.source != "session")
-    return round(ns / (window * (os.cpu_count() or 1)), 6) if window > 0 else None
+    share = round(ns / (window * (os.cpu_count() or 1)), 6) if window > 0 else None
+    return share, round(ns / 1e9, 6)
+
+
+def _trim_heap() -> None:
+    """Hand back to the kernel the heap the BPF compiler (clang, inside bcc) used to start the session: tens of
+    MB the service would otherwise keep for as long as it runs (glibc's malloc_trim; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _probe_cost(job: WatchJob) -> dict[str, int]:
+    """The job's kernel programs so far, from its cost meter: how many times they ran, and their run time."""
+    rows = [r for r in getattr(getattr(job.session, "cost", None), "last", []) if r.source not in ("session", "agent")]
+    if not rows:
+        return {}
+    return {"probe_runs": sum(r.runs for r in rows), "probe_ns": sum(r.cpu_ns for r in rows)}
 
 
 def _tree_snapshot(pid: int) -> list[tuple[Any, ...]]:

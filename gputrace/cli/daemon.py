@@ -203,8 +203,13 @@ def _print_watch(w: dict[str, Any]) -> None:
     print(f"watch cost: {cost.get('host_cpu_share', 0):.2%} of host CPU (jobs' probes and agents "
           f"{cost.get('jobs_cpu_share', 0):.2%}, the service {cost.get('service_cpu_share', 0):.2%}); "
           f"{cost.get('scans', 0)} scans of {cost.get('processes', 0)} processes took {cost.get('scan_cpu_s', 0)} s "
-          f"CPU; {cost.get('segments_analysed', 0)} segments analysed in {cost.get('analysis_cpu_s', 0)} s CPU, "
+          f"CPU; {cost.get('segments_analysed', 0)} segments analysed in {cost.get('analysis_cpu_s', 0)} s CPU "
+          f"(budget {cost.get('analysis_budget_share', 0):.2%}), {cost.get('segments_estimated', 0)} estimated, "
           f"{cost.get('analysis_skipped', 0)} skipped")
+    otlp = w.get("otlp")
+    if otlp:
+        print(f"watch metrics by OTLP to {otlp['target']}: {otlp['exports']} exports, {otlp['failed']} failed"
+              + (f" ({otlp['error']})" if otlp.get("error") else ""))
     for job in w.get("jobs", []):
         busy = "-" if job.get("busy_ratio") is None else f"{job['busy_ratio']:.0%}"
         drops = sum(job.get("drops", {}).values())

@@ -3,8 +3,10 @@
 The kernel times BPF programs only while statistics are on, either for everyone
 (``kernel.bpf_stats_enabled``) or for as long as some process holds the file descriptor that
 ``bpf(BPF_ENABLE_STATS)`` returned. A capture takes the descriptor and closes it at the end, so the host's
-setting is never changed and is back as it was even if the capture is killed. Timing costs each program run
-two clock reads (tens of ns), which the figures include.
+setting is never changed and is back as it was even if the capture is killed. gputraced in watch mode drops
+CAP_SYS_ADMIN, which taking it needs, so it takes one for its whole life before (``hold_for_process``), and its
+sessions' meters count on that one. Timing costs each program run two clock reads (tens of ns), which the
+figures include.
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ _SYS_BPF = {"x86_64": 321, "aarch64": 280}
 SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
+_held: RunStats | None = None  # the process's own, for its lifetime (hold_for_process)
+
+
+def hold_for_process() -> str:
+    """Turn statistics on for as long as this process lives (closed by the kernel at its exit); a line for a log."""
+    global _held
+    if _held is None or not _held.on:
+        _held = RunStats()
+        _held.open()
+    return "BPF run-time statistics on while this process runs" if _held.on else _held.why
+
+
+def _held_on() -> bool:
+    return _held is not None and _held.fd >= 0
+
+
 class RunStats:
     """Holds the kernel's BPF run-time statistics on while open; ``why`` says why they are off."""
 
@@ -30,7 +48,7 @@ class RunStats:
 
     def open(self) -> bool:
         """Turn statistics on for this process's lifetime of the descriptor; False (and ``why``) if not."""
-        if _sysctl_on():
+        if _sysctl_on() or _held_on():
             return True
         nr = _SYS_BPF.get(platform.machine())
         if nr is None:
@@ -54,7 +72,7 @@ class RunStats:
 
     @property
     def on(self) -> bool:
-        return self.fd >= 0 or _sysctl_on()
+        return self.fd >= 0 or _held_on() or _sysctl_on()
 
 
 def _sysctl_on() -> bool:

@@ -92,11 +92,13 @@ class EbpfSource:
         sched_hook: str = "auto",
         owner_uid: int | None = None,
         off: Iterable[str] = (),
+        poll_ms: int = _POLL_MS,
     ) -> None:
         """``owner_uid``: the capture is for this non-root user, so a process that gains privileges it lacks
         is left out (bpf/gputrace.h gt_task_foreign); None (root) leaves nothing out and compiles no check.
         ``off``: source families turned off (gputrace.families); their programs are neither built nor attached
-        (the process-tree programs always are)."""
+        (the process-tree programs always are). ``poll_ms``: how often the event ring is drained (sooner after
+        a drain that found it an eighth full)."""
         if threshold_ns < 0:
             raise UserError("the eBPF threshold must be ≥ 0 ns")
         if ring_mib < 1 or ring_mib & (ring_mib - 1):
@@ -109,6 +111,9 @@ class EbpfSource:
         self.on_proc = on_proc
         self.syscalls = list(syscalls) if syscalls is not None else [s.name for s in SPECS]
         self.ring_pages = ring_mib * 1024 * 1024 // os.sysconf("SC_PAGE_SIZE")
+        self.poll_ms = max(1, min(poll_ms, 1000))
+        self._busy_bytes = ring_mib * 1024 * 1024 // 8  # a drain this large: the next one comes at _POLL_MS
+        self._drained = 0  # bytes taken from the ring since the last poll
         self.attached: list[str] = []
         self.missing: list[str] = []
         self.syscall_hook = syscall_hook
@@ -416,16 +421,20 @@ class EbpfSource:
 
     def _poll(self) -> None:
         try:
+            timeout = self.poll_ms
             while not self._stop.is_set():
-                self._bpf.ring_buffer_poll(_POLL_MS)  # woken by process events; `events` never wakes it
+                self._bpf.ring_buffer_poll(timeout)  # woken by process events; `events` never wakes it
                 self._bpf.ring_buffer_consume()
                 self.wakeups += 1
                 self._flush()
+                busy, self._drained = self._drained >= self._busy_bytes, 0
+                timeout = min(_POLL_MS, self.poll_ms) if busy else self.poll_ms
         except Exception as e:  # noqa: BLE001 - reported as the source ending early; the kernel counts the rest
             self._poll_error = f"{type(e).__name__}: {e}"
 
     def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
         raw = ctypes.string_at(data, size)
+        self._drained += size
         if size == _FAULT_SIZE:  # no other event has this size
             try:
                 self._files.fault(raw)
