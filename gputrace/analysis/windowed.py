@@ -59,6 +59,7 @@ BUCKET_NS = 1_000_000_000  # a spool file's span, and the margin a window is loa
 WINDOW_BUCKETS = 4  # buckets a window's stalls end in
 SMALL_RECORDS = 200_000  # time-local records up to which a capture is analysed whole
 LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than copied to each
+LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked for, past a window's margin
 FLUSH_RECORDS = 50_000  # spooled records buffered before they are written
 # Where a time-local record's time span is: (start field, end field); GPU records go to their own files
 _EXTENT: dict[str, tuple[str, str]] = {
@@ -175,6 +176,7 @@ class WindowedAnalysis:
         self.nvml_meta: Any = None
         self.colops: dict[tuple[int, int, int, int], GpuOp] = {}  # collective kernels by identity and times
         self.windows = 0  # windows explained (for the bench)
+        self.unsought: set[int] = set()  # id() of ops ending a stall, their launch not found in LAUNCH_LOOKBACK_NS
         self.peak_window_records = 0
 
     def add(self, r: Any) -> None:
@@ -257,14 +259,18 @@ class WindowedAnalysis:
                 lo = min(b, min(s.start_ns for s in found) // bn) - 1
                 win = self._load(spool, lo, b + wb)
                 self.windows += 1
+                self._find_launches(spool, win, found, lo)
                 att = Attributor(win, host, facts)
                 att.host_waits(calls_waited)
                 for st in found:
                     s = stall_doc(att, st, host, losses, lost_anywhere)
+                    if id(st.op) in self.unsought and s.get("why", "").startswith("no launch record"):
+                        s["why"] += f" in the {LAUNCH_LOOKBACK_NS // 10**9} s before it"
                     stalls.append(s)
                     if st.collective is None and st.op is not None and id(st.op) in colop_ids:
                         arrivals[id(st.op)] = s
                 del win, att
+                self.unsought.clear()
             del gpu
             i = bisect_left(ordered, b + wb, i)
         if cap.in_progress and ordered:  # what the threads caught waiting at stop waited for: the last records'
@@ -303,6 +309,22 @@ class WindowedAnalysis:
                 cap.ops[key] = [get((op.pid, op.correlation_id, op.start_ns, op.end_ns), op)
                                 if type(op) is GpuKernel else op for op in ops]
         return cap
+
+    def _find_launches(self, spool: Spool, win: Capture, found: list[Stall], lo: int) -> None:
+        """The launches of the ops that ended ``found`` that came before the window's records (from bucket
+        ``lo`` on): a deep queue launches long before its op starts. Looked for up to ``LAUNCH_LOOKBACK_NS``
+        before each op; one launched earlier than that is said in the stall's ``why``."""
+        missing = {(st.op.pid, st.op.correlation_id): st for st in found
+                   if st.op is not None and (st.op.pid, st.op.correlation_id) not in win.launches}
+        if not missing or not self.cap.counts.get("CudaApi"):
+            return
+        back = min(st.start_ns for st in missing.values()) - LAUNCH_LOOKBACK_NS
+        before = lo * self.bucket_ns
+        for r in spool.read(max(back // self.bucket_ns, min(spool.buckets)), lo - 1, host=False):
+            if type(r).__name__ == "CudaApi" and (r.pid, r.correlation_id) in missing and r.start_ns < before:
+                win.launches[(r.pid, r.correlation_id)] = r
+        if back // self.bucket_ns > min(spool.buckets):  # the search stopped short of the capture's start
+            self.unsought |= {id(st.op) for k, st in missing.items() if k not in win.launches}
 
     def _collectives(self, cap: Capture, spool: Spool) -> tuple[Waits, Capture | None]:
         """The collective kernels and their launches (two passes over the GPU records, only where the capture
