@@ -56,7 +56,7 @@ from gputrace.documents import Stall as StallDoc
 from gputrace.records import RECORD_TYPES, GpuKernel
 
 BUCKET_NS = 1_000_000_000  # a spool file's span, and the margin a window is loaded with on each side
-WINDOW_BUCKETS = 4  # buckets a window's stalls end in
+WINDOW_BUCKETS = 8  # buckets a window's stalls end in
 SMALL_RECORDS = 200_000  # time-local records up to which a capture is analysed whole
 LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than copied to each
 LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked for, past a window's margin
@@ -246,18 +246,21 @@ class WindowedAnalysis:
         arrivals: dict[int, StallDoc] = {}
         bn, wb = self.bucket_ns, self.window_buckets
         ordered = sorted(spool.buckets)
-        i = 0
+        i, busy = 0, False
         while i < len(ordered):
             b = ordered[i]
             a, z = b * bn, (b + wb) * bn
-            gpu = self._load(spool, b - 1, b + wb, host=False)
+            # the last window had stalls: this one likely has too, and loads its host records at once
+            loaded_host = busy
+            gpu = self._load(spool, b - 1, b + wb, host=loaded_host)
             found: list[Stall] = []
             for key, ops in sorted(gpu.ops.items()):
                 sw = sweeps.setdefault(key, Sweep(key))
                 found += sw.window(ops, a, z, waits, self.min_gap_ns)
+            busy = bool(found)
             if found:
                 lo = min(b, min(s.start_ns for s in found) // bn) - 1
-                win = self._load(spool, lo, b + wb)
+                win = gpu if loaded_host and lo == b - 1 else self._load(spool, lo, b + wb)
                 self.windows += 1
                 self._find_launches(spool, win, found, lo)
                 att = Attributor(win, host, facts)

@@ -21,9 +21,10 @@ STEP_NS = 10_000_000
 MS = 1_000_000
 
 
-def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]]], relay: bool) -> None:
+def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]]], relay: bool,
+              stall_every: int = 2) -> None:
     """About 20 records: one training step, stalled on odd steps."""
-    stalled = k % 2 == 1
+    stalled = k % stall_every == 1
     w = WORKERS[k % len(WORKERS)]
     launch = t + (8 * MS if stalled else MS)
     kernel_end = launch + 4 * MS
@@ -59,8 +60,9 @@ def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]
     rows["SyscallAgg"].append([TRAINER, TRAINER, "ioctl", 12, 48_000])
 
 
-def generate(path: Path, n_records: int, relay: bool) -> int:
-    """Write a capture of at least ``n_records`` records to ``path``; the number written."""
+def generate(path: Path, n_records: int, relay: bool, stall_every: int = 2) -> int:
+    """Write a capture of at least ``n_records`` records to ``path``, a stall every ``stall_every`` steps; the
+    number written."""
     rng = random.Random(42)
     w = CaptureWriter(path, {**host_header(["bench"]), "start_ns": 0}, force=True)
     w.write_rows("ProcInfo", [[0, p, 1, "python", ["python"], "/usr/bin/python3"] for p in (TRAINER, *WORKERS)])
@@ -70,7 +72,7 @@ def generate(path: Path, n_records: int, relay: bool) -> int:
         rows: dict[str, list[list[Any]]] = {kind: [] for kind in (
             "CudaApi", "GpuKernel", "GpuMemcpy", "Syscall", "OffCpu", "BlockIO", "SyscallAgg")}
         for _ in range(500):
-            step_rows(k, t, rng, rows, relay)
+            step_rows(k, t, rng, rows, relay, stall_every)
             k, t = k + 1, t + STEP_NS
         for kind, batch in rows.items():
             w.write_rows(kind, batch)
