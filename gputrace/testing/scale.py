@@ -27,7 +27,8 @@ def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]
     stalled = k % stall_every == 1
     w = WORKERS[k % len(WORKERS)]
     launch = t + (8 * MS if stalled else MS)
-    kernel_end = launch + 4 * MS
+    # stalls sparser than every other step: the GPU is kept busy up to the next step's kernel between them
+    kernel_end = launch + 4 * MS if stall_every <= 2 or stalled else t + STEP_NS + 2 * MS
     rows["CudaApi"].append([TRAINER, TRAINER, "cudaLaunchKernel", launch, launch + 5000, 2 * k, "runtime", 0])
     rows["GpuKernel"].append([TRAINER, 0, 1, 7, launch + 10_000, kernel_end, 2 * k, f"step_{k}", [1, 1, 1],
                               [128, 1, 1]])
