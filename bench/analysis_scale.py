@@ -1,130 +1,81 @@
-"""How analysis time and memory grow with capture size: 100k and 1M records, side by side.
+"""How analysis time and memory grow with capture size: from 100k to 10M records, side by side.
 
-    .venv/bin/python bench/analysis_scale.py [--sizes 100000,1000000]
+    .venv/bin/python bench/analysis_scale.py [--sizes 100000,1000000,10000000] [--waits pipe,relay] [--stall-every 2]
 
-The captures mimic a DataLoader training loop: a trainer launching kernels and copies, four workers
-reading shards (block requests, off-CPU waits, wakeups), noise syscalls, and a GPU stall every other
-step whose wait chain leads to a worker's read. Each size is generated twice: the trainer waiting on the
-workers' queue itself (a pipe), and waiting on a pin-memory thread's queue (a futex the thread wakes after
-its own read of the pipe: a relay). Each analysis runs in a fresh process so its peak RSS is its own; the
-last column is the share of stall time named `storage` (the chain followed to the worker's read).
+The captures (gputrace/testing/scale.py, written as generated) mimic a DataLoader training loop: a trainer
+launching kernels and copies, four workers reading shards (block requests, off-CPU waits, wakeups), noise
+syscalls, and a GPU stall every other step whose wait chain leads to a worker's read. Each size is generated
+twice: the trainer waiting on the workers' queue itself (a pipe), and waiting on a pin-memory thread's queue
+(a futex the thread wakes after its own read of the pipe: a relay). Each analysis runs in a fresh process so
+its peak RSS is its own; ``records/s`` is the records read per second of analysis; the last column is
+the share of stall time named `storage` (the chain followed to the worker's read). A capture of over 200k
+time-local records is analysed window by window (gputrace/analysis/windowed.py): ``held at once`` is the
+most records the analysis held together (one window with its margins; where a capture is analysed whole,
+all of them). Peak RSS still grows with the stall count, as the report lists every stall (35k per 1M
+records here, a few KiB each).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from gputrace.capture import CaptureWriter, host_header
-
-TRAINER, WORKERS = 1000, (1001, 1002, 1003, 1004)
-PIN = 1010  # the trainer's pin-memory thread
-STEP_NS = 10_000_000
-MS = 1_000_000
-
-
-def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]]], relay: bool) -> None:
-    """About 20 records: one training step, stalled on odd steps."""
-    stalled = k % 2 == 1
-    w = WORKERS[k % len(WORKERS)]
-    launch = t + (8 * MS if stalled else MS)
-    kernel_end = launch + 4 * MS
-    rows["CudaApi"].append([TRAINER, TRAINER, "cudaLaunchKernel", launch, launch + 5000, 2 * k, "runtime", 0])
-    rows["GpuKernel"].append([TRAINER, 0, 1, 7, launch + 10_000, kernel_end, 2 * k, f"step_{k}", [1, 1, 1],
-                              [128, 1, 1]])
-    rows["CudaApi"].append([TRAINER, TRAINER, "cudaMemcpyAsync", launch + 6000, launch + 9000, 2 * k + 1,
-                            "runtime", 0])
-    rows["GpuMemcpy"].append([TRAINER, 0, 1, 8, launch + 20_000, launch + MS, 2 * k + 1, 1 << 20, "h2d",
-                              "pinned"])
-    if stalled:
-        if relay:
-            rows["Syscall"].append([TRAINER, TRAINER, "futex", t, launch - 1000, 0, -1, "", 0, 0x7000])
-            rows["OffCpu"].append([TRAINER, TRAINER, t + 1000, launch - 2000, "S", launch - 2500, TRAINER, PIN,
-                                   "pt_data_pin"])
-            rows["Syscall"].append([TRAINER, PIN, "read", t, launch - 2800, 64, 9, "pipe", 64, 64])
-            rows["OffCpu"].append([TRAINER, PIN, t + 1000, launch - 3000, "S", launch - 3000, w, w, "worker"])
-        else:
-            rows["Syscall"].append([TRAINER, TRAINER, "read", t, launch - 1000, 64, 9, "pipe", 64, 64])
-            rows["OffCpu"].append([TRAINER, TRAINER, t + 1000, launch - 2000, "S", launch - 3000, w, w, "worker"])
-        path = f"/data/shard-{k % 997:04d}.bin"
-        rows["Syscall"].append([w, w, "pread64", t + 500, launch - 5000, 1 << 20, 5, path, 1 << 20, 1 << 20])
-        rows["OffCpu"].append([w, w, t + 600, launch - 6000, "D", launch - 6500, 0, 0, "[irq]"])
-        for j in range(2):
-            issue = t + 700 + j * 1000
-            rows["BlockIO"].append([w, w, "worker", "nvme0n1", 2048 * k + j, 512 << 10, "R", issue,
-                                    issue + rng.randint(2, 6) * MS])
-    for other in WORKERS:
-        if other != w:
-            s = t + rng.randint(0, 8 * MS)
-            rows["Syscall"].append([other, other, "futex", s, s + 200_000, 0, -1, "", 0, 0])
-            rows["OffCpu"].append([other, other, s + 10, s + 190_000, "R", 0, 0, 0, ""])
-    rows["SyscallAgg"].append([TRAINER, TRAINER, "ioctl", 12, 48_000])
-
-
-def generate(path: Path, n_records: int, relay: bool) -> int:
-    rng = random.Random(42)
-    w = CaptureWriter(path, {**host_header(["bench"]), "start_ns": 0}, force=True)
-    w.write_rows("ProcInfo", [[0, p, 1, "python", ["python"], "/usr/bin/python3"] for p in (TRAINER, *WORKERS)])
-    w.write_rows("GpuDevice", [[0, "bench GPU", True, "uuid", TRAINER]])
-    written, k, t = 0, 0, 1_000 * MS
-    while written < n_records:
-        rows: dict[str, list[list[Any]]] = {kind: [] for kind in (
-            "CudaApi", "GpuKernel", "GpuMemcpy", "Syscall", "OffCpu", "BlockIO", "SyscallAgg")}
-        for _ in range(500):
-            step_rows(k, t, rng, rows, relay)
-            k, t = k + 1, t + STEP_NS
-        for kind, batch in rows.items():
-            w.write_rows(kind, batch)
-            written += len(batch)
-    w.close({"end_ns": t, "drops": {}, "complete": True})
-    return written
+from gputrace.testing.scale import generate
 
 
 def analyse_one(path: str) -> None:
     """Child mode: analyse one capture, print time, peak RSS and the stall count as JSON."""
-    from gputrace.analysis import analyze
+    from gputrace.analysis.windowed import WindowedAnalysis
     from gputrace.capture import open_capture
 
     t0 = time.perf_counter()
-    with open_capture(path) as reader:
-        report = analyze(reader)
+    with open_capture(path) as reader:  # what analyze() does, keeping the analysis to ask how much it held
+        an = WindowedAnalysis(dict(reader.header))
+        for r in reader.records():
+            an.add(r)
+        report = an.report(reader)
     secs = time.perf_counter() - t0
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     by = report["summary"]["by_cause"]
-    print(json.dumps({"seconds": secs, "rss_mib": rss_mib, "stalls": len(report["stalls"]), "by_cause": by}))
+    held = an.peak_window_records if an.held is None else sum(report["capture"]["records"].values())
+    print(json.dumps({"seconds": secs, "rss_mib": rss_mib, "stalls": len(report["stalls"]), "by_cause": by,
+                      "held": held}))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="100000,1000000", help="record counts, comma separated")
+    ap.add_argument("--sizes", default="100000,1000000,3000000,10000000", help="record counts, comma separated")
+    ap.add_argument("--waits", default="pipe,relay", help="which trainer waits to generate: pipe, relay or both")
+    ap.add_argument("--stall-every", type=int, default=2, help="steps per GPU stall (the report lists every stall)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         analyse_one(args.one)
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"{'records':>10} {'trainer waits':>13} {'file MiB':>9} {'stalls':>7} {'analyze s':>10} {'s per 100k':>11} "
-          f"{'peak RSS MiB':>13} {'storage %':>10}")
+    relays = [w == "relay" for w in args.waits.split(",")]
+    print(f"{'records':>10} {'trainer waits':>13} {'file MiB':>9} {'stalls':>7} {'analyze s':>10} {'records/s':>10} "
+          f"{'peak RSS MiB':>13} {'held at once':>13} {'storage %':>10}")
     with tempfile.TemporaryDirectory(prefix="gputrace-scale-") as tmp:
         for n in sizes:
-            for relay in (False, True):
+            for relay in relays:
                 path = Path(tmp) / f"scale-{n}-{relay}.gputrace"
-                written = generate(path, n, relay)
+                written = generate(path, n, relay, args.stall_every)
                 out = subprocess.run([sys.executable, __file__, "--one", str(path)], check=True,
                                      capture_output=True, text=True).stdout
+                mib = path.stat().st_size / 2**20
+                path.unlink()
                 r = json.loads(out)
                 storage = 100.0 * r["by_cause"].get("storage", 0) / max(sum(r["by_cause"].values()), 1)
-                print(f"{written:>10,} {'futex relay' if relay else 'pipe':>13} {path.stat().st_size / 2**20:>9.1f} "
-                      f"{r['stalls']:>7,} {r['seconds']:>10.2f} {r['seconds'] / written * 1e5:>11.3f} "
-                      f"{r['rss_mib']:>13.0f} {storage:>10.1f}")
+                print(f"{written:>10,} {'futex relay' if relay else 'pipe':>13} {mib:>9.1f} "
+                      f"{r['stalls']:>7,} {r['seconds']:>10.2f} {written / r['seconds']:>10,.0f} "
+                      f"{r['rss_mib']:>13.0f} {r['held']:>13,} {storage:>10.1f}")
     return 0
 
 

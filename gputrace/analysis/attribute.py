@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gputrace.analysis.explain import Explainer, Part, PartExtra, empty_culprit
+from gputrace.analysis.explain import CaptureFacts, Explainer, Part, PartExtra, empty_culprit
 from gputrace.analysis.load import Capture, GpuOp
 from gputrace.analysis.timeline import CollectiveWait, HostWait, Stall
 from gputrace.documents import BreakdownEntry, Culprit, DirtyFields, Evidence, Holder, LateRank, StallPlace, Verdict
@@ -31,10 +31,10 @@ class Attributor:
     """Explains the stalls of one capture. Of several captures of one job, ``peers`` holds each capture's
     Attributor (by its index), so a late rank in another capture is explained on that capture's records."""
 
-    def __init__(self, cap: Capture, host: str = "") -> None:
+    def __init__(self, cap: Capture, host: str = "", facts: CaptureFacts | None = None) -> None:
         self.cap = cap
         self.host = host
-        self.explainer = Explainer(cap)
+        self.explainer = Explainer(cap, facts)
         self.peers: list[Attributor] = []
         self.explaining_late = False  # this capture's records are explaining a late rank's time just now
 

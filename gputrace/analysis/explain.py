@@ -174,8 +174,28 @@ def _cpu_holders(waits: list[tuple[OffCpu, int, int]]) -> Counter[tuple[int, int
     return out
 
 
+@dataclass
+class CaptureFacts:
+    """What the explainer otherwise gathers over the whole capture it is given: a windowed analysis
+    (analysis/windowed.py) gathers it as the records go by and gives each window's explainer the whole
+    capture's. Each is keyed by thread or futex word, never by record."""
+
+    futex_words: dict[tuple[int, int], tuple[set[int], set[int]]]  # (pid, word) -> waited tids, timed-out tids
+    interpreted: dict[int, bool | None]  # tid -> seen in the interpreter (``Explainer._in_interpreter``)
+    lock_wakers: dict[tuple[int, int], set[int]] | None = None  # (pid, word) -> who woke a waiter; None: unknown
+
+
+def interpreted(samples: Counter[int], frames_of: Callable[[int], list[str]]) -> bool | None:
+    """Whether a thread sampled on ``samples`` (stack id -> samples; ``frames_of`` a stack id's frames) ran in
+    the interpreter, as ``Explainer._in_interpreter`` says it."""
+    kinds: Counter[str] = Counter()
+    for stack, n in samples.items():
+        kinds[_frames_kind(frames_of(stack))] += n
+    return True if kinds["python"] else False if kinds["native"] >= NATIVE_SAMPLES else None
+
+
 class Explainer:
-    def __init__(self, cap: Capture) -> None:
+    def __init__(self, cap: Capture, facts: CaptureFacts | None = None) -> None:
         self.cap = cap
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
         self.ties = BlockTies(cap, self.mounts)
@@ -189,6 +209,9 @@ class Explainer:
         self._api_index: dict[int, list[tuple[int, int]]] | None = None  # tid -> its CUDA API calls (start, end)
         self._lock_wakers: dict[tuple[int, int], set[int]] | None = None  # (pid, futex word) -> who woke a waiter
         self._interpreted: dict[int, bool | None] = {}  # tid -> seen in the interpreter (None: no telling)
+        if facts is not None:
+            self._futex_words, self._interpreted = facts.futex_words, dict(facts.interpreted)
+            self._lock_wakers = facts.lock_wakers
         # Round trips: the thread (and depth) whose hand-off is being followed, and where a callee whose own
         # hand-off came from that thread gives the rest of the window back to it (``_explain_alive``)
         self._handing: list[tuple[int, int]] = []

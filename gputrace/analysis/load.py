@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
 from gputrace.analysis.uring import Completions
@@ -165,23 +165,26 @@ class _Loader:
         self.samples: dict[int, list[tuple[int, int]]] = {}  # tid -> [(ts, stack id)]
         self.uring: dict[int, list[IoUringRequest]] = {}  # pid -> its requests
 
-    def add(self, r: Any) -> None:
+    def add(self, r: Any) -> bool:
+        """Count ``r`` and index it; False where it was skipped (a kind attribution does not use, or a field
+        of the wrong type)."""
         kind = type(r).__name__
         counts = self.cap.counts
         counts[kind] = counts.get(kind, 0) + 1
         handler = _HANDLERS.get(kind)
         if handler is None:
-            return
+            return False
         ints, strs = _SHAPES.get(kind, ((), ()))
         for i in ints:
             if type(r[i]) is not int:
                 self.cap.malformed += 1
-                return
+                return False
         for i in strs:
             if type(r[i]) is not str:
                 self.cap.malformed += 1
-                return
+                return False
         handler(self, r)
+        return True
 
     def _thread(self, pid: int, tid: int) -> None:
         if tid and pid:
@@ -503,12 +506,40 @@ _SHAPES = {
 }
 
 
+class Source(Protocol):
+    """What analysis reads besides the records: a CaptureReader once its records are read (or anything
+    shaped like one: watch mode's segments)."""
+
+    @property
+    def header(self) -> Mapping[str, Any]: ...
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+    @property
+    def problem(self) -> str: ...
+    @property
+    def drops(self) -> Mapping[str, int]: ...
+    @property
+    def unknown_kinds(self) -> Mapping[str, int]: ...
+    @property
+    def trailer(self) -> Mapping[str, Any] | None: ...
+    @property
+    def malformed(self) -> int: ...
+    @property
+    def complete(self) -> bool: ...
+
+
 def load(reader: CaptureReader) -> Capture:
     """Read every record of ``reader`` once; a truncated capture is loaded up to the cut."""
     ld = _Loader(reader.header)
     add = ld.add
     for r in reader.records():
         add(r)
+    return finish_load(ld, reader)
+
+
+def finish_load(ld: _Loader, reader: Source, *, link: bool = True) -> Capture:
+    """The Capture of a loader that has seen every record of ``reader`` (``link``: and the device side of
+    collectives called on the host, ``link_device_calls``)."""
     ld.cap.block_names = _block_names(reader.meta.get("ebpf"))
     cap = ld.finish(reader.meta.get("nvml"))
     cap.complete = reader.complete
@@ -521,7 +552,8 @@ def load(reader: CaptureReader) -> Capture:
     kernel_kinds = ("Syscall", "OffCpu", "SyscallAgg", "BlockIO", "PageFault", "IoUringRequest", "DirtyPause")
     cap.kernel_seen = "ebpf" in reader.meta or any(cap.counts.get(k) for k in kernel_kinds)
     cap.off = _families_off(reader.header)
-    link_device_calls(cap)
+    if link:
+        link_device_calls(cap)
     return cap
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from gputrace.analysis import throttle, uring
 from gputrace.analysis.attribute import Attributor
+from gputrace.analysis.devices import DeviceKey
 from gputrace.analysis.load import DIRTY_OP, Capture
 from gputrace.analysis.overhead import read_overhead
 from gputrace.analysis.timeline import (
@@ -25,6 +26,7 @@ from gputrace.analysis.timeline import (
     loss_windows,
     untimed_losses,
 )
+from gputrace.analysis.timeline import Stall as TimelineStall
 from gputrace.documents import (
     CAUSES,
     Attached,
@@ -72,26 +74,11 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
     arrivals: dict[int, Stall] = {}  # id() of a collective kernel -> the idle stall its start ended
     for tl in timelines:
         for st in tl.stalls:
-            s = attributor.stall(st)
-            _namespaced(cap, s["culprit"])
-            s["host"] = host
-            s["culprit"].setdefault("host", host)
-            s["overlaps_drops"] = lost_anywhere or any(a < st.end_ns and b > st.start_ns for a, b in losses)
+            s = stall_doc(attributor, st, host, losses, lost_anywhere)
             stalls.append(s)
             if st.collective is None and st.op is not None:
                 arrivals[id(st.op)] = s
-    stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
-    capture = _capture(cap, timelines)
-    report: Report = {
-        "schema": SCHEMA,
-        "capture": capture,
-        "devices": [_device(cap, tl) for tl in timelines],
-        "summary": _summary(timelines, stalls, capture),
-        "stalls": stalls,
-        "top_culprits": top_culprits(stalls),
-        "top_processes": top_processes(cap, stalls),
-        "min_gap_ns": min_gap_ns,
-    }
+    report = report_of(cap, timelines, stalls, min_gap_ns)
     rows = collective_rows(cap, waits, arrivals, host, remote or {}, min_gap_ns)
     rows += call_rows(cap, calls_waited, host, remote_calls or {}, min_gap_ns, {(r["comm"], r["seq"]) for r in rows},
                       attributor)
@@ -99,6 +86,40 @@ def assemble(cap: Capture, min_gap_ns: int, *, attributor: Attributor | None = N
     if rows:
         report["collectives"] = rows
     return report
+
+
+def stall_doc(attributor: Attributor, st: TimelineStall, host: str, losses: list[tuple[int, int]],
+              lost_anywhere: bool) -> Stall:
+    """One stall's document: explained on ``attributor``'s records, named on ``host``, and whether records
+    were lost over it (``losses``: when; ``lost_anywhere``: at an unknown time)."""
+    s = attributor.stall(st)
+    _namespaced(attributor.cap, s["culprit"])
+    s["host"] = host
+    s["culprit"].setdefault("host", host)
+    s["overlaps_drops"] = lost_anywhere or any(a < st.end_ns and b > st.start_ns for a, b in losses)
+    return s
+
+
+def report_of(cap: Capture, timelines: list[DeviceTimeline], stalls: list[Stall], min_gap_ns: int,
+              counted: dict[DeviceKey, tuple[int, int]] | None = None) -> Report:
+    """The report of ``stalls`` (sorted here) on ``timelines``, without collectives rows; ``counted``: each
+    device's (stalls, stall ns) where its timeline does not list them (a windowed analysis's)."""
+    stalls.sort(key=lambda s: (s["start_ns"], s["device"]))
+    capture = _capture(cap, timelines)
+    devices = [_device(cap, tl) for tl in timelines]
+    for d, tl in zip(devices, timelines, strict=True):
+        if counted is not None and tl.key in counted:
+            d["stalls"], d["stall_ns"] = counted[tl.key]
+    return {
+        "schema": SCHEMA,
+        "capture": capture,
+        "devices": devices,
+        "summary": _summary(timelines, stalls, capture),
+        "stalls": stalls,
+        "top_culprits": top_culprits(stalls),
+        "top_processes": top_processes(cap, stalls),
+        "min_gap_ns": min_gap_ns,
+    }
 
 
 def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: dict[int, Stall], host: str,

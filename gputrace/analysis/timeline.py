@@ -222,6 +222,49 @@ def build(cap: Capture, min_gap_ns: int,
     return [_device(key, ops, waits, min_gap_ns) for key, ops in sorted(cap.ops.items()) if ops], waits
 
 
+@dataclass
+class Sweep:
+    """One device's timeline swept in time order, a window at a time (analysis/windowed.py): what the
+    sweep has seen so far, and the busy interval it is in."""
+
+    key: DeviceKey
+    first_ns: int = 0
+    last_ns: int = 0
+    busy_ns: int = 0
+    cur_start: int | None = None
+    cur_end: int = 0
+    stalls: int = 0
+    stall_ns: int = 0
+
+    def window(self, ops: list[GpuOp], a: int, b: int, waits: Waits, min_gap_ns: int) -> list[Stall]:
+        """Go on over the ops (sorted by start) whose busy time starts in [a, b): the stalls they end, as
+        ``_device`` finds them over the whole timeline."""
+        busy = sorted((s, op.end_ns, i) for i, op in enumerate(ops) if a <= (s := _busy_start(op, waits)) < b)
+        found: list[Stall] = []
+        for start, end, i in busy:
+            op = ops[i]
+            if self.cur_start is None:
+                self.first_ns, self.last_ns = op.start_ns, op.end_ns
+                self.cur_start, self.cur_end = start, end
+                continue
+            self.first_ns, self.last_ns = min(self.first_ns, op.start_ns), max(self.last_ns, op.end_ns)
+            if start > self.cur_end:
+                self.busy_ns += self.cur_end - self.cur_start
+                if start - self.cur_end >= min_gap_ns:
+                    found.extend(_gap(self.key, self.cur_end, start, op, waits, min_gap_ns))
+                self.cur_start, self.cur_end = start, end
+            else:
+                self.cur_end = max(self.cur_end, end)
+        self.stalls += len(found)
+        self.stall_ns += sum(s.end_ns - s.start_ns for s in found)
+        return found
+
+    def timeline(self, collective_wait_ns: int) -> DeviceTimeline:
+        """The whole timeline swept (its stalls are counted here, not listed)."""
+        busy = self.busy_ns + (self.cur_end - self.cur_start if self.cur_start is not None else 0)
+        return DeviceTimeline(self.key, self.first_ns, self.last_ns, busy, collective_wait_ns)
+
+
 def _device(key: DeviceKey, ops: list[GpuOp], waits: dict[int, CollectiveWait], min_gap_ns: int) -> DeviceTimeline:
     busy = sorted((_busy_start(op, waits), op.end_ns, i) for i, op in enumerate(ops))
     first = min(op.start_ns for op in ops)

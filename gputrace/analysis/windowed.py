@@ -1,0 +1,396 @@
+"""Stall attribution in bounded memory: one pass over the records, then the capture explained window by window.
+
+Records arrive in any order (each source flushes its own batches). Long-lived ones (processes, threads, forks
+and execs, devices, agents, cgroups, collectives, stack frames, drops) are kept whole, as a whole-capture
+analysis keeps them. Time-local ones (syscalls, off-CPU spans, block requests, page faults, io_uring requests,
+dirty pauses, GPU ops, API calls and syncs, CPU samples) are spooled to a private temporary directory, one
+file per time bucket (``bucket_ns``): a record goes to the bucket it starts in, and as a continuation to each
+later bucket it overlaps, so loading buckets [b0, b1] gives every record that overlaps them, each once. A
+record spanning more than ``LONG_BUCKETS`` buckets is kept in memory instead (a sleep of minutes: few).
+
+The device timelines are then swept in time order, ``window_buckets`` buckets at a time, carrying each
+device's busy interval across windows: a gap is found whole however long it is. The gaps that end in a
+window are explained on the records of the buckets from one before the earliest gap's start (its launch and
+the calls it waited in began before it) to one after the window (calls it waited in end after it), with the
+code a whole-capture analysis uses (analysis/attribute.py, analysis/explain.py). A window without stalls
+loads its GPU records only. What attribution reads across the whole capture — which threads wait on each
+futex word and who wakes them (a lock's takers, the GIL's holder), whether a thread runs the interpreter,
+the collectives and their waits — is gathered per thread, word or collective instance, never per record.
+
+Memory: the long-lived records, those per-object facts, and the records of one window with its margins (or
+of one gap, where a gap is longer than a window); the report's own stalls. Flat in the capture's length.
+
+A capture whose time-local records number at most ``small_records`` is analysed whole instead (report.py's
+``assemble``), as it always was: the same document either way, down to the ties.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from copy import copy
+from typing import Any
+
+import msgpack
+
+from gputrace.analysis.attribute import Attributor
+from gputrace.analysis.devices import DeviceKey
+from gputrace.analysis.explain import FUTEXES, CaptureFacts, _timed_out, interpreted
+from gputrace.analysis.load import Capture, GpuOp, Source, _Loader, finish_load, link_device_calls
+from gputrace.analysis.report import assemble, call_rows, collective_rows, host_of, report_of, stall_doc
+from gputrace.analysis.timeline import (
+    _COLLECTIVE_WORDS,
+    Stall,
+    Sweep,
+    Waits,
+    collective_waits,
+    host_waits,
+    loss_windows,
+    untimed_losses,
+)
+from gputrace.documents import Report
+from gputrace.documents import Stall as StallDoc
+from gputrace.records import RECORD_TYPES, GpuKernel
+
+BUCKET_NS = 1_000_000_000  # a spool file's span, and the margin a window is loaded with on each side
+WINDOW_BUCKETS = 8  # buckets a window's stalls end in
+SMALL_RECORDS = 200_000  # time-local records up to which a capture is analysed whole
+LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than copied to each
+LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked for, past a window's margin
+FLUSH_RECORDS = 50_000  # spooled records buffered before they are written
+# Where a time-local record's time span is: (start field, end field); GPU records go to their own files
+_EXTENT: dict[str, tuple[str, str]] = {
+    "GpuKernel": ("start_ns", "end_ns"), "GpuMemcpy": ("start_ns", "end_ns"), "GpuMemset": ("start_ns", "end_ns"),
+    "CudaApi": ("start_ns", "end_ns"), "GpuSync": ("start_ns", "end_ns"),
+    "Syscall": ("start_ns", "end_ns"), "OffCpu": ("start_ns", "end_ns"), "BlockIO": ("issue_ns", "complete_ns"),
+    "PageFault": ("start_ns", "end_ns"), "IoUringRequest": ("start_ns", "end_ns"), "DirtyPause": ("ts", "ts"),
+    "StackSample": ("ts", "ts"),
+}  # fmt: skip
+_DEVICE_KINDS = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset", "CudaApi"})
+_KINDS = sorted(_EXTENT)
+_KIND_ID = {k: i for i, k in enumerate(_KINDS)}
+_FIELDS = {k: (RECORD_TYPES[k]._fields.index(a), RECORD_TYPES[k]._fields.index(b)) for k, (a, b) in _EXTENT.items()}
+
+
+class Spool:
+    """Time-local records on disk by time bucket (the module's docstring): written as they come, read back
+    a bucket range at a time. The directory is private (mode 0700) and removed by ``close``."""
+
+    def __init__(self, bucket_ns: int) -> None:
+        self.bucket_ns = bucket_ns
+        self._dir = tempfile.TemporaryDirectory(prefix="gputrace-windows-")
+        self._pending: dict[tuple[int, bool], list[bytes]] = {}
+        self._npending = 0
+        self._packer = msgpack.Packer()
+        self.buckets: set[int] = set()  # buckets holding any record
+        self.long: list[tuple[int, int, Any]] = []  # (start, end, record) of records spanning many buckets
+        self.spooled = 0
+
+    def add(self, kind: str, r: Any) -> None:
+        i, j = _FIELDS[kind]
+        start, end = r[i], r[j]
+        end = max(start, end)
+        b0, b1 = start // self.bucket_ns, end // self.bucket_ns
+        self.spooled += 1
+        dev = kind in _DEVICE_KINDS
+        if b1 - b0 > LONG_BUCKETS:
+            self.long.append((start, end, r))
+            self.buckets.add(b0)
+            return
+        row = list(r)
+        self._put(b0, dev, self._packer.pack((_KIND_ID[kind], False, row)))
+        if b1 > b0:
+            cont = self._packer.pack((_KIND_ID[kind], True, row))
+            for b in range(b0 + 1, b1 + 1):
+                self._put(b, dev, cont)
+
+    def _put(self, b: int, dev: bool, item: bytes) -> None:
+        self._pending.setdefault((b, dev), []).append(item)
+        self._npending += 1
+        if self._npending >= FLUSH_RECORDS:
+            self.flush()
+
+    def _path(self, b: int, dev: bool) -> str:
+        return os.path.join(self._dir.name, f"{b}.{'gpu' if dev else 'host'}")
+
+    def flush(self) -> None:
+        for (b, dev), items in self._pending.items():
+            with open(self._path(b, dev), "ab") as f:
+                f.write(b"".join(items))
+            self.buckets.add(b)
+        self._pending.clear()
+        self._npending = 0
+
+    def read(self, b0: int, b1: int, *, host: bool = True) -> Iterator[Any]:
+        """The records that overlap buckets [b0, b1], each once (GPU records only, unless ``host``)."""
+        ordered = sorted(self.buckets)
+        for b in ordered[bisect_left(ordered, b0) : bisect_right(ordered, b1)]:
+            for dev in (True, False) if host else (True,):
+                try:
+                    f = open(self._path(b, dev), "rb")  # noqa: SIM115 (closed below)
+                except FileNotFoundError:
+                    continue
+                with f:
+                    for kind_id, cont, row in msgpack.Unpacker(f, raw=False, use_list=True):
+                        if cont and b != b0:
+                            continue  # a continuation: read from the first bucket loaded, or as the original
+                        yield RECORD_TYPES[_KINDS[kind_id]]._make(row)
+        lo, hi = b0 * self.bucket_ns, (b1 + 1) * self.bucket_ns
+        for start, end, r in self.long:
+            if start < hi and end >= lo and (host or type(r).__name__ in _DEVICE_KINDS):
+                yield r
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+# What a window's Capture shares with the whole capture's: long-lived records and what they say
+_SHARED = ("collectives", "calls", "in_progress", "cpu_cgroups", "cpu_throttles", "stacks", "comms", "nspids", "tgid",
+           "created", "pids", "gil_pids", "agent_threads", "agent_from", "kernel_pids", "kernel_seen", "off", "nvml",
+           "drops", "block_names", "complete", "problem", "trailer", "first_ns", "last_ns", "tracing_ns")
+
+
+class WindowedAnalysis:
+    """Feed it a capture's records (``add``), in the order they come; ``report`` then gives the capture's
+    gputrace.report/1 document. Usable over any record iterator: ``analyze_records``."""
+
+    def __init__(self, header: dict[str, Any], *, min_gap_ns: int = 1_000_000, bucket_ns: int = BUCKET_NS,
+                 window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS) -> None:
+        if min_gap_ns <= 0:
+            raise ValueError("min_gap_ns must be > 0")
+        if bucket_ns <= 0 or window_buckets <= 0:
+            raise ValueError("bucket_ns and window_buckets must be > 0")
+        self.header = header
+        self.min_gap_ns = min_gap_ns
+        self.bucket_ns, self.window_buckets, self.small_records = bucket_ns, window_buckets, small_records
+        self.ld = _Loader(header)
+        self.held: list[Any] | None = []  # time-local records while the capture may still be analysed whole
+        self.spool: Spool | None = None
+        self.futex_words: dict[tuple[int, int], tuple[set[int], set[int]]] = {}
+        self.sampled: dict[int, Counter[int]] = {}  # tid -> its samples' stack ids
+        self.named_collectives = False  # a kernel named like a collective was seen
+        self.cap = Capture(header=header)  # the whole capture's long-lived part, once every record was added
+        self.nvml_meta: Any = None
+        self.colops: dict[tuple[int, int, int, int], GpuOp] = {}  # collective kernels by identity and times
+        self.windows = 0  # windows explained (for the bench)
+        self.unsought: set[int] = set()  # id() of ops ending a stall, their launch not found in LAUNCH_LOOKBACK_NS
+        self.peak_window_records = 0
+
+    def add(self, r: Any) -> None:
+        kind = type(r).__name__
+        if not self.ld.add(r) or kind not in _EXTENT:
+            return
+        if kind == "Syscall" and r.name in FUTEXES:
+            waited, timed_out = self.futex_words.setdefault((r.pid, r.arg), (set(), set()))
+            waited.add(r.tid)
+            if _timed_out(r):
+                timed_out.add(r.tid)
+        elif kind == "StackSample":
+            self.sampled.setdefault(r.tid, Counter())[r.stack] += 1
+        elif kind == "GpuKernel" and not self.named_collectives:
+            low = r.name.lower()
+            self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
+        if self.held is not None:
+            self.held.append(r)
+            if len(self.held) > self.small_records:
+                self.spool = Spool(self.bucket_ns)
+                for h in self.held:
+                    self.spool.add(type(h).__name__, h)
+                self.held = None
+                self._drop_local()
+            return
+        assert self.spool is not None
+        self.spool.add(kind, r)
+        if self.spool.spooled % FLUSH_RECORDS == 0:
+            self._drop_local()
+
+    def _drop_local(self) -> None:
+        """The whole-capture loader keeps only what is long-lived: its time-local indexes are emptied."""
+        ld = self.ld
+        ld.raw = {k: {} for k in ld.raw}
+        ld.by_dev, ld.faults, ld.samples, ld.uring = {}, {}, {}, {}
+        ld.cap.ops, ld.cap.launches = {}, {}
+
+    def report(self, source: Source) -> Report:
+        """The report, once every record was added; ``source`` says the rest (header, metadata, trailer)."""
+        if self.held is not None:
+            return assemble(finish_load(self.ld, source), self.min_gap_ns)
+        assert self.spool is not None
+        try:
+            return self._windowed(source, self.spool)
+        finally:
+            self.spool.close()
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _windowed(self, source: Source, spool: Spool) -> Report:
+        spool.flush()
+        self._drop_local()
+        self.nvml_meta = source.meta.get("nvml")
+        cap = self.cap = finish_load(self.ld, source, link=False)
+        waits, colcap = self._collectives(cap, spool)
+        self.colops = {(op.pid, op.correlation_id, op.start_ns, op.end_ns): op
+                       for ops in colcap.ops.values() for op in ops} if colcap is not None else {}
+        colop_ids = {id(op) for op in self.colops.values()}
+        host = host_of(cap)
+        calls_waited = host_waits(cap, self.min_gap_ns)
+        facts = CaptureFacts(self.futex_words, {tid: _interpreted(cap, tid, n) for tid, n in self.sampled.items()})
+        if cap.gil_pids and any(t for _, t in self.futex_words.values()):  # a lock's holder may be asked for
+            facts.lock_wakers = self._lock_wakers(spool)
+        losses, lost_anywhere = loss_windows(cap), untimed_losses(cap) or bool(cap.problem)
+        sweeps: dict[DeviceKey, Sweep] = {}
+        stalls: list[StallDoc] = []
+        arrivals: dict[int, StallDoc] = {}
+        bn, wb = self.bucket_ns, self.window_buckets
+        ordered = sorted(spool.buckets)
+        i, busy = 0, False
+        while i < len(ordered):
+            b = ordered[i]
+            a, z = b * bn, (b + wb) * bn
+            # the last window had stalls: this one likely has too, and loads its host records at once
+            loaded_host = busy
+            gpu = self._load(spool, b - 1, b + wb, host=loaded_host)
+            found: list[Stall] = []
+            for key, ops in sorted(gpu.ops.items()):
+                sw = sweeps.setdefault(key, Sweep(key))
+                found += sw.window(ops, a, z, waits, self.min_gap_ns)
+            busy = bool(found)
+            if found:
+                lo = min(b, min(s.start_ns for s in found) // bn) - 1
+                win = gpu if loaded_host and lo == b - 1 else self._load(spool, lo, b + wb)
+                self.windows += 1
+                self._find_launches(spool, win, found, lo)
+                att = Attributor(win, host, facts)
+                att.host_waits(calls_waited)
+                for st in found:
+                    s = stall_doc(att, st, host, losses, lost_anywhere)
+                    if id(st.op) in self.unsought and s.get("why", "").startswith("no launch record"):
+                        s["why"] += f" in the {LAUNCH_LOOKBACK_NS // 10**9} s before it"
+                    stalls.append(s)
+                    if st.collective is None and st.op is not None and id(st.op) in colop_ids:
+                        arrivals[id(st.op)] = s
+                del win, att
+                self.unsought.clear()
+            del gpu
+            i = bisect_left(ordered, b + wb, i)
+        if cap.in_progress and ordered:  # what the threads caught waiting at stop waited for: the last records'
+            cap.uring = self._load(spool, ordered[-1] - wb, ordered[-1]).uring
+        wait_ns: dict[DeviceKey, int] = {}
+        for w in waits.values():
+            k = cap.device_map.key(w.op.pid, w.op.device)
+            wait_ns[k] = wait_ns.get(k, 0) + w.wait_end - w.wait_start
+        timelines = [sweeps[k].timeline(wait_ns.get(k, 0)) for k in sorted(sweeps) if sweeps[k].cur_start is not None]
+        counted = {tl.key: (sweeps[tl.key].stalls, sweeps[tl.key].stall_ns) for tl in timelines}
+        report = report_of(cap, timelines, stalls, self.min_gap_ns, counted)
+        rows = collective_rows(colcap, waits, arrivals, host, {}, self.min_gap_ns) if colcap is not None else []
+        rows += call_rows(cap, calls_waited, host, {}, self.min_gap_ns, {(r["comm"], r["seq"]) for r in rows})
+        rows.sort(key=lambda r: (r["started_ns"], r["rank"]))
+        if rows:
+            report["collectives"] = rows
+        return report
+
+    def _load(self, spool: Spool, b0: int, b1: int, *, host: bool = True) -> Capture:
+        """The Capture of buckets [b0, b1]: their records, and the whole capture's long-lived ones."""
+        ld = _Loader(self.header)
+        whole = self.cap
+        for name in _SHARED:
+            setattr(ld.cap, name, getattr(whole, name))
+        ld.gpu_devices = self.ld.gpu_devices
+        n = 0
+        add = ld.add
+        for r in spool.read(b0, b1, host=host):
+            add(r)
+            n += 1
+        self.peak_window_records = max(self.peak_window_records, n)
+        cap = ld.finish(self.nvml_meta)
+        if self.colops:  # the collective kernels are the whole capture's objects: their waits are keyed by them
+            get = self.colops.get
+            for key, ops in cap.ops.items():
+                cap.ops[key] = [get((op.pid, op.correlation_id, op.start_ns, op.end_ns), op)
+                                if type(op) is GpuKernel else op for op in ops]
+        return cap
+
+    def _find_launches(self, spool: Spool, win: Capture, found: list[Stall], lo: int) -> None:
+        """The launches of the ops that ended ``found`` that came before the window's records (from bucket
+        ``lo`` on): a deep queue launches long before its op starts. Looked for up to ``LAUNCH_LOOKBACK_NS``
+        before each op; one launched earlier than that is said in the stall's ``why``."""
+        missing = {(st.op.pid, st.op.correlation_id): st for st in found
+                   if st.op is not None and (st.op.pid, st.op.correlation_id) not in win.launches}
+        if not missing or not self.cap.counts.get("CudaApi"):
+            return
+        back = min(st.start_ns for st in missing.values()) - LAUNCH_LOOKBACK_NS
+        before = lo * self.bucket_ns
+        for r in spool.read(max(back // self.bucket_ns, min(spool.buckets)), lo - 1, host=False):
+            if type(r).__name__ == "CudaApi" and (r.pid, r.correlation_id) in missing and r.start_ns < before:
+                win.launches[(r.pid, r.correlation_id)] = r
+        if back // self.bucket_ns > min(spool.buckets):  # the search stopped short of the capture's start
+            self.unsought |= {id(st.op) for k, st in missing.items() if k not in win.launches}
+
+    def _collectives(self, cap: Capture, spool: Spool) -> tuple[Waits, Capture | None]:
+        """The collective kernels and their launches (two passes over the GPU records, only where the capture
+        has collectives), the device side of host-called ones, and the ranks' waits: the capture's
+        collectives as a Capture of their own (its ops those kernels alone)."""
+        if not (cap.collectives or cap.calls or self.named_collectives):
+            return {}, None
+        keys = set(cap.collectives)
+        kernels: dict[DeviceKey, list[GpuOp]] = {}
+        found: set[tuple[int, int]] = set()
+        ordered = sorted(spool.buckets)
+        for b in ordered:
+            for r in spool.read(b, b, host=False):
+                if type(r) is GpuKernel and r.start_ns // spool.bucket_ns == b \
+                        and r.end_ns >= r.start_ns and type(r.name) is str \
+                        and ((r.pid, r.correlation_id) in keys or any(w in r.name.lower() for w in _COLLECTIVE_WORDS)):
+                    kernels.setdefault(cap.device_map.key(r.pid, r.device), []).append(r)
+                    found.add((r.pid, r.correlation_id))
+        launches = {}
+        for b in ordered:
+            for r in spool.read(b, b, host=False):
+                if type(r).__name__ == "CudaApi" and (r.pid, r.correlation_id) in found:
+                    launches[(r.pid, r.correlation_id)] = r
+        for ops in kernels.values():
+            ops.sort(key=lambda o: (o.start_ns, o.end_ns))
+        colcap = copy(cap)
+        colcap.ops, colcap.launches = kernels, launches
+        link_device_calls(colcap)  # adds to the shared collectives: every window sees them
+        return collective_waits(colcap, self.min_gap_ns), colcap
+
+    def _lock_wakers(self, spool: Spool) -> dict[tuple[int, int], set[int]]:
+        """(pid, futex word) -> the threads that woke a waiter there, over the whole capture, a window at a
+        time (``Explainer._wakers_of``)."""
+        out: dict[tuple[int, int], set[int]] = {}
+        ordered = sorted(spool.buckets)
+        bn, wb = self.bucket_ns, self.window_buckets
+        i = 0
+        while i < len(ordered):
+            b = ordered[i]
+            win = self._load(spool, b, b + wb)
+            for index in win.syscalls.values():
+                for r in index.records:
+                    if r.name in FUTEXES and r.tid in win.offcpu and b * bn <= r.start_ns < (b + wb) * bn:
+                        woken = out.setdefault((r.pid, r.arg), set())
+                        woken.update(o.waker_tid for o in win.offcpu[r.tid].overlapping(r.start_ns, r.end_ns)
+                                     if o.wake_ns and o.waker_pid == r.pid and o.waker_tid != r.tid)
+            i = bisect_left(ordered, b + wb, i)
+        return out
+
+
+def _interpreted(cap: Capture, tid: int, samples: Counter[int]) -> bool | None:
+    pid = cap.pid_of(tid)
+    return interpreted(samples, lambda stack: cap.stacks.get((pid, stack), []))
+
+
+def analyze_records(source: Source, records: Iterable[Any], *, min_gap_ns: int = 1_000_000,
+                    bucket_ns: int = BUCKET_NS, window_buckets: int = WINDOW_BUCKETS,
+                    small_records: int = SMALL_RECORDS) -> Report:
+    """The report of ``records`` (any iterator: a capture's, a flight-recorder segment's), in bounded memory;
+    ``source`` gives the header, metadata and trailer, read once the records are (a CaptureReader is both)."""
+    an = WindowedAnalysis(dict(source.header), min_gap_ns=min_gap_ns, bucket_ns=bucket_ns,
+                          window_buckets=window_buckets, small_records=small_records)
+    add = an.add
+    for r in records:
+        add(r)
+    return an.report(source)

@@ -1,0 +1,105 @@
+"""Analysis in bounded memory (analysis/windowed.py): window by window, the same report as the whole capture's."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gputrace.analysis import analyze
+from gputrace.analysis.load import load
+from gputrace.analysis.report import assemble
+from gputrace.analysis.windowed import Spool, WindowedAnalysis
+from gputrace.capture import open_capture
+from gputrace.testing.scale import generate
+
+DATA = Path(__file__).parent / "data" / "captures"
+
+
+def whole(path: Path) -> dict[str, Any]:
+    with open_capture(path) as reader:
+        return dict(assemble(load(reader), 1_000_000))
+
+
+def windowed(path: Path, bucket_ns: int, window_buckets: int) -> tuple[dict[str, Any], WindowedAnalysis]:
+    with open_capture(path) as reader:
+        an = WindowedAnalysis(dict(reader.header), bucket_ns=bucket_ns, window_buckets=window_buckets, small_records=0)
+        for r in reader.records():
+            an.add(r)
+        return dict(an.report(reader)), an
+
+
+@pytest.mark.parametrize("relay", [False, True])
+def test_small_windows_give_the_whole_captures_stalls_causes_and_culprits(tmp_path: Path, relay: bool) -> None:
+    """A 30 s DataLoader-like capture, 1500 stalls: windows of 30 ms (most stalls cross one) and of 4 s give
+    the report the whole capture's analysis gives, every stall's cause, culprit and evidence included."""
+    path = tmp_path / "long.gputrace"
+    generate(path, 60_000, relay)
+    want = whole(path)
+    assert len(want["stalls"]) >= 1000 and want["summary"]["by_cause"].get("storage", 0) > 0
+    for bucket_ns, buckets in ((30_000_000, 1), (1_000_000_000, 4)):
+        got, an = windowed(path, bucket_ns, buckets)
+        assert an.held is None and an.windows > 1  # it did go window by window
+        assert got == want
+
+
+def test_a_launch_long_before_its_op_and_every_rule_of_the_golden_capture(tmp_path: Path) -> None:
+    """The golden capture's ten rules (a collective's late rank, a GPU sync, an op launched 15 ms before the stall
+    it ends...) with 2 ms buckets: the same report."""
+    from tests.test_analysis_golden import mixed_capture
+
+    path = mixed_capture(tmp_path / "mixed.gputrace")
+    want = whole(path)
+    for bucket_ns, buckets in ((2_000_000, 1), (5_000_000, 2)):
+        got, an = windowed(path, bucket_ns, buckets)
+        assert an.windows > 1
+        assert got == want
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.gputrace.gz")))
+def test_recorded_h100_captures_give_the_same_report_in_50ms_windows(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "capture.gputrace"
+    with gzip.open(DATA / name, "rb") as src, path.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    want = whole(path)
+    got, an = windowed(path, 50_000_000, 1)
+    assert an.windows > 1
+    assert got == want
+
+
+def test_the_records_held_at_once_do_not_grow_with_the_capture(tmp_path: Path) -> None:
+    """Twice the capture, the same window: the most records loaded at once stays the same (one window with its
+    margins), while the whole-capture analysis would hold twice as many."""
+    peaks = []
+    for n in (40_000, 80_000):
+        path = tmp_path / f"c{n}.gputrace"
+        generate(path, n, False)
+        _, an = windowed(path, 200_000_000, 2)
+        peaks.append(an.peak_window_records)
+        assert an.peak_window_records < n / 10
+    assert peaks[1] <= peaks[0] * 1.1
+
+
+def test_a_small_capture_is_analysed_whole_and_a_large_one_by_windows(tmp_path: Path) -> None:
+    path = tmp_path / "c.gputrace"
+    generate(path, 20_000, False)
+    with open_capture(path) as reader:
+        assert analyze(reader) == whole(path)
+    with open_capture(path) as reader:
+        an = WindowedAnalysis(dict(reader.header), small_records=5_000)
+        for r in reader.records():
+            an.add(r)
+        assert an.held is None  # past the threshold: spooled
+        assert an.report(reader) == whole(path)
+
+
+def test_the_spool_is_private_and_removed() -> None:
+    spool = Spool(1_000_000_000)
+    where = Path(spool._dir.name)
+    assert os.stat(where).st_mode & 0o077 == 0
+    spool.close()
+    assert not where.exists()
