@@ -159,13 +159,14 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
 
 
 def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote: dict[InstanceKey, list[RemoteCall]],
-              min_gap_ns: int, done: set[tuple[str, int]], attributor: Attributor) -> list[CollectiveRow]:
+              min_gap_ns: int, done: set[tuple[str, int]], attributor: Attributor | None) -> list[CollectiveRow]:
     """Each rank's part in each collective instance called on the host (torch.distributed's, gloo's above
     all), as ``collective_rows`` gives a kernel's: arrival (the call entered: ``enqueued_ns`` and
     ``started_ns``), completion, and the time it waited for a later rank. An instance a kernel already
     gives (an NCCL call linked to its kernel) is not given twice. ``arrival``: why the rank got there when
     it did, on its own records alone (as a kernel's is its device's idle gap before it): its thread's time
-    since its previous collective call returned, where that is at least ``min_gap_ns``."""
+    since its previous collective call returned, where that is at least ``min_gap_ns`` (not without an
+    ``attributor``: the windowed analysis of a long capture holds no thread's whole time between calls)."""
     waits = {id(w.call): w for ws in waited.values() for w in ws}
     since = _previous_returns(cap)
     rows = []
@@ -185,7 +186,7 @@ def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote
             if len(starts) > 1:
                 row["late"] = c.start_ns == last and last - min(starts) >= min_gap_ns
             a = since.get(id(c))
-            if a is not None and c.start_ns - a >= min_gap_ns:
+            if attributor is not None and a is not None and c.start_ns - a >= min_gap_ns:
                 found = attributor.arrival(c.tid, a, c.start_ns)
                 if found is not None:
                     _namespaced(cap, found["culprit"])

@@ -286,7 +286,7 @@ class WindowedAnalysis:
         counted = {tl.key: (sweeps[tl.key].stalls, sweeps[tl.key].stall_ns) for tl in timelines}
         report = report_of(cap, timelines, stalls, self.min_gap_ns, counted)
         rows = collective_rows(colcap, waits, arrivals, host, {}, self.min_gap_ns) if colcap is not None else []
-        rows += call_rows(cap, calls_waited, host, {}, self.min_gap_ns, {(r["comm"], r["seq"]) for r in rows})
+        rows += call_rows(cap, calls_waited, host, {}, self.min_gap_ns, {(r["comm"], r["seq"]) for r in rows}, None)
         rows.sort(key=lambda r: (r["started_ns"], r["rank"]))
         if rows:
             report["collectives"] = rows
