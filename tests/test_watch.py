@@ -279,9 +279,9 @@ def test_dump_by_pid_is_for_the_jobs_owner() -> None:
         mine = svc.job("60", "5", "5", user=NOBODY)
         roots = svc.job("60", "5", "5")
         try:
-            for p in (mine, roots):
-                wait_until(f"pid {p.pid} recorded", lambda p=p: (svc.watched(p.pid) or {}).get("segments", 0) >= 2,
-                           timeout=90)
+            for p in (mine, roots):  # segments that hold GPU work (the agent's first records can come late)
+                wait_until(f"pid {p.pid} recorded", lambda p=p: (j := svc.watched(p.pid) or {}).get("segments", 0) >= 2
+                           and j.get("busy_ratio") is not None, timeout=90)
             r = svc.client("dump", str(mine.pid), user=NOBODY)
             assert r.returncode == 0, r.stdout + r.stderr
             path = Path(r.stdout.split("Wrote ")[1].split()[0])
