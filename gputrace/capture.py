@@ -144,6 +144,14 @@ class WriteBudget(Protocol):
         ...
 
 
+def by_kind(records: Iterable[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
+    """Records grouped by their kind's name, in order within each kind: what one frame per kind holds."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for r in records:
+        out.setdefault(type(r).__name__, []).append(r)
+    return out
+
+
 class CaptureWriter:
     """Writes one capture. Not thread-safe: one thread (the session's writer) owns it."""
 
@@ -179,10 +187,7 @@ class CaptureWriter:
 
     def write(self, records: Iterable[tuple[Any, ...]]) -> None:
         """Write records of any kinds, one frame per kind."""
-        by_kind: dict[str, list[tuple[Any, ...]]] = {}
-        for r in records:
-            by_kind.setdefault(type(r).__name__, []).append(r)
-        for kind, rows in by_kind.items():
+        for kind, rows in by_kind(records).items():
             self.write_rows(kind, rows)
 
     def write_rows(self, kind: str, rows: Sequence[Sequence[Any]]) -> None:

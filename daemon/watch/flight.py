@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 
 from gputrace import clock
-from gputrace.capture import MAX_FRAME_BYTES, CaptureWriter
+from gputrace.capture import MAX_FRAME_BYTES, CaptureWriter, by_kind
 from gputrace.daemon.watch.tally import GPU_OPS, GpuTally, SegmentGpu
 
 # Records that say what the others mean (who a pid is, what an fd names, which devices exist): carried into
@@ -103,10 +103,7 @@ class FlightRecorder:
         self._maybe_rotate()
 
     def write(self, records: Iterable[tuple[Any, ...]]) -> None:
-        by_kind: dict[str, list[tuple[Any, ...]]] = {}
-        for r in records:
-            by_kind.setdefault(type(r).__name__, []).append(r)
-        for kind, rows in by_kind.items():
+        for kind, rows in by_kind(records).items():
             self.write_rows(kind, rows)
 
     def write_rows(self, kind: str, rows: Sequence[Sequence[Any]]) -> None:
