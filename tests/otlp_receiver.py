@@ -66,10 +66,11 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
             self.arrived.notify_all()
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
-    def points(self, name: str) -> list[tuple[dict[str, str], float]]:
-        """Every data point of metric ``name`` in the last request that has it: (attributes, value)."""
+    def points(self, name: str, request: Any = None) -> list[tuple[dict[str, str], float]]:
+        """Every data point of metric ``name`` in ``request``, or in the last request that has it: (attributes,
+        value)."""
         with self.arrived:
-            requests = list(self.requests)
+            requests = [request] if request is not None else list(self.requests)
         for request in reversed(requests):
             found = [_point(p) for rm in request.resource_metrics for sm in rm.scope_metrics
                      for m in sm.metrics if m.name == name for p in _data_points(m)]

@@ -218,8 +218,8 @@ def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
             wait_until("the job measured", lambda: (j := svc.watched(job.pid)) and j["segments"] >= 4
                        and j["busy_ratio"] is not None, timeout=90)
 
-            def measured(name: str, **labels: str) -> list[float]:
-                return [v for attrs, v in receiver.points(name) if attrs.get("pid") == pid
+            def measured(name: str, request: Any = None, **labels: str) -> list[float]:
+                return [v for attrs, v in receiver.points(name, request) if attrs.get("pid") == pid
                         and all(attrs.get(k) == want for k, want in labels.items())]
 
             def arrived() -> bool:  # an export of the figures of a second of GPU work or more
@@ -229,12 +229,13 @@ def test_metrics_arrive_at_a_real_otlp_receiver(protocol: str) -> None:
             with receiver.arrived:
                 receiver.arrived.wait_for(lambda: len(receiver.requests) > 0 and arrived(), timeout=60)
             assert arrived(), receiver.requests[-1:] if receiver.requests else "no request arrived"
-            [busy] = measured("gputrace_gpu_busy_ratio", device="0")
-            [sleep] = measured("gputrace_stall_seconds_total", cause="sleep")
-            [ran] = measured("gputrace_gpu_busy_seconds_total", device="0")
+            with receiver.arrived:  # one export's figures, not several's as more arrive
+                request = receiver.requests[-1]
+            [busy] = measured("gputrace_gpu_busy_ratio", request, device="0")
+            [sleep] = measured("gputrace_stall_seconds_total", request, cause="sleep")
+            [ran] = measured("gputrace_gpu_busy_seconds_total", request, device="0")
             assert 0.3 <= busy <= 0.6, busy  # 10 ms kernels, 10 ms sleeps
             assert 0.5 * ran <= sleep <= 1.5 * ran, (sleep, ran)
-            request = receiver.requests[-1]
             resource = {kv.key: kv.value.string_value for rm in request.resource_metrics
                         for kv in rm.resource.attributes}
             assert resource["service.name"] == "gputraced", resource
