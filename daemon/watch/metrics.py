@@ -14,6 +14,7 @@ node_exporter never reads half of one.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import time
@@ -209,8 +210,19 @@ def render(jobs: Iterable[Any], watcher: Any) -> str:
             kind, _, help_text = METRICS.get(name, ("gauge", "", "when this file was written"))
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         text = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-        lines.append(f"{name}{{{text}}} {value:.9g}" if labels else f"{name} {value:.9g}")
+        lines.append(f"{name}{{{text}}} {_number(value)}" if labels else f"{name} {_number(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """A value as the text format writes it: the shortest text that reads back as the same float (the OTLP
+    export carries the same figures, exactly), and Prometheus's spelling of the non-finite ones."""
+    v = float(value)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v)
 
 
 WRITTEN = "gputrace_metrics_written_timestamp_seconds"
