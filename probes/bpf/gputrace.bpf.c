@@ -7,9 +7,9 @@
  * in `sysinfo` (raw path) and the tgid in `tslot`, syscall exit looks up its tid in `inflight` (only
  * targets ever get an entry). Calls shorter
  * than THRESHOLD_NS are summed per (tid, syscall) in `agg`, not emitted. Every lost record is counted in
- * `drops` by reason (see gputrace.h). Build-time settings come in as -D flags from probes/ebpf.py. */
+ * `drops` by reason (see gputrace.h). Build-time settings come in as -D flags from probes/ebpf/source.py. */
 /* Only struct pt_regs comes from the kernel's headers (asm/ptrace.h); task_struct fields are read at offsets
- * taken from BTF (probes/btf.py). linux/sched.h would make the compile 1 s slower on every capture. */
+ * taken from BTF (probes/ebpf/btf.py). linux/sched.h would make the compile 1 s slower on every capture. */
 #include <asm/ptrace.h>
 #include "gputrace.h"
 
@@ -55,7 +55,7 @@
 
 /* The traced tgids. `targets` is the set; `tslot` answers the common question (is this task traced?)
  * with an array lookup: slot tgid & TARGET_MASK holds 0 (no target), the one target tgid in it, or
- * GT_SLOT_SHARED (several: ask `targets`). User space keeps both the same way (probes/ebpf.py). */
+ * GT_SLOT_SHARED (several: ask `targets`). User space keeps both the same way (probes/ebpf/source.py). */
 BPF_HASH(targets, u32, u8, MAX_TARGETS);
 BPF_ARRAY(tslot, u32, 1 << TARGET_BITS);
 /* In-flight calls in slots indexed by tid: an array lookup instead of hash update/lookup/delete on every
@@ -875,7 +875,7 @@ static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now
  * guard with every classic and perf-event program: the kernel skips them while another such program runs
  * on the CPU, e.g. a timer interrupt's wakeup landing in our block_io_start program. Raw tracepoints only
  * skip when the same program nests in itself, so the scheduler and interrupt hooks are raw where the
- * task_struct layout is known from BTF (GT_TASK_PID_OFF, from probes/btf.py). A raw program reads the
+ * task_struct layout is known from BTF (GT_TASK_PID_OFF, from probes/ebpf/btf.py). A raw program reads the
  * tid from the task pointer the tracepoint passes. */
 #if GT_RAW_SCHED
 #define GT_SCHED_PROBE(name) int gt_##name(struct bpf_raw_tracepoint_args *ctx)
@@ -1261,7 +1261,7 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
  * its completion emits one event (at least THRESHOLD_NS long; shorter ones are summed in `agg` per thread and
  * opcode) and forgets it. A request whose completion is never seen (IOSQE_CQE_SKIP_SUCCESS, a skipped
  * program run) stays until its pointer is reused: the ring and user_data are checked at completion. What the
- * map holds at stop is read as the requests still in flight (probes/ebpf_final.py). */
+ * map holds at stop is read as the requests still in flight (probes/ebpf/final.py). */
 #ifdef HAVE_IO_URING
 #ifndef MAX_URING
 #define MAX_URING 16384
@@ -1360,7 +1360,7 @@ static __always_inline void uring_complete(u64 req, struct gt_uring_val *v, u64 
 }
 
 #if GT_RAW_URING
-/* Raw tracepoints (probes/ebpf_hooks.py: prototypes and member offsets from the kernel's BTF): the process
+/* Raw tracepoints (probes/ebpf/hooks.py: prototypes and member offsets from the kernel's BTF): the process
  * is checked before anything is read, where a classic tracepoint fills its whole record for every request
  * on the host first. ctx->args: (struct io_kiocb *req) */
 #define GT_IORING_SETUP_SQPOLL 0x2 /* io_ring_ctx.flags */

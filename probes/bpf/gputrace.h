@@ -1,4 +1,4 @@
-/* Events shared between gputrace.bpf.c and probes/events.py (which mirrors them with struct formats;
+/* Events shared between gputrace.bpf.c and probes/ebpf/events.py (which mirrors them with struct formats;
  * tests/test_ebpf_layout.py checks that sizes and offsets agree). Bump GT_LAYOUT on any change. How a syscall
  * event's a0, a1 and arg are read is said by its syscall's flags (GT_F_*), which the capture's metadata
  * records: a new flag is no layout change. */
@@ -42,7 +42,7 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_EV_EXIT 7
 #define GT_EV_FAULT 8 /* struct gt_fault_event */
 #define GT_EV_MAPFILE 9 /* struct gt_mapfile_event, in the process-event ring */
-/* 10 is EV_UNFINISHED, written by user space (probes/events.py) */
+/* 10 is EV_UNFINISHED, written by user space (probes/ebpf/events.py) */
 #define GT_EV_FDRECV 11 /* struct gt_fdrecv_event, in both rings */
 #define GT_EV_OFFCPU2 12 /* struct gt_offcpu2_event */
 #define GT_EV_URING 13   /* struct gt_uring_event */
@@ -65,7 +65,7 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_DROP_URING 9    /* io_uring request map full: a request's file and timing are not recorded */
 #define GT_DROP_MAX 10
 
-/* Per-syscall flags (the `sysinfo` array, filled from probes/syscalls.py). */
+/* Per-syscall flags (the `sysinfo` array, filled from probes/ebpf/syscalls.py). */
 #define GT_F_FD 0x1             /* args[0] is an fd */
 #define GT_F_XFER 0x2           /* a positive return value is a byte count */
 #define GT_F_PATH 0x4           /* args[1] is a user path */
