@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import blocked_in
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
 from gputrace.analysis import analyze, summary_lines
@@ -16,6 +17,7 @@ from gputrace.capture import open_capture
 from gputrace.records import InProgress
 
 pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+READ_NR = {"x86_64": 0, "aarch64": 63}[os.uname().machine]
 
 # The main thread blocks reading a FIFO at once (before tracing begins); on "go" a second thread starts,
 # prints its tid and blocks reading a pipe nobody writes.
@@ -41,14 +43,15 @@ def test_blocked_calls_are_recorded_at_stop(tmp_path: Path) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     try:
         main_tid = int(proc.stdout.readline())
-        time.sleep(0.2)  # in read() well before tracing begins
+        blocked_in(proc.pid, READ_NR)  # in read() before tracing begins
         out = tmp_path / "stuck.gputrace"
         with ebpf_capture(out, [proc.pid], threshold_ns=100_000):
             began = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             proc.stdin.write("go\n")
             proc.stdin.flush()
             late_tid = int(proc.stdout.readline())
-            time.sleep(0.3)
+            blocked_in(proc.pid, READ_NR, tid=late_tid)
+            time.sleep(0.3)  # how long it has waited at stop: the time measured below
             stopped = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
     finally:
         proc.kill()
