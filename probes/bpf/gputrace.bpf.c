@@ -1021,21 +1021,21 @@ int gt_softirq_exit(void *ctx) { return irq_leave(1); }
 int gt_hrtimer_expire_entry(void *ctx) { return irq_enter(2); }
 int gt_hrtimer_expire_exit(void *ctx) { return irq_leave(2); }
 
-static __always_inline int in_irq_kind(u32 kind, u64 now)
-{
-    u64 *t = irqdepth.lookup(&kind);
-    return t && *t && now - *t < IRQ_STALE_NS;
-}
-
+/* The innermost context: the one entered last (a timer interrupt can come in the middle of a softirq; the
+ * hrtimer callback it runs is what wakes the task). 1 hard irq, 2 softirq, 3 timer callback, 0 none. */
 static __always_inline int irq_kind(u64 now)
 {
-    if (in_irq_kind(0, now))
-        return 1;
-    if (in_irq_kind(1, now))
-        return 2;
-    if (in_irq_kind(2, now))
-        return 3;
-    return 0;
+    int kind = 0;
+    u64 latest = 0;
+    for (u32 k = 0; k < 3; k++) {
+        u32 key = k;
+        u64 *t = irqdepth.lookup(&key);
+        if (t && *t && now - *t < IRQ_STALE_NS && *t >= latest) {
+            latest = *t;
+            kind = k + 1;
+        }
+    }
+    return kind;
 }
 
 /* Who is waking a task: `current`, unless the wakeup comes from an interrupt. */
