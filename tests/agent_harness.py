@@ -7,8 +7,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +17,6 @@ from gputrace.daemon.agents.server import AgentServer
 from gputrace.daemon.writer import QueueSink
 
 PYTHON = sys.executable
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from agent_harness import Harness, RawPeer, wait_for
+from agent_harness import Harness, RawPeer
+from waiting import wait_for
 
 from gputrace.daemon.agents.server import AgentLimits
 

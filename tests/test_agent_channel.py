@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import msgpack
-from agent_harness import PYTHON, Harness, RawPeer, of, wait_for
+from agent_harness import PYTHON, Harness, RawPeer, of
+from waiting import wait_for
 
 from gputrace.records import GpuKernel
 

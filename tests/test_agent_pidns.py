@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from agent_harness import PYTHON, Harness, of, wait_for
+from agent_harness import PYTHON, Harness, of
+from waiting import wait_for
 
 from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.probes import procfs

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_harness import Harness, clean_env, of, wait_for
+from agent_harness import Harness, clean_env, of
+from waiting import wait_for
 
 from gputrace.daemon.attach import inject, nsexec
 from gputrace.errors import UserError

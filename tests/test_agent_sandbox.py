@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_harness import clean_env, of, wait_for
+from agent_harness import clean_env, of
 from test_agent_remote_exec import CONTAINER  # its own root, pid and mount namespaces; no gputrace inside
+from waiting import wait_for
 
 from gputrace.capture import CaptureReader
 from gputrace.probes import procfs

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_harness import wait_for
+from waiting import wait_for
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.probes import procfs

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_harness import wait_for
 from test_capture_cli import capture_until_exit
+from waiting import wait_for
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.cli import main

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from agent_harness import wait_for
+from waiting import wait_for
 
 from gputrace.probes import procfs
 
