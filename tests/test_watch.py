@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from otlp_receiver import grpc_metrics_receiver, http_metrics_receiver
+from waiting import connectable, wait_for
 from workloads.loopdev import LoopFs, write_file
 
 from gputrace.agent import arming
@@ -80,11 +81,7 @@ class WatchSvc:
              "--watch", "--watch-scan-s", "0.2", "--flight-seconds", "8", "--flight-segment-s", "1",
              "--metrics-textfile", str(self.metrics), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=self.env)
-        deadline = time.monotonic() + 30
-        while not self.sock.exists():
-            assert self.proc.poll() is None, self.proc.communicate()
-            assert time.monotonic() < deadline, "service did not start"
-            time.sleep(0.02)
+        connectable(self.sock, 30, alive=lambda: self.proc.poll() is None)  # accepting, not merely made
 
     def stop(self) -> str:
         """SIGTERM, as systemd stops it; its log."""
@@ -119,14 +116,8 @@ class WatchSvc:
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """Poll ``check`` until it returns something true; fail saying ``what`` otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}")
+    """``check``'s first true value; fail saying ``what`` otherwise."""
+    return wait_for(check, timeout, what)
 
 
 @contextlib.contextmanager
