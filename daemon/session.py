@@ -84,6 +84,9 @@ class CaptureOptions:
     # passes its flight recorder, which writes a rolling set of segment captures instead of one file.
     make_writer: Callable[..., Any] | None = None
     on_session: Callable[[Any], None] | None = None  # given the running session once its sources started
+    # What follows the targets in the kernel (called as EbpfSource is); watch mode passes its shared program
+    # set's views (probes/ebpf/shared.py): one set of kernel programs for all its jobs.
+    make_ebpf: Callable[..., Any] | None = None
     analyse: bool = True  # analyse the capture at the end (and export it, with ``perfetto``)
     pacing: Pacing = field(default_factory=Pacing)
 
@@ -247,8 +250,9 @@ class _Session:
         if off:
             self.notes.append(f"gputrace: turned off: {', '.join(sorted(off))} (what each costs and what the "
                               "analysis loses without it: gputrace capture --help)")
-        self.ebpf = EbpfSource(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc,
-                               owner_uid=self.opts.owner_uid, off=off, poll_ms=self.opts.pacing.ring_poll_ms)
+        make = self.opts.make_ebpf or EbpfSource
+        self.ebpf = make(pids, threshold_ns=int(self.opts.threshold_us * 1000), on_proc=self._on_proc,
+                         owner_uid=self.opts.owner_uid, off=off, poll_ms=self.opts.pacing.ring_poll_ms)
         try:
             self.ebpf.start(self.sink)
             self.sources.append(self.ebpf)

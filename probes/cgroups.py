@@ -6,7 +6,9 @@ more: to the scheduler tracepoints that looks like a preemption, so only the cgr
 This source samples, every ``TICK_S``, which cpu cgroup each traced process is in (/proc/PID/cgroup) and the
 ``cpu.stat`` counters (``nr_periods``, ``nr_throttled``, throttled time) of those cgroups and of their
 ancestors that have a quota (a pod's limit throttles its containers), and records them when they change:
-``CpuCgroup`` and ``CpuThrottle`` records. A cgroup without a quota never changes them, so it costs one record.
+``CpuCgroup`` and ``CpuThrottle`` records. A cgroup without a quota never changes them, so it costs one record;
+while no followed cgroup has a quota (nor any ancestor of one) and no process is new, the sampler sleeps until
+the next reading of quotas and memberships (every ``LIMITS_EVERY`` ticks) instead of waking every tick.
 The kernel adds a throttle's time to the counters when the group is let run again, so two samples bound when
 a throttle ended; analysis (gputrace/analysis/throttle.py) matches that to the off-CPU spans it ended.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,6 +219,7 @@ class CgroupSampler:
         self._first_tick: dict[int, int] = {}  # pid -> the tick it was first sampled at
         self._lock = threading.Lock()  # add_target() (the eBPF source's thread) against the sampling thread
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by add_target() and stop(): the sampling thread's sleep ends
         self._thread: threading.Thread | None = None
         self._sink: Sink | None = None
 
@@ -237,9 +241,11 @@ class CgroupSampler:
         """Also follow ``pid`` (a child forked after start); it is read at the next tick."""
         with self._lock:
             self._pids.add(pid)
+        self._wake.set()  # an idle sampler sleeps until the next limits tick: this one is due sooner
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -249,8 +255,35 @@ class CgroupSampler:
         return {}
 
     def _run(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        while True:
+            skip = self._idle_ticks()
+            t0 = time.monotonic()
+            woken = self._wake.wait(self.tick_s * skip)
+            if self._stop.is_set():
+                return
+            slept = skip - 1  # the ticks slept through (sample() counts the last), never past a limits tick
+            if woken:
+                self._wake.clear()
+                slept = min(slept, int((time.monotonic() - t0) / self.tick_s))
+            self._ticks += slept
             self.sample()
+
+    def _idle_ticks(self) -> int:
+        """Ticks until the next one that can record anything: 1 while a followed cgroup has a quota (its
+        counters may move), a read failed, or a process is new (launchers move processes as they start them);
+        otherwise (no quota anywhere: nothing to throttle) the next limits tick, when quotas and memberships
+        are read again. Most jobs run without a quota: their sampler wakes every LIMITS_EVERY ticks."""
+        with self._lock:
+            pids = list(self._pids)
+        if any(t.limits is None or t.error or t.limits.quota_us != UNLIMITED for t in self._tracked.values()):
+            return 1
+        if any(self._limited.get(path) for path in self._tracked):
+            return 1
+        for pid in pids:
+            first = self._first_tick.get(pid)
+            if first is None or self._ticks - first < NEW_TICKS or pid not in self._member:
+                return 1
+        return LIMITS_EVERY - self._ticks % LIMITS_EVERY or 1
 
     def sample(self) -> None:
         """One tick: where each process is, then each cgroup's counters; records only what changed."""

@@ -180,6 +180,12 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
                 assert max(causes, key=lambda c: float(c[1]))[0] == "sleep", causes
                 job = svc.watched(p.pid)
                 assert job is not None and job["found_by"] == "armed" and job["top_cause"], job
+            # one set of kernel programs for the three jobs (one owner): loaded once, every job's processes in it
+            kernel = svc.ask({"op": "status"})["watch"]["kernel_programs"]
+            assert kernel["loaded"] == 1 and len(kernel["sets"]) == 1, kernel
+            # (GPU processes other tests on the host run may be watched too: root's, they share the set)
+            assert kernel["sets"][0]["jobs"] >= 3 and kernel["sets"][0]["processes"] >= 3, kernel
+            assert "watch kernel programs: 1 set(s) loaded now" in svc.client("status").stdout
             assert (svc.metrics.stat().st_mode & 0o777) == 0o644
             assert not list(svc.metrics.parent.glob(".*")), "a temporary metrics file left behind"
         finally:

@@ -40,6 +40,7 @@ from gputrace.daemon.watch.metrics import JobMetrics, samples, write_textfile
 from gputrace.daemon.watch.tally import SegmentGpu
 from gputrace.documents import Report
 from gputrace.errors import UserError
+from gputrace.probes.ebpf.shared import SharedEbpf
 
 FLIGHT = ".flight"
 WATCH_OFF = frozenset({"sampler"})  # stack samples: the costliest detail that no stall's cause depends on
@@ -141,6 +142,9 @@ class Watcher:
         self._queue: queue.Queue[tuple[WatchJob, Segment] | None] = queue.Queue(ANALYSIS_QUEUE)
         self._threads: list[threading.Thread] = []
         self.otlp: Any = None  # OtlpMetrics, once started
+        # One set of kernel programs for the jobs (of one owner): each syscall on the host runs it once,
+        # whatever the number of jobs (probes/ebpf/shared.py).
+        self.kernel = SharedEbpf()
         self._prepare()
 
     # ---------------------------------------------------------------------------------- lifecycle ---
@@ -282,7 +286,7 @@ class Watcher:
                               sample_hz=0 if "sampler" in self.config.off else 499,
                               argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
                               owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session,
-                              pacing=WATCH_PACING)
+                              pacing=WATCH_PACING, make_ebpf=self.kernel.view)
         try:
             result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
             job.state = "ended"
@@ -472,6 +476,7 @@ class Watcher:
                          "analysis_skipped": self.analysis_skipped,
                          "jobs_cpu_share": round(jobs_cpu, 6), "service_cpu_share": round(service_cpu, 6),
                          "host_cpu_share": round(jobs_cpu + service_cpu, 6)},
+                "kernel_programs": {"loaded": self.kernel.loaded, "sets": self.kernel.status()},
                 **({"nvml": self.scanner.nvml} if self.scanner.nvml else {}),
                 **({"otlp": self.otlp.status()} if self.otlp is not None else {})}
 

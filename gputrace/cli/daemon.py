@@ -206,6 +206,12 @@ def _print_watch(w: dict[str, Any]) -> None:
           f"CPU; {cost.get('segments_analysed', 0)} segments analysed in {cost.get('analysis_cpu_s', 0)} s CPU "
           f"(budget {cost.get('analysis_budget_share', 0):.2%}), {cost.get('segments_estimated', 0)} estimated, "
           f"{cost.get('analysis_skipped', 0)} skipped")
+    kernel = w.get("kernel_programs")
+    if kernel:
+        sets = kernel.get("sets", [])
+        print(f"watch kernel programs: {len(sets)} set(s) loaded now ({kernel.get('loaded', 0)} since the start), "
+              + "; ".join(f"uid {s['owner_uid'] if s['owner_uid'] is not None else 0}: {s['jobs']} jobs, "
+                          f"{s['processes']} processes, {s['unrouted']} events of no job" for s in sets))
     otlp = w.get("otlp")
     if otlp:
         print(f"watch metrics by OTLP to {otlp['target']}: {otlp['exports']} exports, {otlp['failed']} failed"

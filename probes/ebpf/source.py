@@ -427,6 +427,7 @@ class EbpfSource:
                 self._bpf.ring_buffer_consume()
                 self.wakeups += 1
                 self._flush()
+                self.drain_done()
                 busy, self._drained = self._drained >= self._busy_bytes, 0
                 timeout = min(_POLL_MS, self.poll_ms) if busy else self.poll_ms
         except Exception as e:  # noqa: BLE001 - reported as the source ending early; the kernel counts the rest
@@ -450,6 +451,9 @@ class EbpfSource:
         if len(batch) >= _BATCH_EVENTS:
             self._flush()
         return 0
+
+    def drain_done(self) -> None:
+        """Called by the drain thread after each drain of the rings (probes/ebpf/shared.py routes there)."""
 
     def _flush(self) -> None:
         if self._batch and self._sink is not None:
