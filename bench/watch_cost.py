@@ -5,6 +5,7 @@
     sudo .venv/bin/python bench/watch_cost.py --seconds 60 --jobs 1
     sudo .venv/bin/python bench/watch_cost.py --seconds 60 --baseline-src /tmp/gputrace-main   # old code beside
     sudo .venv/bin/python bench/watch_cost.py --seconds 30 --profile                            # where it goes
+    sudo .venv/bin/python bench/watch_cost.py --jobs 3 --rounds 3 --baseline-src DIR             # medians
 
 Each state starts fresh jobs (10 ms kernels, 10 ms sleeps on the simulated device, as uid 64123, the only
 user the service watches: other GPU processes on the host are left alone), waits until they are watched
@@ -31,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,6 +218,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"{'state':10} {'service':>9} {'tracing':>9} {'total':>9} {'job CPU':>9} {'RSS MB (anon)':>14}  "
           "scan/analysis")
     for r in rows:
+        r = r | {"state": f"{r['state']}" + (f" #{r['round']}" if args.rounds > 1 else "")}
         total = r.get("service_cpu", 0.0) + (r.get("tracing_cpu") or 0.0) if "service_cpu" in r else None
         cost = r.get("cost", {})
         parts = (f"scan {cost.get('scan_cpu_s', 0):.2f} s / {cost.get('scans', 0)}, analysis "
@@ -232,6 +235,30 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(f"\n# {r['state']}: the service's log ends\n{r['log']}")
         if "profile" in r:
             print(f"\n# {r['state']}: where the service's CPU went\n{r['profile']}")
+
+
+def print_medians(rows: list[dict[str, Any]], states: list[str]) -> None:
+    """Each state's median over the rounds, and the watched state's against the baseline's."""
+    keys = ("service_cpu", "tracing_cpu", "job_cpu")
+    med: dict[str, dict[str, float]] = {}
+    for state in states:
+        mine = [r for r in rows if r["state"] == state]
+        med[state] = {}
+        for k in keys:
+            values = [r[k] for r in mine if r.get(k) is not None]
+            if values:
+                med[state][k] = statistics.median(values)
+        if "service_cpu" in med[state] and "tracing_cpu" in med[state]:
+            med[state]["total"] = statistics.median(r["service_cpu"] + (r.get("tracing_cpu") or 0.0) for r in mine)
+    n = len([r for r in rows if r["state"] == states[0]])
+    print(f"\n# medians over {n} rounds")
+    print(f"{'state':10} {'service':>9} {'tracing':>9} {'total':>9} {'job CPU':>9}")
+    for state in states:
+        m = med[state]
+        print(f"{state:10} {_pct(m.get('service_cpu')):>9} {_pct(m.get('tracing_cpu')):>9} {_pct(m.get('total')):>9} "
+              f"{_pct(m.get('job_cpu')):>9}")
+    if "baseline" in med and med["baseline"].get("total") and med["watched"].get("total") is not None:
+        print(f"# watched / baseline, in all: {med['watched']['total'] / med['baseline']['total']:.2f}")
 
 
 # ---------------------------------------------------------------------------------------- profiling ---
@@ -318,6 +345,7 @@ def main() -> int:
     p.add_argument("--baseline-src", type=Path, help="also run the service from this source tree")
     p.add_argument("--profile", action="store_true", help="profile the service (this tree's)")
     p.add_argument("--skip-untraced", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="run the states this many times, alternating; medians")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("service_args", nargs="*", help="more arguments for the service (after --)")
     args = p.parse_args()
@@ -331,10 +359,13 @@ def main() -> int:
         (work / "job.py").write_text(JOB)
         states = ([] if args.skip_untraced else ["untraced"]) + ["watched"] + (["baseline"] if args.baseline_src
                                                                                else [])
-        for state in states:
-            rows.append(run_state(state, args, work, env))
-            print(f"watch_cost: {state} done", file=sys.stderr, flush=True)
+        for n in range(args.rounds):  # the states alternate: a change in the host's load hits each alike
+            for state in states:
+                rows.append(run_state(state, args, work, env) | {"round": n + 1})
+                print(f"watch_cost: round {n + 1}: {state} done", file=sys.stderr, flush=True)
     print_table(rows, args)
+    if args.rounds > 1:
+        print_medians(rows, states)
     if args.json:
         with contextlib.suppress(OSError):
             args.json.write_text(json.dumps(rows, indent=1))

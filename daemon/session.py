@@ -57,7 +57,7 @@ class Pacing:
     agent_flush_ms: int = 100  # agents send their records this often
 
 
-WATCH_PACING = Pacing(wait_s=0.5, ring_poll_ms=250, uprobe_poll_ms=500, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
+WATCH_PACING = Pacing(wait_s=1.0, ring_poll_ms=250, uprobe_poll_ms=1000, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
                       agent_flush_ms=250)
 
 
