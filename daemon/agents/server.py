@@ -55,6 +55,7 @@ log = logging.getLogger("gputrace.agents")
 QUEUE_MAX_RECORDS = 262144
 AUTHORIZE_GRACE_S = 1.0  # a child may connect before the session has seen its fork
 STOP_TIMEOUT_S = 2.0
+IDLE_WAIT_S = 5.0  # the socket thread's longest sleep with nothing to do
 RECV_BYTES = 256 << 10
 LOGGED_PER_KIND = 5
 _KINDS = {"refused": "refused", "ended_early": "ended without saying bye"}  # what each kind says of its peers
@@ -321,7 +322,9 @@ class AgentServer:
         try:
             while not self._closed.is_set():
                 pending = any(not p.authorized for p in self._peers.values())
-                for key, _ in self._sel.select(0.05 if pending else 0.5):
+                # Offers, withdrawals and stop wake the selector (_wake): idle, it waits for a peer's message
+                # (or a few seconds, as a safety net); peers not yet authorised are asked again every 50 ms.
+                for key, _ in self._sel.select(0.05 if pending else IDLE_WAIT_S):
                     self._ready(key)
                 self._recheck_pending()
                 self._register_offers()
