@@ -16,7 +16,7 @@ from gputrace.capture import open_capture
 from gputrace.daemon.session import CaptureOptions, CaptureResult, run_capture
 from gputrace.probes.ebpf.bpfstats import RunStats
 from gputrace.probes.ebpf.shared import SharedEbpf
-from gputrace.records import ProcFork, Syscall, SyscallAgg
+from gputrace.records import ProcFork, ProcInfo, Syscall, SyscallAgg
 
 pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
@@ -41,10 +41,36 @@ os.waitpid(child, 0)
 """
 
 
+# A job whose child exists before tracing begins: it blocks reading a pipe its parent writes every 20 ms
+# after "go". Prints the child's pid at once.
+FORKED_FIRST = r"""
+import os, sys, time
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    while os.read(r, 1):
+        pass
+    os._exit(0)
+os.close(r)
+print(child, flush=True)
+sys.stdin.readline()
+for _ in range(int(sys.argv[1])):
+    time.sleep(0.02)
+    os.write(w, b"x")
+os.close(w)
+os.waitpid(child, 0)
+"""
+
+
 class _Job:
-    def __init__(self, rounds: int, out: Path, shared: SharedEbpf) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", JOB, str(rounds)], stdin=subprocess.PIPE,
+    def __init__(self, rounds: int, out: Path, shared: SharedEbpf, script: str = JOB) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", script, str(rounds)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
+        self.child: int | None = None
+        if script == FORKED_FIRST:  # the child is there before the capture starts
+            assert self.proc.stdout is not None
+            self.child = int(self.proc.stdout.readline())
         self.tracing = threading.Event()
         self.result: CaptureResult | None = None
         self.error: BaseException | None = None
@@ -64,9 +90,11 @@ class _Job:
     def go(self) -> int:
         """Let the job run; its child's pid."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.child is None:
+            self.child = int(self.proc.stdout.readline())
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        return int(self.proc.stdout.readline())
+        return self.child
 
     def records(self) -> list[Any]:
         self.thread.join(60)
@@ -119,6 +147,33 @@ def test_jobs_in_one_program_set_each_get_their_own_processes(tmp_path: Path) ->
     short_end = max(r.end_ns for r in short_records if isinstance(r, Syscall))
     assert any(r.end_ns > short_end + 200_000_000 for r in long_records if isinstance(r, Syscall) and r.name == "read")
     assert shared.status() == [], "the programs stayed loaded after the last job"
+
+
+def test_a_job_that_joins_the_set_brings_its_existing_children(tmp_path: Path) -> None:
+    """The set is loaded already (another job's); the second job's child, forked before tracing, is its:
+    its /proc state and its blocking reads are in the job's capture."""
+    shared = SharedEbpf()
+    first = _Job(150, tmp_path / "first.gputrace", shared)
+    try:
+        assert first.tracing.wait(120) and first.error is None, first.error
+        second = _Job(25, tmp_path / "second.gputrace", shared, script=FORKED_FIRST)
+        try:
+            assert second.tracing.wait(120) and second.error is None, second.error
+            assert shared.loaded == 1
+            child = second.go()
+            records = second.records()
+        finally:
+            second.proc.kill()
+            second.proc.wait()
+        first.go()
+        first.records()
+    finally:
+        first.proc.kill()
+        first.proc.wait()
+    assert any(isinstance(r, ProcInfo) and r.pid == child for r in records), "the child's /proc state"
+    reads = [r for r in records if isinstance(r, Syscall) and r.name == "read" and r.pid == child]
+    assert len(reads) >= 10, f"the child's blocking reads: {len(reads)}"
+    assert _pids(records) <= {second.proc.pid, child}
 
 
 def test_the_programs_cost_is_split_between_the_jobs_not_counted_twice(tmp_path: Path) -> None:

@@ -135,21 +135,21 @@ class _ProgramSet:
         view.base_wakeups = self.source.wakeups if self.source is not None else 0
         self.views.append(view)
         for pid in view.pids:
-            self.routes[pid] = view
-            view.owned.add(pid)
-            view.ever.add(pid)
+            self._route_tree(view, pid)
+
+    def _route_tree(self, view: SharedView, pid: int) -> None:
+        """(lock held) ``pid`` and its descendants are ``view``'s, before they enter the target set (adding them
+        writes their /proc state, which must find its job)."""
+        for p in [pid, *procfs.descendants(pid)]:
+            self.routes[p] = view
+            view.owned.add(p)
+            view.ever.add(p)
 
     def add_target(self, view: SharedView, pid: int) -> None:
         assert self.source is not None
         with self.lock:
-            self.routes[pid] = view
-            view.owned.add(pid)
-            view.ever.add(pid)
+            self._route_tree(view, pid)
             self.source.add_target(pid)
-            for child in procfs.descendants(pid):
-                self.routes[child] = view
-                view.owned.add(child)
-                view.ever.add(child)
 
     def leave(self, view: SharedView) -> None:
         """The view's last records, written by the drain thread after a drain (it alone reads the rings), then
