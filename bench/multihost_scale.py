@@ -574,6 +574,7 @@ def main() -> int:
     if args.steps < 8 or args.exports < 2:
         raise SystemExit("--steps 8 or more, --exports 2 or more")
     signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -623,4 +624,8 @@ def bench(tmp: Path, args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the namespaces, loop device, cgroup and captures are gone by now
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
