@@ -20,7 +20,9 @@ from gputrace.analysis.timeline import (
     RemoteCall,
     build,
     comm_of,
+    host_after_last,
     host_instances,
+    host_uncaptured_last,
     host_waits,
     instances,
     loss_windows,
@@ -136,6 +138,8 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
         others = remote.get(key, [])
         starts = [op.start_ns for op, _, _ in members] + [r.op.start_ns + r.shift_ns for r in others]
         last = max(starts)
+        # every rank here waited for one that was not captured: none of these came last
+        uncaptured_last = any((w := waits.get(id(op))) is not None and w.late is None for op, _, _ in members)
         for op, rank, nbytes in members:
             meta = cap.collectives.get((op.pid, op.correlation_id))
             api = cap.launches.get((op.pid, op.correlation_id))
@@ -148,7 +152,7 @@ def collective_rows(cap: Capture, waits: dict[int, CollectiveWait], arrivals: di
                 "completed_ns": op.end_ns, "waited_ns": w.wait_end - w.wait_start if w is not None else 0,
                 "ranks_captured": len(starts)}
             if len(starts) > 1:  # who came last is known only when another rank was captured
-                row["late"] = op.start_ns == last and last - min(starts) >= min_gap_ns
+                row["late"] = not uncaptured_last and op.start_ns == last and last - min(starts) >= min_gap_ns
             stall = arrivals.get(id(op))
             if stall is not None:
                 row["arrival"] = {"cause": stall["cause"], "culprit": stall["culprit"], "via": stall["via"],
@@ -170,12 +174,16 @@ def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote
     waits = {id(w.call): w for ws in waited.values() for w in ws}
     since = _previous_returns(cap)
     rows = []
-    for key, calls in host_instances(cap).items():
+    groups = host_instances(cap)
+    after_last = host_after_last(groups, remote)
+    for key, calls in groups.items():
         comm, name, seq = key
         if (comm, seq) in done:
             continue
         starts = [c.start_ns for c in calls] + [r.call.start_ns + r.shift_ns for r in remote.get(key, [])]
         last = max(starts)
+        # a rank not captured called last: none of these came last
+        uncaptured_last = host_uncaptured_last(calls, remote.get(key, []), after_last, min_gap_ns)
         for c in calls:
             w = waits.get(id(c))
             row: CollectiveRow = {
@@ -184,7 +192,7 @@ def call_rows(cap: Capture, waited: dict[int, list[HostWait]], host: str, remote
                 "enqueued_ns": c.start_ns, "started_ns": c.start_ns, "completed_ns": c.end_ns,
                 "waited_ns": w.wait_end - w.wait_start if w is not None else 0, "ranks_captured": len(starts)}
             if len(starts) > 1:
-                row["late"] = c.start_ns == last and last - min(starts) >= min_gap_ns
+                row["late"] = not uncaptured_last and c.start_ns == last and last - min(starts) >= min_gap_ns
             a = since.get(id(c))
             if attributor is not None and a is not None and c.start_ns - a >= min_gap_ns:
                 found = attributor.arrival(c.tid, a, c.start_ns)

@@ -117,6 +117,7 @@ def collective_waits(cap: Capture, min_gap_ns: int,
     remote = remote or {}
     waits: dict[int, CollectiveWait] = {}
     fastest = _fastest_runs({k: v for k, v in groups.items() if k not in remote})
+    after_last: dict[tuple[int, str, int], int] | None = None  # made when a partly captured instance needs it
     for key, members in groups.items():
         _comm, name, seq = key
         others = remote.get(key, [])
@@ -127,6 +128,11 @@ def collective_waits(cap: Capture, min_gap_ns: int,
         arrivals = [(op.start_ns, op, rank, -1, 0) for op, rank, _ in members]
         arrivals += [(r.op.start_ns + r.shift_ns, r.op, r.rank, r.capture, r.shift_ns) for r in others]
         late_start, late, late_rank, where, shift = max(arrivals, key=lambda a: a[0])
+        if _world(cap, members) > len(arrivals):  # ranks of it were not captured: one of them may be the last
+            after_last = after_last if after_last is not None else _fastest_after_last(groups, remote)
+            first = min(a[0] for a in arrivals)
+            if _uncaptured_last(waits, name, seq, members, (first, late_start), after_last, min_gap_ns):
+                continue
         for op, _rank, _n in members:
             if late_start - op.start_ns >= min_gap_ns and op is not late:
                 waits[id(op)] = CollectiveWait(op, name, op.start_ns, min(late_start, op.end_ns), late, late_rank,
@@ -144,6 +150,61 @@ def _fastest_runs(groups: dict[InstanceKey, list[Member]]) -> dict[tuple[int, st
             k = (op.pid, op.name, nbytes)
             best[k] = min(best.get(k, op.end_ns - op.start_ns), op.end_ns - op.start_ns)
     return best
+
+
+def _world(cap: Capture, members: list[Member]) -> int:
+    """How many ranks the instance has, by its Collective records (0: unknown)."""
+    worlds = [meta.world for op, _, _ in members
+              if (meta := cap.collectives.get((op.pid, op.correlation_id))) is not None and type(meta.world) is int]
+    return max(worlds, default=0)
+
+
+def _fastest_after_last(groups: dict[InstanceKey, list[Member]],
+                        remote: dict[InstanceKey, list[Remote]]) -> dict[tuple[int, str, int], int]:
+    """Per (pid, collective, bytes), the shortest time any of its kernels ran after the last captured rank of its
+    instance arrived: the transfer alone, the best estimate of it (as ``_fastest_runs`` is for a rank captured
+    alone). A kernel that ended before that arrival (clocks that disagree) says nothing."""
+    best: dict[tuple[int, str, int], int] = {}
+    for key, members in groups.items():
+        last = max([op.start_ns for op, _, _ in members] + [r.op.start_ns + r.shift_ns for r in remote.get(key, [])])
+        for op, _, nbytes in members:
+            run = op.end_ns - max(op.start_ns, last)
+            if nbytes >= 0 and run > 0:
+                k = (op.pid, op.name, nbytes)
+                best[k] = min(best.get(k, run), run)
+    return best
+
+
+def _uncaptured_last(waits: dict[int, CollectiveWait], name: str, seq: int, members: list[Member],
+                     captured: tuple[int, int], after_last: dict[tuple[int, str, int], int], min_gap_ns: int) -> bool:
+    """An instance of which some ranks were captured (a host's 2 of a job's 8), its captured ranks' first and
+    last arrivals ``captured``: when its kernels here ran on past the last captured arrival beyond their transfer
+    (``after_last``) by the minimum gap, and by more than the last captured rank was late, a rank that was not
+    captured arrived later still, and the ranks here waited for it more than for any captured one, the last
+    captured one too: each waited until its end less its transfer, for a late rank unknown here (as a rank
+    captured alone does). Adds those waits and says so; False (nothing added) when the last captured rank was
+    the last, its lateness the larger (a completion's own jitter must not hide it), or it cannot be told."""
+    first, last = captured
+    ends: list[tuple[GpuKernel, int]] = []
+    for op, _, nbytes in members:
+        transfer = after_last.get((op.pid, op.name, nbytes)) if nbytes >= 0 else None
+        if transfer is None:
+            return False
+        ends.append((op, op.end_ns - transfer))
+    if not _arrived_later([end for _, end in ends], first, last, min_gap_ns):
+        return False
+    for op, end in ends:
+        if end - op.start_ns >= min_gap_ns:
+            waits[id(op)] = CollectiveWait(op, name, op.start_ns, end, None, seq=seq)
+    return True
+
+
+def _arrived_later(ends: list[int], first: int, last: int, min_gap_ns: int) -> bool:
+    """Whether a rank not captured arrived after the captured ones (``first`` and ``last`` of their arrivals)
+    by the minimum gap, and by more than the last captured was late: ``ends``, the captured ranks' completions
+    less their own transfer, are each a rank's view of the last arrival; most of them are taken."""
+    arrived = sorted(ends)[len(ends) // 2]
+    return arrived - last >= max(min_gap_ns, last - first + 1)
 
 
 def _single(waits: dict[int, CollectiveWait], name: str, member: Member, best: dict[tuple[int, str, int], int],
@@ -201,11 +262,17 @@ def host_waits(cap: Capture, min_gap_ns: int,
     entered last; a rank whose call returned before that (it never waited) has no wait."""
     out: dict[int, list[HostWait]] = {}
     remote = remote or {}
-    for key, calls in host_instances(cap).items():
+    groups = host_instances(cap)
+    after_last: dict[tuple[int, str, int], int] | None = None  # made when a partly captured instance needs it
+    for key, calls in groups.items():
         arrivals = [(c.start_ns, c, -1, 0) for c in calls]
         arrivals += [(r.call.start_ns + r.shift_ns, r.call, r.capture, r.shift_ns) for r in remote.get(key, [])]
         if len(arrivals) < 2:
             continue
+        if max(c.world for c in calls) > len(arrivals):
+            after_last = after_last if after_last is not None else host_after_last(groups, remote)
+            if host_uncaptured_last(calls, remote.get(key, []), after_last, min_gap_ns):
+                continue  # the ranks here waited for one not captured: their time is explained as a rank alone's
         late_start, late, where, shift = max(arrivals, key=lambda a: a[0])
         for c in calls:
             if c.waited and c is not late and late_start - c.start_ns >= min_gap_ns:
@@ -213,6 +280,37 @@ def host_waits(cap: Capture, min_gap_ns: int,
     for waits in out.values():
         waits.sort(key=lambda w: w.wait_start)
     return out
+
+
+def host_after_last(groups: dict[InstanceKey, list[CollectiveCall]],
+                    remote: dict[InstanceKey, list[RemoteCall]]) -> dict[tuple[int, str, int], int]:
+    """Per (pid, collective, bytes), the shortest time a blocking call (gloo's) took to return after the last
+    captured rank of its instance called: the transfer alone (``_fastest_after_last``, for calls)."""
+    best: dict[tuple[int, str, int], int] = {}
+    for key, calls in groups.items():
+        last = max([c.start_ns for c in calls] + [r.call.start_ns + r.shift_ns for r in remote.get(key, [])])
+        for c in calls:
+            run = c.end_ns - max(c.start_ns, last)
+            if c.waited and c.nbytes >= 0 and run > 0:
+                k = (c.pid, c.name, c.nbytes)
+                best[k] = min(best.get(k, run), run)
+    return best
+
+
+def host_uncaptured_last(calls: list[CollectiveCall], others: list[RemoteCall],
+                         after_last: dict[tuple[int, str, int], int], min_gap_ns: int) -> bool:
+    """Whether a rank not captured called an instance last, after every captured rank (``_uncaptured_last``, for
+    blocking calls): False when all its ranks were captured, or a call here did not wait for the completion."""
+    starts = [c.start_ns for c in calls] + [r.call.start_ns + r.shift_ns for r in others]
+    if max(c.world for c in calls) <= len(starts):
+        return False
+    ends = []
+    for c in calls:
+        transfer = after_last.get((c.pid, c.name, c.nbytes)) if c.waited and c.nbytes >= 0 else None
+        if transfer is None:
+            return False
+        ends.append(c.end_ns - transfer)
+    return _arrived_later(ends, min(starts), max(starts), min_gap_ns)
 
 
 def build(cap: Capture, min_gap_ns: int,
