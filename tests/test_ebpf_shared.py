@@ -90,10 +90,10 @@ class _Job:
     def go(self) -> int:
         """Let the job run; its child's pid."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        if self.child is None:
-            self.child = int(self.proc.stdout.readline())
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
+        if self.child is None:  # JOB forks it after "go"
+            self.child = int(self.proc.stdout.readline())
         return self.child
 
     def records(self) -> list[Any]:
