@@ -2,8 +2,9 @@
 
 A ``FlightRecorder`` stands where the session's ``CaptureWriter`` would (the session's writer thread alone calls
 it). It writes ordinary capture files, one per segment (``seg-<start ns>.gputrace`` in the job's root-only
-directory): every ``segment_s``, or when a segment reaches a quarter of the byte bound, the segment gets its
-trailer and is renamed into place, and the next one opens. Each segment stands alone: it starts with the
+directory): every ``segment_s``, or when a segment reaches a quarter of the byte bound, the segment is due, and
+right after the next kernel blob (within ``HOST_CATCH_UP_S``) it gets its trailer and is renamed into place,
+and the next one opens. Each segment stands alone: it starts with the
 header, every source's metadata and the state the analysis needs to read it (processes, threads, open files,
 devices, agents), the open files read again from /proc at that moment. Closed segments older than the window,
 or over the byte bound, are deleted oldest first. A crash leaves only the open segment unfinished, as a
@@ -19,6 +20,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,12 @@ from gputrace.daemon.watch.tally import GPU_OPS, GpuTally, SegmentGpu
 STATE_KINDS = frozenset({"ProcInfo", "ThreadInfo", "FdInfo", "EpollEntry", "FileMap", "GpuDevice", "AgentInfo",
                          "AgentThread", "CpuCgroup", "StackFrames", "SourceStatus"})
 MAX_STATE_ROWS = 50_000  # state rows carried at most; more are counted (flight.state_rows) and not carried
+HOST_CATCH_UP_S = 1.0  # a due segment closes after the next kernel blob, or this long after it was due
+# The kernel blobs of the last CARRY_S go into the next segment as well (``_open``): agents send their GPU records
+# later than the ring is drained (watch mode: every 250 ms), so a segment's first stalls lie before it opened
+CARRY_S = 2.0
+CARRY_BYTES = 8 << 20  # carried at most (the oldest go first)
+CARRIED = "flight"  # the metadata frame that says how many kernel frames after it were carried
 CONTROL = "watch"  # metadata from this source steers the recorder and is not written
 SEGMENT_RE = re.compile(r"^seg-(\d{1,20})\.gputrace$")
 _PARTIAL_RE = re.compile(r"^\.(seg-\d{1,20}\.gputrace)\.\d+\.partial$")
@@ -88,6 +96,12 @@ class FlightRecorder:
         self._state_rows = 0
         self._drops_base: dict[str, int] = {}
         self._tally = GpuTally(min_gap_ns)
+        self._carry: deque[tuple[int, bytes]] = deque()  # (when written, blob): the kernel blobs of the last CARRY_S
+        self._carry_bytes = 0
+        self._dropped_ns = 0  # when the last blob no longer carried was written (every event in it was read by then)
+        self._origin_ns = 0  # when this recorder opened its first segment: no kernel blob came before
+        self._host_from = 0  # the open segment holds every host-side record from then on
+        self._due_ns = 0  # when the open segment became due to close (0: not yet)
         self._cur: CaptureWriter | None = None
         self._seg: Segment | None = None
         self._open()
@@ -95,8 +109,11 @@ class FlightRecorder:
     # ---------------------------------------------------------------------- CaptureWriter's interface ---
     def write_meta(self, source: str, meta: dict[str, Any]) -> None:
         if source == CONTROL:
-            if meta.get("rotate"):
+            if meta.get("now") == self.rotations:  # a dump's second asking: at once (``request_rotation``)
                 self._rotate()
+            elif meta.get("rotate"):
+                self._due_ns = self._due_ns or clock.monotonic_ns()
+                self._maybe_rotate()
             return
         self._meta[source] = meta
         self._writer().write_meta(source, meta)
@@ -116,9 +133,14 @@ class FlightRecorder:
         self._maybe_rotate()
 
     def write_kernel(self, blob: bytes, nevents: int) -> None:
+        now = clock.monotonic_ns()
         self._writer().write_kernel(blob, nevents)
+        if blob:
+            self._carry.append((now, blob))
+            self._carry_bytes += len(blob)
+            self._forget(now)
         self._count("kernel_events", nevents)
-        self._maybe_rotate()
+        self._maybe_rotate(kernel=True)
 
     def close(self, trailer: dict[str, Any]) -> Path:
         """The session ended: the open segment gets the session's trailer (its drops made the segment's own)."""
@@ -128,6 +150,7 @@ class FlightRecorder:
         final["drops"] = self._segment_drops(trailer.get("drops", {}))
         final["complete"] = not any(final["drops"].values())
         final["tracing_ns"] = seg.start_ns
+        final.update(self._host_fields())
         final["flight"] = self._flight_fields()
         self._cur = None
         path = cur.close(final)
@@ -141,12 +164,20 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------------------------ segments ---
     def request_rotation(self, emit: Callable[[str, dict[str, Any]], None], timeout_s: float = 5.0) -> bool:
-        """Have the writer thread close the open segment (through the session's queue, so after what is queued);
-        True once it did."""
+        """Have the writer thread close the open segment (through the session's queue, so after what is queued),
+        as a due segment closes (``_maybe_rotate``); asked again after HOST_CATCH_UP_S, at once. True once it
+        did."""
         with self.rotated:
             before = self.rotations
+
+            def done() -> bool:
+                return self.rotations > before or self._cur is None
+
             emit(CONTROL, {"rotate": True})
-            return self.rotated.wait_for(lambda: self.rotations > before or self._cur is None, timeout_s)
+            if self.rotated.wait_for(done, min(timeout_s, HOST_CATCH_UP_S)):
+                return True
+            emit(CONTROL, {"now": before})  # no kernel blob came: the job's threads were quiet meanwhile
+            return self.rotated.wait_for(done, max(timeout_s - HOST_CATCH_UP_S, 0.0))
 
     def segments(self) -> list[Segment]:
         with self.lock:
@@ -169,21 +200,53 @@ class FlightRecorder:
     def _open(self) -> None:
         start = clock.monotonic_ns()
         seg = Segment(self.directory / f"seg-{start:020d}.gputrace", start)
+        self._origin_ns = self._origin_ns or start
+        self._forget(start)
+        self._host_from, self._due_ns = self._dropped_ns or self._origin_ns, 0
         header = {**self.header, "start_ns": start, "flight": {"segment_of": self.header.get("targets", [])}}
         self._cur = CaptureWriter(seg.path, header)
         self._seg = seg
         for source, meta in self._meta.items():
             self._cur.write_meta(source, {"tracing_ns": start} if source == "session" else meta)
+        self._write_carried()
         for kind, rows in self._state.items():
             self._cur.write_rows(kind, list(rows.values()))
         self._cur.write(list(self.snapshot()))
 
-    def _maybe_rotate(self) -> None:
+    def _forget(self, now: int) -> None:
+        """Blobs written more than CARRY_S ago (and the oldest while over CARRY_BYTES) are no longer carried."""
+        limit = now - CARRY_S * 1e9
+        while self._carry and (self._carry[0][0] < limit or self._carry_bytes > CARRY_BYTES):
+            self._dropped_ns, blob = self._carry.popleft()
+            self._carry_bytes -= len(blob)
+
+    def _write_carried(self) -> None:
+        """The kernel blobs of the last CARRY_S, again, at the new segment's start: the host side of the time its
+        first GPU records describe. They come before its state rows, so the fds they name are named by their
+        own opens (one opened earlier stays unnamed: never a later file's name); a dump of several segments
+        leaves them out but in the first (``dump_capture``), where they are the only copy."""
+        cur = self._writer()
+        if self._carry:
+            cur.write_meta(CARRIED, {"carried_kernel_frames": len(self._carry)})
+            for _, blob in self._carry:
+                cur.write_kernel(blob, 0)  # the events were counted in the segment they came in
+
+    def _maybe_rotate(self, kernel: bool = False) -> None:
+        """A segment is due once it is ``segment_s`` old or ``segment_bytes`` large. A due segment closes right
+        after a kernel blob is written (``kernel``): every GPU record it holds was handed to the writer before
+        that blob, so the kernel events of the time before those records' launches are in it (they were read
+        from the ring by then). Closed at any other write, its last GPU records could be newer than its last
+        kernel events, and their stalls would be explained without them. Where no kernel blob comes within
+        HOST_CATCH_UP_S (several drains of the ring), the job's threads made no kernel events meanwhile: it
+        closes at the next write."""
         seg, cur = self._seg, self._cur
         if seg is None or cur is None:
             return
-        if (clock.monotonic_ns() - seg.start_ns >= self.limits.segment_s * 1e9
-                or cur.written >= self.limits.segment_bytes):
+        now = clock.monotonic_ns()
+        if not self._due_ns and (now - seg.start_ns >= self.limits.segment_s * 1e9
+                                 or cur.written >= self.limits.segment_bytes):
+            self._due_ns = now
+        if self._due_ns and (kernel or now - self._due_ns >= HOST_CATCH_UP_S * 1e9):
             self._rotate()
 
     def _rotate(self) -> None:
@@ -191,8 +254,9 @@ class FlightRecorder:
         if seg is None or cur is None:
             return
         drops = self._segment_drops(self.drops())
-        trailer = {"end_ns": clock.monotonic_ns(), "tracing_ns": seg.start_ns, "stop_reason": "flight segment",
-                   "drops": drops, "complete": not any(drops.values()), "flight": self._flight_fields()}
+        trailer = {"end_ns": clock.monotonic_ns(), "tracing_ns": seg.start_ns, **self._host_fields(),
+                   "stop_reason": "flight segment", "drops": drops, "complete": not any(drops.values()),
+                   "flight": self._flight_fields()}
         self._cur = None
         cur.close(trailer)
         self._closed(seg, cur.written, trailer)
@@ -229,6 +293,14 @@ class FlightRecorder:
             out["flight.state_rows"] = self.state_overflow
             self.state_overflow = 0
         return {k: v for k, v in out.items() if v}
+
+    def _host_fields(self) -> dict[str, int]:
+        """``host_from_ns``: from when the open segment holds every host-side record of its time: when the last
+        kernel blob it does not hold (neither carried nor its own) was written. Records land in a segment when
+        the writer gets them, not by their times, and a kernel event is read from the ring after it ended: one
+        that ended later came in a later blob. A stall its GPU records put before then (an agent's batch more
+        than CARRY_S late) has its host time ``unknown`` (analysis/explain.py, ``host_records_from``)."""
+        return {"host_from_ns": self._host_from}
 
     def _flight_fields(self) -> dict[str, Any]:
         return {"segment_s": self.limits.segment_s, "window_s": self.limits.seconds, "evicted": self.evicted}
@@ -290,20 +362,29 @@ def frames(path: Path) -> Iterator[list[Any]]:
 
 def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], trigger: dict[str, Any]) -> Path:
     """Join ``segments`` (oldest first) into one capture at ``out``: ``header`` with the trigger, their frames
-    in order, a trailer with their drops summed (a segment without a trailer makes the dump incomplete)."""
+    in order, a trailer with their drops summed (a segment without a trailer makes the dump incomplete). A
+    segment's copies of the kernel blobs that came before it (``CARRIED``) are left out but in the first: the
+    others' are in the dump already. The dump's host-side records begin where the first segment's did
+    (``host_from_ns``)."""
     writer = CaptureWriter(out, {**header, "flight": {"trigger": trigger, "segments": len(segments)}})
     drops: dict[str, int] = {}
     complete, first_ns = True, 0
+    first: dict[str, Any] = {}
     last: dict[str, Any] = {}
     try:
-        for seg in segments:
-            trailer = None
+        for n, seg in enumerate(segments):
+            trailer, skip = None, 0
             for frame in frames(seg):
                 tag = frame[0]
-                if tag == "M" and len(frame) == 3:
+                if tag == "M" and len(frame) == 3 and frame[1] == CARRIED:
+                    carried = frame[2].get("carried_kernel_frames") if isinstance(frame[2], dict) else None
+                    skip = carried if n and type(carried) is int else 0
+                elif tag == "M" and len(frame) == 3:
                     writer.write_meta(frame[1], frame[2])
                 elif tag == "R" and len(frame) == 3:
                     writer.write_rows(frame[1], frame[2])
+                elif tag == "K" and len(frame) == 2 and skip > 0:
+                    skip -= 1
                 elif tag == "K" and len(frame) == 2:
                     writer.write_kernel(frame[1], 0)
                 elif tag == "T" and isinstance(frame[1], dict):
@@ -313,7 +394,8 @@ def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], tr
                 continue
             for k, v in trailer.get("drops", {}).items():
                 drops[k] = drops.get(k, 0) + int(v)
-            first_ns = first_ns or int(trailer.get("tracing_ns", 0))
+            if not first_ns:
+                first_ns, first = int(trailer.get("tracing_ns", 0)), trailer
             last = trailer
     except BaseException:
         writer.abort()
@@ -322,6 +404,8 @@ def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], tr
              "stop_reason": f"flight recorder dump ({trigger.get('kind', '')})", "drops": drops,
              "complete": complete and not any(drops.values()), "sources": last.get("sources", {}),
              "trigger": trigger}
+    if "host_from_ns" in first:
+        final["host_from_ns"] = int(first["host_from_ns"])
     return writer.close(final)
 
 

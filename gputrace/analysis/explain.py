@@ -185,6 +185,20 @@ class CaptureFacts:
     lock_wakers: dict[tuple[int, int], set[int]] | None = None  # (pid, word) -> who woke a waiter; None: unknown
 
 
+BEFORE_HOST_RECORDS = "before this capture's host-side records begin: what the thread did then is not in it"
+
+
+def host_records_from(cap: Capture) -> int:
+    """From when the capture holds every host-side (kernel) record of its traced threads: the trailer's
+    ``host_from_ns`` (a flight segment's, daemon/watch/flight.py: the kernel events that ended earlier may be
+    in the segments before it), else when tracing began (``tracing_ns``; 0 where the capture does not say).
+    A record lands in a capture by when it was read, not by its times, and agents send GPU records later than
+    the kernel's are read: a stall can lie before the host side's records begin. A thread without records
+    then was not on CPU for all anyone knows: its records are elsewhere, or were never taken."""
+    ns = cap.trailer.get("host_from_ns")
+    return ns if type(ns) is int and ns > 0 else cap.tracing_ns
+
+
 def interpreted(samples: Counter[int], frames_of: Callable[[int], list[str]]) -> bool | None:
     """Whether a thread sampled on ``samples`` (stack id -> samples; ``frames_of`` a stack id's frames) ran in
     the interpreter, as ``Explainer._in_interpreter`` says it."""
@@ -202,6 +216,7 @@ class Explainer:
         self.throttles = Throttles(cap)
         tracer = cap.header.get("tracer_pid")
         self.tracer_pid = tracer if type(tracer) is int and tracer > 0 else -1  # captures before it: none
+        self.host_from = host_records_from(cap)
         self._done_index: dict[int, list[tuple[list[int], list[int]]]] | None = None
         self._threads: dict[int, list[int]] | None = None
         # (pid, futex word) -> the threads that waited on it, and those of them that timed out there
@@ -240,7 +255,15 @@ class Explainer:
         to it: a worker's main thread reading the batch its queue's feeder thread then hands over), and is
         explained on the creator, up the chain of creators while each was created inside the window too.
         Creation times strictly decrease up that chain, so it ends. A creator in another process (a fork)
-        adds ``fork:pid P`` to ``via``; a thread created by its own process's thread adds no hop."""
+        adds ``fork:pid P`` to ``via``; a thread created by its own process's thread adds no hop.
+
+        A window asked for (``depth`` 0) that begins before the capture's host-side records do
+        (``host_records_from``) is ``unknown`` up to there: nothing is inferred from records that are absent
+        because they were never in this capture. Every hop's window lies inside the one asked for."""
+        if depth == 0 and a < self.host_from:
+            cut = min(b, self.host_from)
+            before = Part("unknown", cut - a, empty_culprit(), extra={"why": BEFORE_HOST_RECORDS})
+            return [before, *self.explain(tid, cut, b)] if b > cut else [before]
         role = self.cap.agent_threads.get(tid)
         if role is not None:  # gputrace's own agent: what it did took the tracing's time
             return self._agent_thread(tid, role, a, b)
