@@ -19,8 +19,9 @@ a small VM. A worker's "slow worker: pid P" line names the slow worker's process
 
     sudo gputrace capture -o sim.gputrace -- python examples/train_torch.py --device sim --slow-worker 1
 
---step-log PATH writes {"step_end_ns": [...], "steps": N}: time.monotonic_ns() at the end of every step
-(after the loss read-back), for step-time benchmarks.
+--step-log PATH writes {"step_end_ns": [...], "batch_ns": [...], "steps": N}: time.monotonic_ns() at the end of
+every step (after the loss read-back), for step-time benchmarks, and when the loader handed each step its batch
+(what the step waited for until then, and what it did with the batch after).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help='run the model through torch.compile(mode="reduce-overhead"): CUDA graphs (cuda only)')
     p.add_argument("--step-log", type=Path, metavar="PATH",
-                   help='write {"step_end_ns": [...], "steps": N} there: time.monotonic_ns() at the end of each step')
+                   help='write {"step_end_ns": [...], "batch_ns": [...], "steps": N} there: time.monotonic_ns() at '
+                        'the end of each step, and when the loader handed each step its batch')
     args = p.parse_args()
     for key, value in (SIM_DEFAULTS if args.device == "sim" else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -106,17 +108,19 @@ def main() -> int:
           f"{args.workers} loader workers, slow worker: {slow}", flush=True)  # fmt: skip
 
     ends: list[int] = []
+    got: list[int] = []  # when the loader handed each step its batch
     value = 0.0
     started = time.monotonic()
     while len(ends) < args.steps:
         for batch in loader:
+            got.append(time.monotonic_ns())
             value = step(batch)
             ends.append(time.monotonic_ns())  # the loss is on the host: the step is over
             if len(ends) == args.steps:
                 break
     wall = time.monotonic() - started
     if args.step_log:
-        args.step_log.write_text(json.dumps({"step_end_ns": ends, "steps": len(ends)}))
+        args.step_log.write_text(json.dumps({"step_end_ns": ends, "batch_ns": got, "steps": len(ends)}))
     epochs = args.steps / (args.files * PER_FILE // args.batch)
     print(f"train_torch: {args.steps} steps ({epochs:.1f} epochs) in {wall:.2f} s, "
           f"{1e3 * wall / args.steps:.1f} ms per step, last loss {value:.3f}", flush=True)  # fmt: skip

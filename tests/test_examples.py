@@ -51,3 +51,7 @@ def test_the_torch_example_runs_its_device_work_on_the_simulated_gpu_and_logs_ea
     steps = json.loads(log.read_text())
     ends = steps["step_end_ns"]
     assert steps["steps"] == len(ends) == 6 and ends == sorted(ends) and len(set(ends)) == 6, steps
+    # each step's batch was handed over after the step before ended, and before its own end
+    got = steps["batch_ns"]
+    assert len(got) == 6 and all(b < e for b, e in zip(got, ends, strict=True)), steps
+    assert all(e < b for e, b in zip(ends[:-1], got[1:], strict=True)), steps

@@ -25,6 +25,10 @@ from gputrace.documents import BlockFields, Culprit, DirtyFields, Evidence, Fram
 from gputrace.records import BlockIO, DirtyPause, IoUringRequest, OffCpu, Syscall
 
 MAX_DEPTH = 8  # hops a wait chain may take to other threads (a round trip back to a thread takes none)
+TOO_DEEP_WHY = f"the wait chain went on past {MAX_DEPTH} hops: not followed further"
+# A wait in a recorded call with no off-CPU record in it: off CPU for less than the threshold, or its switch
+# was not recorded (the probes lose one now and then, counting no drop: docs/probes.md)
+NO_OFFCPU_WHY = "no off-CPU record of this wait: who ended it is not known"
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
@@ -688,7 +692,7 @@ class Explainer:
                 parts.append(Part("cpu", rest, self.cpu_culprit(sc.tid, x, y), evidence=[evidence_syscall(sc)]))
             else:  # no off-CPU record tells who ended this wait
                 parts.append(Part("unknown", rest, empty_culprit(), evidence=[evidence_syscall(sc)],
-                                  extra=self._no_sched_why()))
+                                  extra=self._no_sched_why() or {"why": NO_OFFCPU_WHY}))
         return parts
 
     def _timed_wait(self, sc: Syscall, o: OffCpu, x: int, y: int, depth: int, end: int) -> list[Part]:
@@ -875,7 +879,8 @@ class Explainer:
         ev = [evidence_syscall(sc), evidence_offcpu(o, "wakeup")]
         waker = o.waker_tid
         if not waker or waker == sc.tid or depth >= MAX_DEPTH or is_kernel_task(o.waker_pid, o.waker_comm):
-            return [Part("unknown", y - x, empty_culprit(), via=[hop], path=[waker], evidence=ev)]
+            extra: PartExtra = {"why": TOO_DEEP_WHY} if depth >= MAX_DEPTH else {}
+            return [Part("unknown", y - x, empty_culprit(), via=[hop], path=[waker], evidence=ev, extra=extra)]
         inner = self.explain(waker, x, y, depth + 1)
         for p in inner:
             p.via, p.path = [hop, *p.via], [waker, *p.path]

@@ -47,10 +47,15 @@ class Truth:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def label(self, cause: str, obj: str = "", pid: int = 0, tid: int = 0) -> None:
-        line = {"pid": os.getpid(), "launch_ns": now(), "cause": cause, "object": obj, "culprit_pid": pid}
+    def label(self, cause: str, obj: str = "", pid: int = 0, tid: int = 0, own_from_ns: int = 0) -> None:
+        """``own_from_ns``: from when what the step waited for was over (a sleep's deadline), so that the rest of
+        the stall was this process's own time (harness.labels_for)."""
+        line: dict[str, Any] = {"pid": os.getpid(), "launch_ns": now(), "cause": cause, "object": obj,
+                                "culprit_pid": pid}
         if tid:
             line["culprit_tid"] = tid
+        if own_from_ns:
+            line["own_from_ns"] = own_from_ns
         os.write(self.fd, (json.dumps(line) + "\n").encode())
 
 
@@ -314,9 +319,11 @@ def gil(cfg: dict[str, Any]) -> None:
 
 
 def sleep(cfg: dict[str, Any]) -> None:
-    def wait(_k: int) -> tuple[str, str, int]:
+    def wait(_k: int) -> tuple[str, str, int, int, int]:
+        # the sleep is over at its deadline: a late wakeup (no CPU free) is the trainer's wait for a CPU
+        deadline = now() + int(cfg["sleep_ms"] * 1e6)
         time.sleep(cfg["sleep_ms"] / 1e3)
-        return "sleep", "", os.getpid()
+        return "sleep", "", os.getpid(), 0, deadline
 
     trainer_loop(cfg, wait)
 
@@ -720,20 +727,22 @@ def train_torch(cfg: dict[str, Any]) -> None:
             "--steps", str(cfg["steps"]), "--step-log", log, *cfg["args"]]
     out = subprocess.run([sys.executable, EXAMPLE, *args], check=True, capture_output=True, text=True).stdout
     with open(log) as f:
-        ends = json.load(f)["step_end_ns"]
+        steps = json.load(f)
     with open(cfg["truth"], "a") as f:
-        for label in train_torch_truth(cfg, out, ends):
+        for label in train_torch_truth(cfg, out, steps["step_end_ns"], steps["batch_ns"]):
             f.write(json.dumps(label) + "\n")
 
 
-def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[dict[str, Any]]:
+def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int], got: list[int]) -> list[dict[str, Any]]:
     """One label per step, dated at the end of the step before (its launches come after that): step k's batch
     is the epoch's batch k % batches (``cfg["batch"]`` samples in a row, 64 a sample file), made by worker
     (k % batches) % workers. With ``cfg["cold"]``, the step waited for that batch's sample file; else for the
     slow worker's CPU, or, a fast worker's batch being long ready, for the trainer's own work between steps
     (or a fast worker, where the VM's load held batches up: the trainer also fetches the tensors of batches
     that arrive ahead of their turn). Either may have waited for a CPU rather than run: more busy processes
-    than the VM's 2 cores, and other load, are not what the scenario is about."""
+    than the VM's 2 cores, and other load, are not what the scenario is about. The batch was in the trainer's
+    hands from ``got[k]`` on (``own_from_ns``): GPU idle time after that (the step's own launches delayed, or a
+    batch that was ready before the trainer asked for it) is the trainer's own, whichever worker made the batch."""
     trainer = int(re.findall(r"train_torch: pid (\d+)", out)[0])
     pids = {int(w): int(p) for w, p in re.findall(r"loader worker (\d+): pid (\d+)", out)}
     workers = len(pids)
@@ -749,7 +758,7 @@ def train_torch_truth(cfg: dict[str, Any], out: str, ends: list[int]) -> list[di
         else:  # the trainer's own time, or a fast worker's where the VM's load held batches up
             label = {"cause": "cpu", "causes": ["cpu", "cpu.runqueue"], "object": "", "culprit_pid": trainer,
                      "culprit_pids": [trainer, *(p for w, p in pids.items() if w != 1)]}
-        labels.append({"pid": trainer, "launch_ns": launch, **label})
+        labels.append({"pid": trainer, "launch_ns": launch, "own_from_ns": got[k], **label})
     return labels
 
 
