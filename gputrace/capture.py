@@ -345,15 +345,27 @@ _FIELD_CHECKS = {
     "float": "(type({v}) is float or type({v}) is int)",
     "str": "type({v}) is str",
     "list[str]": "(type({v}) is list and all(type(x) is str for x in {v}))",
-    "tuple[int, int, int]": "(type({v}) in (list, tuple) and len({v}) == 3 and all(type(x) is int for x in {v}))",
+    "tuple[int, int, int]": ("(type({v}) in (list, tuple) and len({v}) == 3 and type({v}[0]) is int"
+                             " and type({v}[1]) is int and type({v}[2]) is int)"),
 }
 
 
 @functools.cache
 def row_check(kind: str) -> Callable[[list[Any]], bool]:
     """Whether a row of ``kind`` (at least its required fields long) has every field of its declared type."""
+    return _row_check(kind, whole=False)
+
+
+@functools.cache
+def whole_row_check(kind: str) -> Callable[[Any], bool]:
+    """Whether a row is a list of exactly ``kind``'s number of fields, each of its declared type (``row_check``
+    of a row known to be whole, in one expression)."""
+    return _row_check(kind, whole=True)
+
+
+def _row_check(kind: str, whole: bool) -> Callable[[Any], bool]:
     cls = RECORD_TYPES[kind]
-    exprs = []
+    exprs = [f"type(r) is list and len(r) == {len(cls._fields)}"] if whole else []
     for i, name in enumerate(cls._fields):
         ann = cls.__annotations__[name]
         text = str(getattr(ann, "__forward_arg__", ann if isinstance(ann, str) else getattr(ann, "__name__", ann)))
@@ -361,9 +373,9 @@ def row_check(kind: str) -> Callable[[list[Any]], bool]:
         if check is None:  # a type no check is written for: taken as it is
             continue
         cond = check.format(v=f"r[{i}]")
-        exprs.append(cond if name not in cls._field_defaults else f"(len(r) <= {i} or {cond})")
+        exprs.append(cond if whole or name not in cls._field_defaults else f"(len(r) <= {i} or {cond})")
     code = f"lambda r: {' and '.join(exprs) or 'True'}"
-    fn: Callable[[list[Any]], bool] = eval(code)  # noqa: S307 - built above from the record classes' own annotations, never from input
+    fn: Callable[[Any], bool] = eval(code)  # noqa: S307 - built above from the record classes' own annotations, never from input
     return fn
 
 
@@ -508,7 +520,7 @@ class CaptureReader:
                     name = frame[1][:64]
                     self.unknown_kinds[name] = self.unknown_kinds.get(name, 0) + len(frame[2])
                 elif tag == "R":
-                    yield from self._rows(frame[1], frame[2], decoder)
+                    yield from self._sound_rows(frame[1], frame[2], decoder) or self._rows(frame[1], frame[2], decoder)
                 elif tag == "K":
                     if decoder is None:
                         raise ValueError("kernel events before the eBPF metadata")
@@ -566,6 +578,16 @@ class CaptureReader:
                 return pos - len(tail) + min(hits)
             tail = data[-(len(_FRAME_STARTS[0]) - 1):]  # a start split across two reads
             pos += len(chunk)
+
+    def _sound_rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]] | None:
+        """The frame's records made in one go, when every row is sound and as long as its kind and reading it asks
+        nothing more (what nearly every frame is); else None, and ``_rows`` reads it row by row."""
+        if self._observer(kind, decoder) is not None:
+            return None
+        cls = RECORD_TYPES[kind]
+        if not all(map(whole_row_check(kind), rows)):
+            return None
+        return map(functools.partial(tuple.__new__, cls), rows)  # what cls._make does, less its length check
 
     def _rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]]:
         cls = RECORD_TYPES[kind]

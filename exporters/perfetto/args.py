@@ -7,29 +7,42 @@ from typing import Any
 
 from gputrace.analysis.report import holders_text
 from gputrace.documents import Stall
+from gputrace.exporters.perfetto import proto as pp
 from gputrace.probes.ebpf import uring
 from gputrace.records import Collective, GpuKernel, GpuMemcpy
 
 _DIRECTION = {"h2d": "HtoD", "d2h": "DtoH", "d2d": "DtoD", "h2h": "HtoH", "p2p": "PtoP"}
 
 
-def activity_slice(r: Any, coll: Collective | None) -> tuple[str, dict[str, Any]]:
-    """Name and annotations of a kernel, copy or memset (a kernel of a collective says which)."""
-    args: dict[str, Any] = {"correlation_id": r.correlation_id, "pid": r.pid, "context": r.context}
+# The annotations of GPU work, encoded (pp.int_arg, pp.str_arg: what pp.debug_args writes for each).
+_CORRELATION, _SEQ = pp.int_arg("correlation_id"), pp.int_arg("seq")
+_PID, _CONTEXT, _BYTES, _RANK, _WORLD = (pp.int_arg(n, recurring=True) for n in ("pid", "context", "bytes", "rank",
+                                                                                  "world"))
+_GRID, _BLOCK, _COLLECTIVE, _KIND, _MEMORY = (pp.str_arg(n) for n in ("grid", "block", "collective", "direction",
+                                                                       "memory"))
+_MEMSET = pp.event_name("Memset")
+
+
+def activity_fields(r: Any, coll: Collective | None) -> tuple[bytes, bytes]:
+    """The encoded name and annotations of a kernel, copy or memset (a kernel of a collective says which):
+    correlation_id, pid, context, then a kernel's grid and block (and its collective's name, seq, rank, world
+    and bytes), a copy's bytes, direction and memory, a memset's bytes."""
+    head = _CORRELATION(r.correlation_id) + _PID(r.pid) + _CONTEXT(r.context)
     if isinstance(r, GpuKernel):
-        args.update(grid=_dims(r.grid), block=_dims(r.block))
-        name = r.name
+        args = head + _GRID(_dims(r.grid)) + _BLOCK(_dims(r.block))
         if coll is not None:
-            args.update(collective=coll.name, seq=coll.seq, rank=coll.rank, world=coll.world, bytes=coll.nbytes)
-        return name, args
+            args += (_COLLECTIVE(coll.name) + _SEQ(coll.seq) + _RANK(coll.rank) + _WORLD(coll.world)
+                     + _BYTES(coll.nbytes))
+        return pp.event_name(r.name), args
     if isinstance(r, GpuMemcpy):
-        args.update(bytes=r.nbytes, direction=r.kind, memory=r.memory)
-        return f"Memcpy {_DIRECTION.get(r.kind, r.kind)}", args
-    args.update(bytes=r.nbytes)
-    return "Memset", args
+        name = pp.event_name(f"Memcpy {_DIRECTION.get(r.kind, r.kind)}")
+        return name, head + _BYTES(r.nbytes) + _KIND(r.kind) + _MEMORY(r.memory)
+    return _MEMSET, head + _BYTES(r.nbytes)
 
 
 def _dims(v: Any) -> str:
+    if type(v) is list and len(v) == 3 and type(v[0]) is int and type(v[1]) is int and type(v[2]) is int:
+        return f"{v[0]}x{v[1]}x{v[2]}"  # as read from a capture: str(int(x)) of each
     try:
         return "x".join(str(int(x)) for x in v)
     except (TypeError, ValueError):

@@ -11,6 +11,7 @@ from gputrace.exporters.perfetto import proto as pp
 from gputrace.exporters.perfetto.tracks import LaneSet, PacketSink, Tracks
 
 _NESTING = {"CUDA API", "NVTX"}  # thread child tracks whose slices may legitimately nest
+_I64_MAX = (1 << 63) - 1
 
 
 class Canvas:
@@ -18,6 +19,7 @@ class Canvas:
 
     def __init__(self, sink: PacketSink, tracks: Tracks | None = None) -> None:
         self.sink, self.put = sink, sink.put
+        self.put_framed = sink.put_framed
         self.tracks = tracks if tracks is not None else Tracks(sink)
         self.lanes: dict[tuple[object, ...], LaneSet] = {}
         self.fixed = 0
@@ -26,11 +28,12 @@ class Canvas:
 
     def slice(self, uuid: int, s: int, e: int, name: str, cat: bytes, args: dict[str, Any],
               flows: list[int] | tuple[int, ...] = ()) -> None:
-        self.put(pp.track_event(pp.SLICE_BEGIN, s, uuid, name, category=cat, annots=pp.debug_args(args),
-                                flows=flows))
-        self.put(pp.track_event(pp.SLICE_END, e, uuid))
+        fields = pp.event_name(name) + cat + pp.debug_args(args) + (pp.flow_ids(flows) if flows else b"")
+        self.put_framed(pp.framed_slice(s, e, uuid, fields), 2)
 
     def span(self, s: int, e: int) -> tuple[int, int]:
+        if type(s) is int and type(e) is int and 0 <= s <= e <= _I64_MAX:  # what clamp_ts leaves as it is
+            return s, e
         s, e = pp.clamp_ts(s), pp.clamp_ts(e)
         if e < s:
             self.fixed += 1
@@ -45,6 +48,10 @@ class Canvas:
 
     def thread_lanes(self, pid: int, tid: int, what: str) -> LaneSet:
         """Slices of one kind on a thread: lane 0 is the thread track itself (syscalls) or a named child."""
+        ls = self.lanes.get(("tl", pid, tid, what))
+        if ls is not None:
+            return ls
+
         def make(n: int) -> int:
             t = self.tracks.thread(pid, tid)
             if what == "" and n == 0:
@@ -55,8 +62,8 @@ class Canvas:
 
     def instant(self, uuid: int, ts: int, name: str, cat: bytes, args: dict[str, Any],
                 flows: list[int] | tuple[int, ...] = ()) -> None:
-        self.put(pp.track_event(pp.INSTANT, ts, uuid, name, category=cat, annots=pp.debug_args(args),
-                                flows=flows))
+        fields = pp.event_name(name) + cat + pp.debug_args(args) + (pp.flow_ids(flows) if flows else b"")
+        self.put_framed(pp.framed_event(pp.INSTANT, pp.clamp_ts(ts), uuid, fields), 1)
 
     def meta_track(self) -> int:
         return self.tracks.track(("meta",), "gputrace", description="capture sources and their losses")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -45,7 +45,7 @@ from gputrace.documents import Report, Stall
 from gputrace.errors import OutputError, UserError
 from gputrace.exporters import ExportResult
 from gputrace.exporters.perfetto import proto as pp
-from gputrace.exporters.perfetto.args import activity_slice, header_int, stall_args, unit_of, uring_flags
+from gputrace.exporters.perfetto.args import activity_fields, header_int, stall_args, unit_of, uring_flags
 from gputrace.exporters.perfetto.canvas import Canvas
 from gputrace.exporters.perfetto.links import CaptureLinks, FlowIds, LaunchMatcher, StallLinks, evidence_key
 from gputrace.exporters.perfetto.samples import CpuSamples, StackInterner
@@ -91,6 +91,8 @@ if TYPE_CHECKING:
 
 _CAT = {c: pp.category(c) for c in ("syscall", "sched", "block", "gpu", "cuda", "nvtx", "collective", "stall",
                                     "process")}
+_CAT_SYSCALL, _CAT_SCHED, _CAT_BLOCK, _CAT_GPU, _CAT_CUDA = (_CAT[c] for c in ("syscall", "sched", "block", "gpu",
+                                                                              "cuda"))
 # Known kinds not placed on the timeline: fd and mapped-file paths (and what epoll data words stand for) are
 # already on the syscalls and faults, aggregates are in the report. Counted in ``not_drawn`` but not noted:
 # they are expected in every capture.
@@ -103,6 +105,20 @@ MAX_JOINED = (1 << 31) // ID_SPAN - 1
 _TIME_FIELDS = frozenset({"ts", "start_ns", "end_ns", "issue_ns", "complete_ns", "at_ns", "wake_ns", "prev_ts"})
 _ZERO_IS_NONE = frozenset({"wake_ns", "prev_ts"})
 _time_index: dict[type, tuple[tuple[int, bool], ...]] = {}
+_MALFORMED = (TypeError, ValueError, AttributeError, OverflowError, IndexError)  # what a broken record raises
+
+# Encoders of the annotations on the records drawn most, each giving the bytes pp.debug_args writes for its
+# field; those of fields whose values recur (ids, sizes) keep each value's bytes.
+_OBJ, _STATE, _COMM, _RWBS, _API = (pp.str_arg(n) for n in ("obj", "state", "comm", "rwbs", "api"))
+_WAKER_COMM, _FROM_COMM = pp.str_arg("waker_comm"), pp.str_arg("cpu_from_comm")
+_NBYTES, _RET, _FD, _ARG, _PID, _TID, _BYTES, _RESULT = (
+    pp.int_arg(n, recurring=True) for n in ("nbytes", "ret", "fd", "arg", "pid", "tid", "bytes", "result"))
+_WAKER_PID, _WAKER_TID, _FROM_PID, _FROM_TID, _WAKEE_PID, _WAKEE_TID = (
+    pp.int_arg(n, recurring=True) for n in ("waker_pid", "waker_tid", "cpu_from_pid", "cpu_from_tid", "wakee_pid",
+                                            "wakee_tid"))
+_WAKE_NS, _SECTOR, _LATENCY, _CORRELATION = (pp.int_arg(n) for n in ("wake_ns", "sector", "latency_ns",
+                                                                    "correlation_id"))
+_CACHE_MAX = 1 << 14
 
 
 class PerfettoExporter:
@@ -121,8 +137,7 @@ class PerfettoExporter:
         def body(sink: PacketSink) -> list[str]:
             run = _Run(sink, reader.header, self.report, self.pending_cap)
             run.start()
-            for rec in reader.records():
-                run.record(rec)
+            run.feed(reader.records())
             run.finish()
             return run.notes(reader)
 
@@ -162,8 +177,7 @@ class PerfettoExporter:
                 run = _Run(sink, reader.header, parts[i], self.pending_cap, part=part)
                 if i == 0:  # every capture is on the first's clock: its snapshot places them all
                     run.start()
-                for rec in reader.records():
-                    run.record(rec)
+                run.feed(reader.records())
                 run.finish()
                 runs.append(run)
                 notes += [f"{names[i]}: {n}" for n in run.notes(reader)]
@@ -190,6 +204,7 @@ class PerfettoExporter:
                 f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
             sink = PacketSink(_Named(f, self.out_path))
             notes = body(sink)
+            sink.flush()
             with _writing(self.out_path):
                 f.flush()
                 os.fsync(f.fileno())
@@ -284,7 +299,8 @@ class _Run(Canvas):
         self.shift_ns = part.shift_ns if part is not None else 0
         self.launches = LaunchMatcher(self.flows, pending_cap)
         self.samples = CpuSamples(sink.put, self.tracks.thread, pending_cap,
-                                  interner=part.interner if part is not None else None, ids=self.tracks.perfetto_id)
+                                  interner=part.interner if part is not None else None, ids=self.tracks.perfetto_id,
+                                  put_framed=sink.put_framed)
         self.report = report
         self.devices = ReportDevices(report)
         self.collectives: dict[tuple[int, int], Collective] = {}
@@ -292,6 +308,9 @@ class _Run(Canvas):
         self.not_drawn: dict[str, int] = {}
         self.malformed = 0
         self.cost_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (source, pid) -> last (ts, cpu_ns)
+        self._block_names: dict[tuple[str, int], bytes] = {}
+        self._offcpu_names: dict[str, bytes] = {}  # task state -> its slices' name and category
+        self._streams: dict[tuple[int, int, int], LaneSet] = {}  # (pid, CUDA id, stream) -> its lanes
         self.handlers: dict[type, Any] = {
             ProcInfo: self.proc_info, ThreadInfo: self.thread_info, ProcFork: self.fork, ProcExec: self.exec,
             ProcExit: self.exit, Syscall: self.syscall, OffCpu: self.offcpu, BlockIO: self.block,
@@ -316,15 +335,25 @@ class _Run(Canvas):
         self.put(pp.sequence_start())
 
     def record(self, rec: tuple[Any, ...]) -> None:
-        handler = self.handlers.get(type(rec))
-        if handler is not None:
-            if self.shift_ns:
-                rec = _on_clock(rec, self.shift_ns)
-            self.guarded(handler, rec)
-            return
-        kind = type(rec).__name__
-        bucket = self.not_drawn if kind in _NOT_DRAWN else self.skipped
-        bucket[kind] = bucket.get(kind, 0) + 1
+        self.feed((rec,))
+
+    def feed(self, records: Iterable[tuple[Any, ...]]) -> None:
+        """Draw each record (the exporter's inner loop: its lookups made once, not per record)."""
+        get = self.handlers.get
+        shift = self.shift_ns
+        for rec in records:
+            handler = get(type(rec))
+            if handler is None:
+                kind = type(rec).__name__
+                bucket = self.not_drawn if kind in _NOT_DRAWN else self.skipped
+                bucket[kind] = bucket.get(kind, 0) + 1
+                continue
+            if shift:
+                rec = _on_clock(rec, shift)
+            try:
+                handler(rec)
+            except _MALFORMED:  # as in guarded()
+                self.malformed += 1
 
     def finish(self) -> None:
         for rec, flow in self.launches.drain():
@@ -335,7 +364,7 @@ class _Run(Canvas):
     def guarded(self, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
-        except (TypeError, ValueError, AttributeError, OverflowError, IndexError):
+        except _MALFORMED:
             # Fields of the wrong type (a broken or hostile agent). Handlers encode a record's packets
             # before writing them, so a record lands whole or not at all.
             self.malformed += 1
@@ -386,13 +415,18 @@ class _Run(Canvas):
 
     # -- kernel ---------------------------------------------------------------------------------------
 
+    def evidence(self, kind: str, pid: int, tid: int, start_ns: int) -> list[int]:
+        """Flow ids into the stalls whose evidence is the slice being written (none without a report)."""
+        links = self.stall_links
+        return links.take(evidence_key(kind, pid, tid, start_ns)) if links.waiting else []
+
     def syscall(self, r: Syscall) -> None:
         s, e = self.span(r.start_ns, r.end_ns)
         lane = self.thread_lanes(r.pid, r.tid, "").place(s, e)
-        args: dict[str, Any] = {"obj": r.obj} if r.obj else {}
-        args.update(nbytes=r.nbytes, ret=r.ret, fd=r.fd, arg=r.arg)
-        flows = self.stall_links.take(evidence_key("syscall", r.pid, r.tid, r.start_ns))
-        self.slice(lane.uuid, s, e, r.name, _CAT["syscall"], args, flows)
+        flows = self.evidence("syscall", r.pid, r.tid, r.start_ns)
+        fields = b"".join((pp.event_name(r.name), _CAT_SYSCALL, _OBJ(r.obj) if r.obj else b"", _NBYTES(r.nbytes),
+                           _RET(r.ret), _FD(r.fd), _ARG(r.arg), pp.flow_ids(flows) if flows else b""))
+        self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
 
     def page_fault(self, r: PageFault) -> None:
         """On the syscall lane: the thread is in the kernel, waiting for a mapped file's page."""
@@ -400,7 +434,7 @@ class _Run(Canvas):
         lane = self.thread_lanes(r.pid, r.tid, "").place(s, e)
         args: dict[str, Any] = {"obj": r.obj or f"inode {r.ino} on {r.dev}", "offset": r.offset, "wait_ns": r.wait_ns}
         # the report names a fault's wait as offcpu evidence starting where the fault does
-        flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
+        flows = self.evidence("offcpu", r.pid, r.tid, r.start_ns)
         self.slice(lane.uuid, s, e, "page fault", _CAT["syscall"], args, flows)
 
     def dirty_pause(self, r: DirtyPause) -> None:
@@ -409,7 +443,7 @@ class _Run(Canvas):
         lane = self.thread_lanes(r.pid, r.tid, "dirty pages").place(s, e)
         args = {"dev": r.dev, "pause_ns": r.pause_ns, "wb_dirty": r.wb_dirty, "wb_setpoint": r.wb_setpoint,
                 "dirty": r.dirty, "limit": r.limit, "ratelimit_bps": r.ratelimit}
-        flows = self.stall_links.take(evidence_key("dirty", r.pid, r.tid, r.ts))
+        flows = self.evidence("dirty", r.pid, r.tid, r.ts)
         self.slice(lane.uuid, s, e, f"paused for dirty pages on {r.dev}", _CAT["syscall"], args, flows)
 
     def uring_request(self, r: IoUringRequest) -> None:
@@ -423,7 +457,7 @@ class _Run(Canvas):
         if r.flags & uring.UNFINISHED:
             name += " (in flight at stop)"
         # the report names a request as syscall evidence: its thread, from its submission
-        flows = self.stall_links.take(evidence_key("syscall", r.pid, r.tid, r.start_ns))
+        flows = self.evidence("syscall", r.pid, r.tid, r.start_ns)
         self.slice(lane.uuid, s, e, name, _CAT["syscall"], args, flows)
 
     def in_progress(self, r: InProgress) -> None:
@@ -438,32 +472,41 @@ class _Run(Canvas):
     def offcpu(self, r: OffCpu) -> None:
         s, e = self.span(r.start_ns, r.end_ns)
         lane = self.thread_lanes(r.pid, r.tid, "off-CPU").place(s, e)
-        name = "runqueue" if r.state == "R" else f"off-CPU ({r.state})"
-        args: dict[str, Any] = {"state": r.state}
-        if r.wake_ns and s <= r.wake_ns <= e:
-            args.update(waker_pid=r.waker_pid, waker_tid=r.waker_tid, waker_comm=r.waker_comm,
-                        wake_ns=r.wake_ns)
+        state, wake_ns = r.state, r.wake_ns
+        begin = (self._offcpu_names.get(state) if type(state) is str else None) or self._offcpu_name(state)
+        begin += _STATE(state)
+        woken = wake_ns and s <= wake_ns <= e
+        if woken:
+            begin += _WAKER_PID(r.waker_pid) + _WAKER_TID(r.waker_tid) + _WAKER_COMM(r.waker_comm) + _WAKE_NS(wake_ns)
         if r.held_tid:  # who had the CPU until this thread got it back
-            args.update(cpu_from_pid=r.held_pid, cpu_from_tid=r.held_tid, cpu_from_comm=r.held_comm)
-        flows = self.stall_links.take(evidence_key("offcpu", r.pid, r.tid, r.start_ns))
-        packets = [pp.track_event(pp.SLICE_BEGIN, s, lane.uuid, name, category=_CAT["sched"],
-                                  annots=pp.debug_args(args), flows=flows)]
+            begin += _FROM_PID(r.held_pid) + _FROM_TID(r.held_tid) + _FROM_COMM(r.held_comm)
+        flows = self.evidence("offcpu", r.pid, r.tid, r.start_ns)
+        if flows:
+            begin += pp.flow_ids(flows)
         # tid 0 is every CPU's idle task: a wakeup from interrupt context has no thread to draw an arrow from.
-        if r.wake_ns and s <= r.wake_ns <= e and r.waker_tid:
-            flow = self.flows.new()
-            wake = pp.clamp_ts(r.wake_ns)
-            # The waker's side goes first: at equal timestamps, file order gives the arrow direction.
-            packets.insert(0, pp.track_event(pp.INSTANT, wake, self.waker_track(r), f"wake tid {r.tid}",
-                                             category=_CAT["sched"], flows=(flow,),
-                                             annots=pp.debug_args({"wakee_pid": r.pid, "wakee_tid": r.tid})))
-            packets += [pp.track_event(pp.SLICE_BEGIN, wake, lane.uuid, f"woken by {r.waker_comm or r.waker_tid}",
-                                       category=_CAT["sched"], flows=(flow,),
-                                       annots=pp.debug_args({"waker_pid": r.waker_pid, "waker_tid": r.waker_tid})),
-                        pp.track_event(pp.SLICE_END, e, lane.uuid)]
-            lane.add(wake, e)
-        packets.append(pp.track_event(pp.SLICE_END, e, lane.uuid))
-        for packet in packets:  # all encoded first: a broken record writes nothing
-            self.put(packet)
+        if not (woken and r.waker_tid):
+            self.put_framed(pp.framed_slice(s, e, lane.uuid, begin), 2)
+            return
+        arrow = pp.flow_id(self.flows.new())
+        wake = pp.clamp_ts(wake_ns)
+        # The waker's side goes first: at equal timestamps, file order gives the arrow direction.
+        packets = b"".join((
+            pp.framed_event(pp.INSTANT, wake, self.waker_track(r), b"".join((
+                pp.event_name(f"wake tid {r.tid}"), _CAT_SCHED, _WAKEE_PID(r.pid), _WAKEE_TID(r.tid), arrow))),
+            pp.framed_event(pp.SLICE_BEGIN, s, lane.uuid, begin),
+            pp.framed_slice(wake, e, lane.uuid, b"".join((
+                pp.event_name(f"woken by {r.waker_comm or r.waker_tid}"), _CAT_SCHED, _WAKER_PID(r.waker_pid),
+                _WAKER_TID(r.waker_tid), arrow))),
+            pp.framed_end(e, lane.uuid)))
+        lane.add(wake, e)
+        self.put_framed(packets, 5)  # all encoded first: a broken record writes nothing
+
+    def _offcpu_name(self, state: str) -> bytes:
+        """An off-CPU slice's encoded name and category, kept per task state."""
+        enc = pp.event_name("runqueue" if state == "R" else f"off-CPU ({state})") + _CAT_SCHED
+        if type(state) is str and len(self._offcpu_names) < _CACHE_MAX:
+            self._offcpu_names[state] = enc
+        return enc
 
     def waker_track(self, r: OffCpu) -> int:
         uuid = self.tracks.untraced_thread(r.waker_pid, r.waker_tid, r.waker_comm)
@@ -474,16 +517,35 @@ class _Run(Canvas):
         s, e = self.span(r.issue_ns, r.complete_ns)
         dev = r.dev or "?"
         self.tracks.refresh_comm(r.pid, r.tid, r.comm)
+        lane = self.block_lanes(dev).place(s, e)
+        flows = self.evidence("block", r.pid, r.tid, r.issue_ns)
+        fields = b"".join((self.block_name(r.rwbs, r.nbytes), _CAT_BLOCK, _PID(r.pid), _TID(r.tid), _COMM(r.comm),
+                           _SECTOR(r.sector), _BYTES(r.nbytes), _RWBS(r.rwbs), _LATENCY(e - s),
+                           pp.flow_ids(flows) if flows else b""))
+        self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def block_lanes(self, dev: str) -> LaneSet:
+        ls = self.lanes.get(("blk", dev))
+        if ls is not None:
+            return ls
 
         def make(n: int) -> int:
             parent = self.tracks.track(("blk", dev), f"block {dev}")
             return self.tracks.track(("blk", dev, n), f"lane {n}", parent)
 
-        lane = self.laneset(("blk", dev), make).place(s, e)
-        args = {"pid": r.pid, "tid": r.tid, "comm": r.comm, "sector": r.sector, "bytes": r.nbytes,
-                "rwbs": r.rwbs, "latency_ns": e - s}
-        flows = self.stall_links.take(evidence_key("block", r.pid, r.tid, r.issue_ns))
-        self.slice(lane.uuid, s, e, f"{r.rwbs} {size_text(r.nbytes)}", _CAT["block"], args, flows)
+        return self.laneset(("blk", dev), make)
+
+    def block_name(self, rwbs: str, nbytes: int) -> bytes:
+        """A block request's encoded name ("R 512 KiB"), kept per kind and size: requests repeat them."""
+        if type(nbytes) is not int or type(rwbs) is not str:  # a bool is not the int it equals; no list is a key
+            return pp.event_name(f"{rwbs} {size_text(nbytes)}")
+        key = (rwbs, nbytes)
+        name = self._block_names.get(key)
+        if name is None:
+            if len(self._block_names) >= _CACHE_MAX:
+                self._block_names.clear()
+            name = self._block_names[key] = pp.event_name(f"{rwbs} {size_text(nbytes)}")
+        return name
 
     # -- GPU ------------------------------------------------------------------------------------------
 
@@ -491,6 +553,7 @@ class _Run(Canvas):
         return self.tracks.track(("gpu", *key), self.devices.label(key))
 
     def gpu_device(self, r: GpuDevice) -> None:
+        self._streams.clear()  # which device a stream's (pid, CUDA id) names may change here
         changed = self.devices.seen(r)
         if changed is not None:
             self.tracks.rename(("gpu", *changed), self.devices.label(changed))
@@ -504,19 +567,30 @@ class _Run(Canvas):
             self._write_gpu(rec, flow)
 
     def _write_gpu(self, r: Any, flow: int) -> None:
-        flows: tuple[int, ...] = (flow,) if flow else ()
+        flows: list[int] = [flow] if flow else []
         if isinstance(r, CudaApi):
             s, e = self.span(r.start_ns, r.end_ns)
             lane = self.thread_lanes(r.pid, r.tid, "CUDA API").place(s, e)
-            flows += tuple(self.stall_links.take(evidence_key("gpu", r.pid, 0, r.start_ns)))
-            self.slice(lane.uuid, s, e, r.name, _CAT["cuda"],
-                       {"correlation_id": r.correlation_id, "api": r.api, "result": r.result}, flows)
+            flows += self.evidence("gpu", r.pid, 0, r.start_ns)
+            fields = b"".join((pp.event_name(r.name), _CAT_CUDA, _CORRELATION(r.correlation_id), _API(r.api),
+                               _RESULT(r.result), pp.flow_ids(flows) if flows else b""))
+            self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
             return
         s, e = self.span(r.start_ns, r.end_ns)
-        lane = self.stream_lanes(self.devices.key(r.pid, r.device), r.pid, r.stream).place(s, e)
-        name, args = activity_slice(r, self.collectives.pop((r.pid, r.correlation_id), None))
-        flows = flows + tuple(self.stall_links.take(evidence_key("gpu", r.pid, 0, r.start_ns)))
-        self.slice(lane.uuid, s, e, name, _CAT["gpu"], args, flows)
+        lane = self.gpu_lanes(r.pid, r.device, r.stream).place(s, e)
+        coll = self.collectives.pop((r.pid, r.correlation_id), None) if self.collectives else None
+        head = activity_fields(r, coll)
+        flows += self.evidence("gpu", r.pid, 0, r.start_ns)
+        fields = b"".join((head[0], _CAT_GPU, head[1], pp.flow_ids(flows) if flows else b""))
+        self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def gpu_lanes(self, pid: int, device: int, stream: int) -> LaneSet:
+        """A stream's lanes, by the (pid, CUDA id) its records name (stream_lanes, remembered)."""
+        key = (pid, device, stream)
+        ls = self._streams.get(key)
+        if ls is None:
+            ls = self._streams[key] = self.stream_lanes(self.devices.key(pid, device), pid, stream)
+        return ls
 
     def stream_lanes(self, dev: DeviceKey, pid: int, stream: int) -> LaneSet:
         def make(n: int) -> int:
@@ -555,7 +629,7 @@ class _Run(Canvas):
         lane = self.thread_lanes(r.pid, r.tid, "collectives").place(s, e)
         args = {"comm": r.comm, "seq": r.seq, "rank": r.rank, "world": r.world, "bytes": r.nbytes,
                 "backend": r.backend, "waited": bool(r.waited)}
-        flows = self.stall_links.take(evidence_key("collective", r.pid, r.tid, r.start_ns))
+        flows = self.evidence("collective", r.pid, r.tid, r.start_ns)
         self.slice(lane.uuid, s, e, collective_object(str(r.name), int(r.seq)), _CAT["collective"], args, flows)
 
     def nvml(self, r: NvmlSample) -> None:

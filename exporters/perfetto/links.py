@@ -35,14 +35,10 @@ class FlowIds:
         return self._next
 
 
-def is_launch(api: CudaApi) -> bool:
-    return api.correlation_id != 0 and bool(_LAUNCHES.search(api.name))
-
-
 class LaunchMatcher:
     """Pairs CudaApi launches with the kernels/copies/memsets that carry the same (pid, correlation id).
 
-    ``api()`` and ``activity()`` yield ``(record, flow_id)`` pairs ready to write (flow_id 0: no flow).
+    ``api()`` and ``activity()`` return the ``(record, flow_id)`` pairs ready to write (flow_id 0: no flow).
     At most ``cap`` records wait on each side; beyond that the oldest is written without a flow and
     counted in ``unmatched``.
     """
@@ -53,30 +49,29 @@ class LaunchMatcher:
         self._api: OrderedDict[Key, CudaApi] = OrderedDict()
         self._act: OrderedDict[Key, tuple[Any, ...]] = OrderedDict()
         self._done: OrderedDict[Key, None] = OrderedDict()  # matched launches (graphs launch many kernels)
+        self._launch_names: dict[str, bool] = {}
         self.matched = 0
         self.unmatched = 0
 
-    def api(self, rec: CudaApi) -> Iterator[tuple[tuple[Any, ...], int]]:
+    def api(self, rec: CudaApi) -> list[tuple[Any, int]]:
         key = (rec.pid, rec.correlation_id)
         act = self._act.pop(key, None)
         if act is not None:
-            yield from self._pair(key, rec, act)
-        elif is_launch(rec) and key not in self._done:
+            return self._pair(key, rec, act)
+        if rec.correlation_id != 0 and self._launches(rec.name) and key not in self._done:
             self._api[key] = rec
-            yield from self._evict(self._api)
-        else:
-            yield rec, 0
+            return self._evict(self._api) if len(self._api) > self._cap else []
+        return [(rec, 0)]
 
-    def activity(self, rec: Any) -> Iterator[tuple[tuple[Any, ...], int]]:
+    def activity(self, rec: Any) -> list[tuple[Any, int]]:
         key = (rec.pid, rec.correlation_id)
         api = self._api.pop(key, None)
         if api is not None:
-            yield from self._pair(key, api, rec)
-        elif rec.correlation_id == 0 or key in self._done or key in self._act:
-            yield rec, 0
-        else:
-            self._act[key] = rec
-            yield from self._evict(self._act)
+            return self._pair(key, api, rec)
+        if rec.correlation_id == 0 or key in self._done or key in self._act:
+            return [(rec, 0)]
+        self._act[key] = rec
+        return self._evict(self._act) if len(self._act) > self._cap else []
 
     def drain(self) -> Iterator[tuple[tuple[Any, ...], int]]:
         """Everything still waiting, without flows (its other end never came)."""
@@ -86,19 +81,29 @@ class LaunchMatcher:
                 yield rec, 0
             pending.clear()
 
-    def _pair(self, key: Key, api: CudaApi, act: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], int]]:
+    def _launches(self, name: str) -> bool:
+        """Whether an API call of this name enqueues device work (``_LAUNCHES``), known per name."""
+        known = self._launch_names.get(name)
+        if known is None:
+            if len(self._launch_names) >= _DONE_CAP:
+                self._launch_names.clear()
+            known = self._launch_names[name] = bool(_LAUNCHES.search(name))
+        return known
+
+    def _pair(self, key: Key, api: CudaApi, act: tuple[Any, ...]) -> list[tuple[Any, int]]:
         flow = self._flows.new()
         self.matched += 1
         self._done[key] = None
         if len(self._done) > _DONE_CAP:
             self._done.popitem(last=False)
-        yield api, flow
-        yield act, flow
+        return [(api, flow), (act, flow)]
 
-    def _evict(self, pending: OrderedDict[Key, Any]) -> Iterator[tuple[tuple[Any, ...], int]]:
+    def _evict(self, pending: OrderedDict[Key, Any]) -> list[tuple[Any, int]]:
+        out = []
         while len(pending) > self._cap:
             self.unmatched += 1
-            yield pending.popitem(last=False)[1], 0
+            out.append((pending.popitem(last=False)[1], 0))
+        return out
 
 
 EVIDENCE_KINDS = {"syscall": "syscall", "block": "block", "offcpu": "offcpu", "wakeup": "offcpu", "gpu": "gpu",
@@ -131,6 +136,7 @@ class StallLinks:
         self.malformed = 0
         for stall in (report.get("stalls") or [] if report else []):
             self._add_stall(stall, flows)
+        self.waiting = bool(self._by_key)  # evidence not yet found: without any, slices need not look
 
     def _add_stall(self, stall: Any, flows: FlowIds) -> None:
         try:
@@ -158,6 +164,7 @@ class StallLinks:
         links = self._by_key.pop((capture, *key), None)
         if not links:
             return []
+        self.waiting = bool(self._by_key)
         for flow, index in links:
             self._stall_flows[index].append(flow)
         return [flow for flow, _ in links]
@@ -180,6 +187,10 @@ class CaptureLinks:
     def __init__(self, links: StallLinks, capture: int) -> None:
         self._links, self._capture = links, capture
         self.stalls: list[Stall] = []
+
+    @property
+    def waiting(self) -> bool:
+        return self._links.waiting
 
     def take(self, key: EvidenceKey) -> list[int]:
         return self._links.take(key, self._capture)

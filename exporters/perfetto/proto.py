@@ -8,7 +8,7 @@ official descriptors; tests/test_perfetto_proto.py decodes our bytes with them).
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 CLOCK_REALTIME = 1
@@ -50,7 +50,10 @@ def varint(n: int) -> bytes:
     if 0 <= n < 0x4000:
         return _SMALL[n]
     n &= _U64
-    out = b""
+    if n < 0x1000_0000:
+        return _GROUP[n & 0x3FFF] + _SMALL[n >> 14]
+    out = _GROUP[n & 0x3FFF] + _GROUP[(n >> 14) & 0x3FFF]  # timestamps: 28 bits in two steps
+    n >>= 28
     while n >= 0x4000:
         out += _GROUP[n & 0x3FFF]
         n >>= 14
@@ -151,6 +154,12 @@ def debug_args(values: Mapping[str, Any]) -> bytes:
     return out
 
 
+def debug_arg(name: str, value: Any) -> bytes:
+    """One debug_annotations field: ``debug_args({name: value})``."""
+    a = annotation(name, value)
+    return _K_ANNOT + varint(len(a)) + a
+
+
 def track_event(
     etype: int,
     ts: int,
@@ -181,6 +190,173 @@ def track_event(
 
 def category(name: str) -> bytes:
     return f_str(22, name)
+
+
+# -- the exporter's hot path ------------------------------------------------------------------------------------
+# The same bytes as framed(track_event(...)) and debug_args(...) above (tests/test_perfetto_fast.py compares them),
+# with the per-event work cut down: a field's key, length and name are joined once per name, a slice's two packets
+# are framed in one join, and event names and string annotations are looked up encoded. These are what the
+# exporter spends its time in; the functions above stay the plain statement of the encoding.
+
+Encode = Callable[[Any], bytes]
+_NAME_OF = (b"", *(_key(9, 0) + _SMALL[t] + _K_UUID for t in (SLICE_BEGIN, SLICE_END, INSTANT, COUNTER)))
+_SEQ_EVENT = _K_SEQ + _K_TRACK_EVENT
+_BEGIN_UUID, _END_UUID = _NAME_OF[SLICE_BEGIN], _NAME_OF[SLICE_END]
+_FIXED = len(_K_TS) + len(_SEQ_EVENT)  # a TrackEvent packet's bytes besides its timestamp, length and event
+
+
+def int_arg(name: str, recurring: bool = False) -> Encode:
+    """``lambda v: debug_arg(name, v)`` for a field that holds an int: the entry's key, length, name and value key
+    are made once per length of the value's varint. Any other value (a bool, an int beyond int64) goes the
+    general way. ``recurring``: a field whose values repeat (pids, tids, fds, sizes): each value's entry is kept
+    (at most ``_CACHE_MAX``), as ``str_arg`` keeps strings'."""
+    nm = f_str(10, name)
+    heads = tuple(_K_ANNOT + varint(len(nm) + 1 + k) + nm + b"\x20" for k in range(11))
+    small, group = _SMALL, _GROUP
+
+    def encode(value: Any) -> bytes:
+        if type(value) is int:
+            if 0 <= value < 0x4000:
+                v = small[value]
+            elif 0x4000 <= value < 0x1000_0000:
+                v = group[value & 0x3FFF] + small[value >> 14]
+            elif _I64_MIN <= value <= _I64_MAX:
+                v = varint(value)
+            else:
+                return debug_arg(name, value)
+            return heads[len(v)] + v
+        return debug_arg(name, value)
+
+    if not recurring:
+        return encode
+    cache: dict[int, bytes] = {}
+
+    def encode_kept(value: Any) -> bytes:
+        if type(value) is not int:
+            return debug_arg(name, value)
+        enc = cache.get(value)
+        if enc is None:
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            enc = cache[value] = encode(value)
+        return enc
+
+    return encode_kept
+
+
+def str_arg(name: str) -> Encode:
+    """``lambda v: debug_arg(name, v)`` for a field that holds a string, each string's entry kept encoded (paths,
+    comms and states recur on every event; at most ``_CACHE_MAX`` are kept)."""
+    cache: dict[str, bytes] = {}
+
+    def encode(value: Any) -> bytes:
+        if type(value) is not str:
+            return debug_arg(name, value)
+        enc = cache.get(value)
+        if enc is None:
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            enc = cache[value] = debug_arg(name, value)
+        return enc
+
+    return encode
+
+
+def event_name(name: str) -> bytes:
+    """A TrackEvent's name field as ``track_event`` writes it (none for an empty name)."""
+    if not name:
+        return b""
+    return _event_names.get(name) or _cached_str(_event_names, 23, name)
+
+
+def flow_ids(flows: Sequence[int]) -> bytes:
+    """A TrackEvent's flow_ids fields, as ``track_event`` writes them."""
+    if len(flows) == 1:  # the common case: one arrow
+        return _K_FLOW + _pack_q(flows[0] & _U64)
+    return b"".join([_K_FLOW + _pack_q(f & _U64) for f in flows])
+
+
+def flow_id(flow: int) -> bytes:
+    """``flow_ids((flow,))``."""
+    return _K_FLOW + _pack_q(flow & _U64)
+
+
+_HIGH: dict[int, bytes] = {}  # varints of timestamps' bits above the 28th: the same for 268 ms at a time
+
+
+def _high(bits: int) -> bytes:
+    """The varint of a timestamp's bits above the 28th (``bits``), kept."""
+    if len(_HIGH) >= _CACHE_MAX:
+        _HIGH.clear()
+    v = _HIGH[bits] = varint(bits)
+    return v
+
+
+def ts_varint(ts: int) -> bytes:
+    """``varint(ts)`` of a clamped timestamp (0 <= ts < 2**63), its high bits' varint looked up: a few small-int
+    operations instead of a loop over a big int."""
+    if ts < 0x1000_0000:
+        return varint(ts)
+    high = _HIGH.get(ts >> 28) or _high(ts >> 28)
+    low = ts & 0xFFF_FFFF
+    return _GROUP[low & 0x3FFF] + _GROUP[low >> 14] + high
+
+
+def framed_event(etype: int, ts: int, uuid: int, fields: bytes) -> bytes:
+    """``framed(track_event(etype, ts, uuid, ...))`` for ``ts`` clamped already (``clamp_ts``), where ``fields``
+    are the event's encoded name, category, annotations, other fields and flows, in that order."""
+    ev = _NAME_OF[etype] + varint(uuid) + fields
+    lev = len(ev)
+    vs = ts_varint(ts)
+    le = _SMALL[lev] if lev < 0x4000 else varint(lev)
+    n = _FIXED + len(vs) + len(le) + lev
+    return b"".join((_PACKET, _SMALL[n] if n < 0x4000 else varint(n), _K_TS, vs, _SEQ_EVENT, le, ev))
+
+
+_TRACKS: dict[int, tuple[bytes, tuple[bytes, ...], bytes]] = {}
+
+
+def _track(uuid: int) -> tuple[bytes, tuple[bytes, ...], bytes]:
+    """What a track's slices repeat: a begin event's type and track, the end packet's framing and timestamp key
+    by the length of its timestamp's varint, and the end packet after its timestamp."""
+    u = varint(uuid)
+    end = _END_UUID + u  # the end event: its type and track, under 128 bytes
+    tail = _SEQ_EVENT + _SMALL[len(end)] + end
+    heads = tuple(_PACKET + varint(len(_K_TS) + k + len(tail)) + _K_TS for k in range(11))
+    if len(_TRACKS) >= _CACHE_MAX:
+        _TRACKS.clear()
+    t = _TRACKS[uuid] = (_BEGIN_UUID + u, heads, tail)
+    return t
+
+
+def framed_slice(s: int, e: int, uuid: int, fields: bytes) -> bytes:
+    """Both packets of a slice, ``framed_event(SLICE_BEGIN, s, uuid, fields) + framed_event(SLICE_END, e, uuid,
+    b"")``, in one join (``s`` and ``e`` clamped already). Each timestamp's varint goes into the join in its
+    pieces (ts_varint's), their high bits looked up once where both share them."""
+    begin, heads, tail = _TRACKS.get(uuid) or _track(uuid)
+    lev = len(begin) + len(fields)
+    le = _SMALL[lev] if lev < 0x4000 else varint(lev)
+    if s < 0x1000_0000 or e < s:  # timestamps near the clock's start (tests), or not a slice: the plain way
+        vs, ve = varint(s), varint(e)
+        n = _FIXED + len(vs) + len(le) + lev
+        return b"".join((_PACKET, _SMALL[n] if n < 0x4000 else varint(n), _K_TS, vs, _SEQ_EVENT, le, begin, fields,
+                         heads[len(ve)], ve, tail))
+    hs, he = s >> 28, e >> 28
+    high_s = _HIGH.get(hs) or _high(hs)
+    high_e = high_s if he == hs else _HIGH.get(he) or _high(he)
+    s &= 0xFFF_FFFF
+    e &= 0xFFF_FFFF
+    n = _FIXED + 4 + len(high_s) + len(le) + lev
+    return b"".join((_PACKET, _SMALL[n] if n < 0x4000 else varint(n), _K_TS, _GROUP[s & 0x3FFF], _GROUP[s >> 14],
+                     high_s, _SEQ_EVENT, le, begin, fields,
+                     heads[4 + len(high_e)], _GROUP[e & 0x3FFF], _GROUP[e >> 14], high_e, tail))
+
+
+def framed_end(ts: int, uuid: int) -> bytes:
+    """``framed_event(SLICE_END, ts, uuid, b"")``: a slice's end alone."""
+    _, heads, tail = _TRACKS.get(uuid) or _track(uuid)
+    v = ts_varint(ts)
+    return heads[len(v)] + v + tail
 
 
 def counter_event(ts: int, uuid: int, value: float) -> bytes:
@@ -267,6 +443,17 @@ def perf_sample(ts: int, fields: bytes, callstack_iid: int, interned: bytes = b"
     if interned:
         out += _K_INTERNED + varint(len(interned)) + interned
     return out + _K_PERF_SAMPLE + varint(len(body)) + body
+
+
+_K_CALLSTACK = _key(4, 0)  # PerfSample.callstack_iid
+
+
+def framed_perf_sample(ts: int, fields: bytes, callstack_iid: int) -> bytes:
+    """``framed(perf_sample(ts, fields, callstack_iid))`` for ``ts`` clamped already, its stack interned before."""
+    body = fields + _K_CALLSTACK + varint(callstack_iid)
+    tail = _K_SAMPLE_SEQ + _K_PERF_SAMPLE + varint(len(body)) + body
+    v = ts_varint(ts)
+    return b"".join((_PACKET, varint(len(_K_TS) + len(v) + len(tail)), _K_TS, v, tail))
 
 
 def sample_fields(pid: int, tid: int, cpu: int = -1) -> bytes:

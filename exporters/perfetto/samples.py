@@ -89,10 +89,13 @@ class CpuSamples:
     """
 
     def __init__(self, put: Callable[[bytes], None], thread: Callable[[int, int], int], pending_cap: int, *,
-                 interner: StackInterner | None = None, ids: Callable[[int], int] = int) -> None:
+                 put_framed: Callable[[bytes, int], None], interner: StackInterner | None = None,
+                 ids: Callable[[int], int] = int) -> None:
         """``interner``: the trace's, shared by the captures of several hosts (interned ids are the
-        sequence's, not a capture's); ``ids``: a pid or tid as the trace writes it (tracks.Tracks.perfetto_id)."""
+        sequence's, not a capture's); ``ids``: a pid or tid as the trace writes it (tracks.Tracks.perfetto_id);
+        ``put_framed``: how packets framed already are written (PacketSink.put_framed)."""
         self._put, self._thread = put, thread
+        self._put_framed = put_framed
         self._cap = pending_cap
         self._ids = ids
         self.interner = interner if interner is not None else StackInterner()
@@ -115,6 +118,13 @@ class CpuSamples:
 
     def sample(self, r: StackSample) -> None:
         key = (r.pid, r.stack)
+        iid = self._stacks.get(key)
+        if type(iid) is int:  # a stack drawn before (nearly every sample): _write's work, without its steps
+            fields = self._fields.get((r.pid, r.tid, r.cpu)) or self._ready(r)[3]
+            ts = pp.clamp_ts(r.ts)
+            self._thread(r.pid, r.tid)
+            self._put_framed(pp.framed_perf_sample(ts, fields, iid), 1)
+            return
         ready = self._ready(r)  # a broken record is refused now, whole, not when its frames arrive
         if key in self._stacks:
             self._write(ready, key)

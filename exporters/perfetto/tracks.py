@@ -21,16 +21,34 @@ class Writes(Protocol):
     def write(self, data: bytes, /) -> int: ...
 
 
+FLUSH_BYTES = 1 << 16  # the file's own buffer gathers these into larger writes
+
+
 class PacketSink:
-    """Writes framed packets to the output as they are made, and counts them."""
+    """Writes framed packets to the output as they are made, and counts them. Packets gather in a buffer of
+    about ``FLUSH_BYTES`` written at once (a write call per packet costs more than encoding it); ``flush()``
+    writes the rest."""
 
     def __init__(self, out: BinaryIO | Writes) -> None:
         self._write = out.write
+        self.buf = bytearray()
         self.count = 0
 
     def put(self, packet: bytes) -> None:
-        self._write(pp.framed(packet))
-        self.count += 1
+        self.put_framed(pp.framed(packet), 1)
+
+    def put_framed(self, data: bytes, packets: int) -> None:
+        """``packets`` packets framed already (pp.framed_event, pp.framed_slice)."""
+        buf = self.buf
+        buf += data
+        self.count += packets
+        if len(buf) >= FLUSH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buf:
+            data, self.buf = bytes(self.buf), bytearray()
+            self._write(data)
 
 
 EVICT = 256  # slices a full sequential lane forgets at once
@@ -85,11 +103,15 @@ class Lane:
                 i = bisect.bisect_left(self.starts, s)
                 self.starts.insert(i, s)
                 self.ends.insert(i, e)
-            if len(self.starts) > self.KEEP_SEQUENTIAL + EVICT:  # forget the oldest in chunks: cheap per slice
-                self.floor = max(self.floor, *self.ends[:EVICT])
-                del self.starts[:EVICT], self.ends[:EVICT]
+            if len(self.starts) > self.KEEP_SEQUENTIAL + EVICT:
+                self.evict()
         if e > self.maxend:
             self.maxend = e
+
+    def evict(self) -> None:
+        """Forget a sequential lane's oldest slices, in chunks: cheap per slice."""
+        self.floor = max(self.floor, *self.ends[:EVICT])
+        del self.starts[:EVICT], self.ends[:EVICT]
 
 
 def _compatible(s: int, e: int, ys: int, ye: int) -> bool:
@@ -118,8 +140,18 @@ class LaneSet:
         self.lanes: list[Lane] = []
 
     def place(self, s: int, e: int) -> Lane:
+        """The first lane ``[s, e]`` fits on (``s <= e``), a new one if none does."""
         for lane in self.lanes:
-            if lane.fits(s, e):
+            if s >= lane.maxend and not lane.nest:  # after all of it: add()'s in-order case, without the call
+                starts = lane.starts
+                starts.append(s)
+                lane.ends.append(e)
+                if e > lane.maxend:
+                    lane.maxend = e
+                if len(starts) > Lane.KEEP_SEQUENTIAL + EVICT:
+                    lane.evict()
+                return lane
+            if s >= lane.maxend or lane.fits(s, e):
                 lane.add(s, e)
                 return lane
         lane = Lane(self._make(len(self.lanes)), self._nest)
@@ -141,6 +173,7 @@ class Tracks:
         self.host = host
         self._uuids: dict[tuple[object, ...], int] = {}
         self._described: set[int] = set()
+        self._threads: dict[tuple[int, int], int] = {}  # thread tracks described: (pid, tid) -> uuid
         self.proc_name: dict[int, tuple[str, list[str]]] = {}
         self.thread_name: dict[tuple[int, int], str] = {}
         self.untraced_pids: set[int] = set()
@@ -191,10 +224,14 @@ class Tracks:
             self.note_thread(pid, pid, comm)
 
     def thread(self, pid: int, tid: int) -> int:
+        u = self._threads.get((pid, tid))
+        if u is not None:  # described already (a track stays described)
+            return u
         u = self._uuid(("t", pid, tid))
         if u not in self._described:
             self.process(pid)
             self._describe_thread(pid, tid, u)
+        self._threads[(pid, tid)] = u
         return u
 
     def _describe_thread(self, pid: int, tid: int, u: int) -> None:
