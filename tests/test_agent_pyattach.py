@@ -37,7 +37,9 @@ MAX_PAUSE_MS = 50.0
 
 # Uses the simulated device before any agent exists: kernels of 2 ms with 4 ms of its own CPU between them
 # (stalls caused by this very process's CPU). Prints "up PID"; on "gap" from stdin prints the largest gap
-# between iterations within 1 s either side of its agent appearing ("gap -1" while it has none).
+# between iterations within 1 s either side of its agent appearing ("gap -1" while it has none). A gap leaves
+# out the time the thread waited for a CPU while runnable (run_delay in /proc/thread-self/schedstat: other work
+# on a busy host); a stop (the injector's ptrace) and the agent's own start-up in this thread stay in it.
 WORKLOAD = r"""
 import collections, importlib.util, os, sys, threading, time
 while importlib.util.find_spec("gputrace") is None:  # in a container: the gputrace the agent brings
@@ -50,17 +52,24 @@ def ask():
         asked.set()
 threading.Thread(target=ask, daemon=True).start()
 print("up", os.getpid(), flush=True)
+def waited():  # seconds this thread has waited runnable for a CPU (0 where the kernel keeps no schedstats)
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 recent = collections.deque()
 seen_at, worst, last, i = None, 0.0, time.monotonic(), 0
+queued = waited()
 while True:
     s.launch("step%d" % (i % 2), duration_ms=2)
     s.synchronize()
     t = time.monotonic()
     while time.monotonic() - t < 0.004:
         pass
-    now = time.monotonic()
-    recent.append((now, now - last))
-    last, i = now, i + 1
+    now, q = time.monotonic(), waited()
+    recent.append((now, now - last - (q - queued)))
+    last, queued, i = now, q, i + 1
     while recent and recent[0][0] < now - 1.0:
         recent.popleft()
     arming = sys.modules.get("gputrace.agent.arming")
