@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from gputrace.analysis import analyze
+from gputrace.analysis.frames import Spool
 from gputrace.analysis.load import load
 from gputrace.analysis.report import assemble
-from gputrace.analysis.windowed import Spool, WindowedAnalysis
+from gputrace.analysis.windowed import WindowedAnalysis
 from gputrace.capture import open_capture
 from gputrace.testing.scale import generate
 

@@ -12,6 +12,8 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from typing import Any, TypedDict
 
 from gputrace.analysis import uring
@@ -121,6 +123,7 @@ def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> Evidence:
 
 
 ETIMEDOUT = 110
+_API_TIMES, _TID = attrgetter("start_ns", "end_ns"), attrgetter("tid")
 FUTEXES = ("futex", "futex_waitv")
 TIMER_WAKER = "[timer]"  # the eBPF source's waker for wakeups from a timer interrupt (hrtimer expiry)
 
@@ -430,11 +433,10 @@ class Explainer:
         """The end of ``tid``'s last CUDA API call (a launch, a copy, a sync) that started in [a, b); 0 if none."""
         if self._api_index is None:
             self._api_index = {}
-            for api in self.cap.launches.values():
-                self._api_index.setdefault(api.tid, []).append((api.start_ns, api.end_ns))
-            for calls in self._api_index.values():
-                calls.sort()
-        calls = self._api_index.get(tid, [])
+        calls = self._api_index.get(tid)
+        if calls is None:  # a thread's calls gathered when first asked for: few threads are
+            apis = self.cap.launches.values()
+            calls = self._api_index[tid] = sorted(map(_API_TIMES, compress(apis, map(tid.__eq__, map(_TID, apis)))))
         i = bisect_left(calls, (b, -1)) - 1
         return calls[i][1] if i >= 0 and calls[i][0] >= a else 0
 

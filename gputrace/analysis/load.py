@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress
+from operator import and_, attrgetter, le, mul
 from typing import Any, Protocol
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
 from gputrace.analysis.uring import Completions
 from gputrace.capture import CaptureReader
 from gputrace.records import (
+    RECORD_TYPES,
     AgentInfo,
     AgentThread,
     BlockIO,
@@ -46,6 +49,7 @@ from gputrace.records import (
 )
 
 GpuOp = GpuKernel | GpuMemcpy | GpuMemset
+_BY_TIMES = attrgetter("start_ns", "end_ns")  # how a device's ops are sorted
 FAULT_OP = "page_fault"  # the name a PageFault takes among a thread's blocking calls
 DIRTY_OP = "balance_dirty_pages"  # the op of a sleep a pause for dirty pages began outside any recorded call
 # An interpreter with a global lock: its executable's name, or the agent's hello ("cpython 3.11.2 /usr/bin/python3")
@@ -58,10 +62,11 @@ class Intervals:
     time), sorted by start, with a bisect index."""
 
     def __init__(self, records: list[Any], start: str, end: str) -> None:
-        records.sort(key=lambda r: getattr(r, start))
+        by_start = attrgetter(start)
+        records.sort(key=by_start)
         self.records = records
         self._end = end
-        self.starts = [getattr(r, start) for r in records]
+        self.starts = list(map(by_start, records))
 
     def overlapping(self, a: int, b: int) -> Iterator[Any]:
         """Records that intersect [a, b)."""
@@ -174,17 +179,122 @@ class _Loader:
         handler = _HANDLERS.get(kind)
         if handler is None:
             return False
-        ints, strs = _SHAPES.get(kind, ((), ()))
-        for i in ints:
-            if type(r[i]) is not int:
-                self.cap.malformed += 1
-                return False
-        for i in strs:
-            if type(r[i]) is not str:
-                self.cap.malformed += 1
-                return False
+        if not shaped(kind, r):
+            self.cap.malformed += 1
+            return False
         handler(self, r)
         return True
+
+    def note_columns(self, kind: str, columns: list[tuple[Any, ...]]) -> None:
+        """What ``add`` of each row of a frame of one of the ``COLUMN_KINDS`` tells the whole capture (its count,
+        the threads and processes, the span, records it counts malformed), but for the indexes a window's
+        Capture holds (analysis/windowed.py): computed column by column, in C loops. ``columns``: every field of
+        rows ``capture.exact_columns`` took, each of exactly its declared type, which ``add`` takes as they are."""
+        cap = self.cap
+        cap.counts[kind] = cap.counts.get(kind, 0) + len(columns[0])
+        if kind not in _TOLD_AT:  # counted only, or (SyscallAgg) its process one the kernel source watched
+            if kind == "SyscallAgg":
+                cap.kernel_pids.update(columns[0])
+            return
+        start, end, told = _TOLD_AT[kind]
+        if kind in _ORDERED:  # a row ending before it starts is passed over (a request's counted malformed)
+            ok = list(map(le, columns[start], columns[end]))
+            if not all(ok):
+                if kind == "IoUringRequest":
+                    cap.malformed += ok.count(False)
+                columns = [tuple(compress(c, ok)) for c in columns]
+                if not columns[0]:
+                    return
+        fields = RECORD_TYPES[kind]._fields
+        if told & _THREAD:
+            pids, tids = columns[fields.index("pid")], columns[fields.index("tid")]
+            if kind == "OffCpu":
+                self._woken(pids, tids, columns[6], columns[7], columns[8])
+            elif not set(tids) - {0} <= cap.tgid.keys():  # (else no setdefault would change tgid)
+                self._first_pids(zip(map(mul, tids, map(bool, pids)), pids, strict=True))
+            told_pids = set(compress(pids, tids))  # _thread: a process of a record with a thread
+            told_pids.discard(0)
+            cap.pids |= told_pids
+        if told & _KERNEL:
+            cap.kernel_pids.update(columns[fields.index("pid")])
+        if start >= 0:
+            first = min(filter((0).__lt__, columns[start]), default=0)
+            if first and (cap.first_ns == 0 or first < cap.first_ns):
+                cap.first_ns = first
+            cap.last_ns = max(cap.last_ns, max(columns[end]))
+
+    def _first_pids(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """``tgid.setdefault(tid, pid)`` for each (tid, pid) in order, tid 0 passed over: the same as over the
+        distinct pairs in the order each first came (a pair seen again changes nothing)."""
+        tgid = self.cap.tgid
+        for tid, pid in dict.fromkeys(pairs):
+            if tid and tid not in tgid:
+                tgid[tid] = pid
+
+    def _woken(self, pids: Sequence[int], tids: Sequence[int], waker_pids: Sequence[int], waker_tids: Sequence[int],
+               waker_comms: Sequence[str]) -> None:
+        """``_offcpu``'s thread and waker of each row, in the rows' order: the row's thread (``_thread``), then its
+        waker's (where it names one: a tid and a pid > 0), whose comm names both too where none does yet."""
+        named = list(map(and_, map(bool, waker_tids), map((0).__lt__, waker_pids)))
+        if not (set(tids) | set(waker_tids)) - {0} <= self.cap.tgid.keys():  # (else no setdefault changes tgid)
+            own = zip(map(mul, tids, map(bool, pids)), pids, strict=True)
+            wakers = zip(map(mul, waker_tids, named), waker_pids, strict=True)
+            self._first_pids(chain.from_iterable(zip(own, wakers, strict=True)))
+        comms = self.cap.comms
+        if (set(waker_tids) | set(waker_pids)) - {0} <= comms.keys():
+            return
+        by_tid = zip(map(mul, waker_tids, named), waker_comms, strict=True)
+        by_pid = zip(map(mul, waker_pids, named), waker_comms, strict=True)
+        for key, comm in dict.fromkeys(chain.from_iterable(zip(by_tid, by_pid, strict=True))):
+            if key and key not in comms:
+                comms[key] = comm
+
+    def add_local(self, kind: str, recs: list[Any]) -> None:
+        """Index records of one time-local kind as ``add`` does, each one ``add`` took on the capture's first
+        pass, into a window's Capture (analysis/windowed.py): what ``add`` tells the whole capture (threads,
+        processes, span) is not told again, the window sharing the whole capture's."""
+        cap = self.cap
+        cap.counts[kind] = cap.counts.get(kind, 0) + len(recs)
+        table = _LOCAL_TABLES.get(kind)
+        if table is not None:
+            _by_tid(self.raw[table], recs)
+        elif kind in ("GpuKernel", "GpuMemcpy", "GpuMemset"):
+            ops = cap.ops
+            for r in recs:
+                if r.end_ns >= r.start_ns:
+                    ops.setdefault((r.pid, r.device), []).append(r)
+        elif kind == "CudaApi":
+            cap.launches.update(zip(map(_LAUNCH_KEY, recs), recs, strict=True))
+            waits = {name for name in set(map(_NAME, recs)) if _synchronizes_by(name)}
+            syncs = self.raw["sync"]
+            for r in recs if waits else ():
+                if r.name in waits:
+                    syncs.setdefault(r.tid, []).append(r)
+        elif kind == "BlockIO":
+            _by_tid(self.raw["blk"], recs)
+            by_dev = self.by_dev
+            for r in recs:
+                by_dev.setdefault(r.dev, []).append(r)
+        elif kind == "StackSample":
+            samples = self.samples
+            for r in recs:
+                samples.setdefault(r.tid, []).append((r.ts, r.stack))
+        elif kind == "PageFault":
+            faults = self.faults
+            for r in recs:
+                key = (r.tid, r.start_ns)
+                prev = faults.get(key)
+                if r.end_ns >= r.start_ns and (prev is None or r.end_ns > prev.end_ns):
+                    faults[key] = r
+        elif kind == "IoUringRequest":
+            uring = self.uring
+            for r in recs:
+                if r.end_ns < r.start_ns:
+                    cap.malformed += 1
+                else:
+                    uring.setdefault(r.pid, []).append(r)
+        else:
+            raise ValueError(f"{kind} is not a time-local kind")
 
     def _thread(self, pid: int, tid: int) -> None:
         if tid and pid:
@@ -253,7 +363,7 @@ class _Loader:
             made.sort()
         self._merge_shared_devices(nvml_meta)
         for ops in cap.ops.values():
-            ops.sort(key=lambda o: (o.start_ns, o.end_ns))
+            ops.sort(key=_BY_TIMES)
         return cap
 
     def _merge_shared_devices(self, nvml_meta: Any) -> None:
@@ -403,9 +513,32 @@ def _agent_thread(ld: _Loader, r: AgentThread) -> None:
 def _api(ld: _Loader, r: CudaApi) -> None:
     ld.cap.launches[(r.pid, r.correlation_id)] = r
     ld._thread(r.pid, r.tid)
-    if "Synchronize" in r.name or r.name.startswith(("cuStreamSynchronize", "cuCtxSynchronize")):
-        # a host wait for the device even where no synchronization activity was recorded (uprobes)
+    if _synchronizes(r):
         ld.raw["sync"].setdefault(r.tid, []).append(r)
+
+
+def _by_tid(table: dict[int, list[Any]], recs: list[Any]) -> None:
+    """``table.setdefault(r.tid, []).append(r)`` for each record in order: of few threads, a C loop each."""
+    tids = list(map(_TID, recs))
+    threads = dict.fromkeys(tids)
+    if len(threads) * 8 > len(recs):
+        for r in recs:
+            table.setdefault(r.tid, []).append(r)
+        return
+    for tid in threads:
+        table.setdefault(tid, []).extend(compress(recs, map(tid.__eq__, tids)))
+
+
+def _synchronizes(r: CudaApi) -> bool:
+    """A host wait for the device, even where no synchronization activity was recorded (uprobes)."""
+    return _synchronizes_by(r.name)
+
+
+def _synchronizes_by(name: str) -> bool:
+    return "Synchronize" in name or name.startswith(("cuStreamSynchronize", "cuCtxSynchronize"))
+
+
+_LAUNCH_KEY, _NAME, _TID = attrgetter("pid", "correlation_id"), attrgetter("name"), attrgetter("tid")
 
 
 def _block(ld: _Loader, r: BlockIO) -> None:
@@ -504,6 +637,33 @@ _SHAPES = {
     "StackSample": _shape(StackSample, "ts pid tid stack"),
     "StackFrames": _shape(StackFrames, "pid stack"),
 }
+
+
+def shaped(kind: str, r: Any) -> bool:
+    """Whether the fields attribution computes with hold their types in ``r`` (``_SHAPES``)."""
+    ints, strs = _SHAPES.get(kind, ((), ()))
+    return all(type(r[i]) is int for i in ints) and all(type(r[i]) is str for i in strs)
+
+
+_THREAD, _KERNEL = 1, 2
+# What ``add`` tells the whole capture of a time-local record: (start field, end field) of its span (-1: none),
+# and whether its thread and process (``_THREAD``), and its process as one the kernel source watched (``_KERNEL``)
+_TOLD = {
+    "GpuKernel": ("start_ns", "end_ns", 0), "GpuMemcpy": ("start_ns", "end_ns", 0),
+    "GpuMemset": ("start_ns", "end_ns", 0), "CudaApi": ("", "", _THREAD),
+    "Syscall": ("start_ns", "end_ns", _THREAD | _KERNEL), "OffCpu": ("start_ns", "end_ns", _THREAD | _KERNEL),
+    "BlockIO": ("issue_ns", "complete_ns", 0), "PageFault": ("start_ns", "end_ns", _THREAD | _KERNEL),
+    "IoUringRequest": ("start_ns", "end_ns", _THREAD | _KERNEL), "DirtyPause": ("ts", "ts", _THREAD | _KERNEL),
+    "GpuSync": ("start_ns", "end_ns", _THREAD), "StackSample": ("", "", _THREAD),
+}  # fmt: skip
+_TOLD_AT: dict[str, tuple[int, int, int]] = {
+    k: (RECORD_TYPES[k]._fields.index(a) if a else -1, RECORD_TYPES[k]._fields.index(b) if b else -1, told)
+    for k, (a, b, told) in _TOLD.items()
+}
+# The kinds ``note_columns`` takes: the time-local ones, and those ``add`` only counts (or notes the process of)
+COLUMN_KINDS = frozenset(_TOLD) | {"SyscallAgg"} | (RECORD_TYPES.keys() - _HANDLERS.keys())
+_ORDERED = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset", "PageFault", "IoUringRequest"})  # end before start: out
+_LOCAL_TABLES = {"Syscall": "sys", "OffCpu": "off", "DirtyPause": "dirty", "GpuSync": "sync"}  # per-tid tables
 
 
 class Source(Protocol):
