@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import random
 import shutil
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from gputrace.analysis import analyze
 from gputrace.analysis.frames import DEVICE_KINDS, FIELDS, LONG_BUCKETS, Spool
-from gputrace.analysis.load import COLUMN_KINDS, load
+from gputrace.analysis.load import COLUMN_KINDS, Lazy, _Loader, load
 from gputrace.analysis.report import assemble
 from gputrace.analysis.windowed import analyze_capture, analyze_records
 from gputrace.capture import CaptureWriter, exact_columns, host_header, open_capture, records_of
@@ -303,7 +304,7 @@ def random_record(rng: random.Random, kind: str, n: int) -> Any:
     return RECORD_TYPES[kind]._make(values)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_the_spool_reads_records_in_the_order_of_a_file_per_bucket(seed: int) -> None:
     """Frames the capture holds (as rows, read again) and records given one by one (written to the spool), in
     any order of time: every read gives the records of the buckets asked, each once, in the order one file per
@@ -318,7 +319,7 @@ def test_the_spool_reads_records_in_the_order_of_a_file_per_bucket(seed: int) ->
         kind = rng.choice(kinds)
         batch = [random_record(rng, kind, n + i) for i in range(rng.randint(1, 40))]
         n += len(batch)
-        if rng.random() < 0.2:
+        if rng.random() < 0.5:
             batch.sort(key=lambda r: r[FIELDS[kind][0]])  # in the order of time, as most frames are
         came += batch
         if rng.random() < 0.6:
@@ -343,3 +344,81 @@ def test_the_spool_reads_records_in_the_order_of_a_file_per_bucket(seed: int) ->
 def test_a_row_is_its_record() -> None:
     row: list[Any] = [1, 2, "read", 3, 4, 5, 6, "x", 7, 8]
     assert records_of("Syscall", [row]) == records_of("Syscall", [tuple(row)]) == [Syscall(*row)]
+
+
+def test_a_lazy_index_is_the_dict_its_records_make_one_by_one() -> None:
+    """Keys in the order they first came, each entry its records in order and then its ``extra`` ones, whether
+    asked for alone or after the records were sorted by key at once (past ASKED_ALONE keys)."""
+    rng = random.Random(7)
+    runs = [[Syscall(1, rng.choice([5, 6, 7, 8, 9, 10]), "read", rng.randint(0, 99), 100, n, 0, "", 0, 0)
+             for n in range(rng.randint(0, 30))] for _ in range(8)]
+    extra = {6: [Syscall(1, 6, "page_fault", 3, 4, 0, -1, "", 0, 0)], 11: [Syscall(1, 11, "page_fault", 5, 6, 0, -1,
+                                                                                    "", 0, 0)]}
+    want: dict[int, list[Any]] = {}
+    for run in runs:
+        for r in run:
+            want.setdefault(r.tid, []).append(r)
+    for tid, more in extra.items():
+        want.setdefault(tid, []).extend(more)
+    lazy = Lazy(runs, attrgetter("tid"), list, extra)
+    assert list(lazy) == list(want) and len(lazy) == len(want)
+    assert 12 not in lazy and lazy.get(12) is None
+    for tid in rng.sample(list(want), len(want)):
+        assert tid in lazy and lazy[tid] == want[tid] and lazy.get(tid) is lazy[tid]
+    assert dict(lazy.items()) == want
+
+
+def random_rows(rng: random.Random, kind: str, n: int) -> list[list[Any]]:
+    """Rows of ``kind`` with every field of its type, the values few (threads seen under two processes or
+    none, wakers and none, spans ending before they start), so that the order they come in matters."""
+    rows = []
+    for _ in range(n):
+        row: list[Any] = []
+        for name, ann in zip(RECORD_TYPES[kind]._fields, RECORD_TYPES[kind].__annotations__.values(), strict=True):
+            text = str(ann)
+            if "tuple" in text:
+                row.append([1, 1, 1])
+            elif "list" in text:
+                row.append(["x"])
+            elif "bool" in text:
+                row.append(rng.random() < 0.5)
+            elif "float" in text:
+                row.append(rng.random())
+            elif "str" in text:
+                row.append(rng.choice(["futex", "read", "w", "", "nccl_x", "cudaStreamSynchronize"]))
+            elif name.endswith("_ns") or name == "ts":
+                row.append(rng.randint(-2, 40))
+            else:
+                row.append(rng.choice([0, 1, 2, 3, -1]) if name.startswith("waker") else rng.randint(0, 4))
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_columns_tell_the_whole_capture_what_records_one_by_one_do(seed: int) -> None:
+    """``note_columns`` (and, for a window, ``add_local``) of frames of every kind it takes: the same counts,
+    threads and their first processes (in order), processes, comms, span, malformed records and indexes as
+    ``add`` of each record in turn."""
+    rng = random.Random(seed)
+    by_record, by_columns = _Loader({}), _Loader({})
+    for _ in range(30):
+        kind = rng.choice(sorted(COLUMN_KINDS - {"ProcInfo", "AgentInfo"}))
+        rows = random_rows(rng, kind, rng.randint(1, 25))
+        columns = exact_columns(kind, rows)
+        assert columns is not None
+        recs = records_of(kind, rows)
+        for r in recs:
+            by_record.add(r)
+        by_columns.note_columns(kind, columns)
+        if kind in FIELDS:
+            by_columns.add_local(kind, recs)
+    a, b = by_record.finish(), by_columns.finish()
+    for name in ("counts", "malformed", "pids", "kernel_pids", "first_ns", "last_ns"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert list(a.tgid.items()) == list(b.tgid.items()) and list(a.comms.items()) == list(b.comms.items())
+    for name in ("syscalls", "offcpu", "blocks", "blocks_by_dev", "syncs", "dirty"):
+        assert {k: v.records for k, v in getattr(a, name).items()} == \
+            {k: v.records for k, v in getattr(b, name).items()}, name
+    assert list(a.launches.items()) == list(b.launches.items()) and a.ops == b.ops
+    assert {k: v.stacks for k, v in a.samples.items()} == {k: v.stacks for k, v in b.samples.items()}
+    assert {k: v.requests for k, v in a.uring.items()} == {k: v.requests for k, v in b.uring.items()}

@@ -219,6 +219,7 @@ class Explainer:
     def __init__(self, cap: Capture, facts: CaptureFacts | None = None) -> None:
         self.cap = cap
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
+        self._fstypes: dict[str, str] = {}  # path -> its filesystem's type
         self.ties = BlockTies(cap, self.mounts)
         self.throttles = Throttles(cap)
         tracer = cap.header.get("tracer_pid")
@@ -636,7 +637,7 @@ class Explainer:
             culprit["bytes"] = sum(b.nbytes for b in tie.blocks) if tie else 0
         blocks = tie.blocks if tie else []
         extra: PartExtra = {}
-        fstype = filesystem_of(sc.obj, self.mounts) if sc.obj else ""
+        fstype = self._filesystem(sc.obj) if sc.obj else ""
         servers = [o for o in blocked if o.waker_pid and o.waker_pid != sc.pid
                    and not is_kernel_task(o.waker_pid, o.waker_comm)]
         if servers and not blocks:
@@ -658,6 +659,13 @@ class Explainer:
         index = self.cap.dirty.get(sc.tid)
         pauses: list[DirtyPause] = index.starting_in(sc.start_ns, sc.end_ns) if index else []
         return _paused(pauses, blocked, sc.end_ns) if pauses else ({}, [])
+
+    def _filesystem(self, path: str) -> str:
+        """``filesystem_of`` the capture's mounts, once a path."""
+        fstype = self._fstypes.get(path)
+        if fstype is None:
+            fstype = self._fstypes[path] = filesystem_of(path, self.mounts)
+        return fstype
 
     def _block_fields(self, tie: Tie, tid: int) -> BlockFields:
         blocks = tie.blocks

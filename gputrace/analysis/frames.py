@@ -57,8 +57,8 @@ class _Frame:
     """One frame of records: in the capture (``spilled`` False: rows of ``kind``) or in the spool's file (``kind``
     None: [kind id, row] items of any kinds). ``lo``..``hi``: the buckets its rows (but those kept in memory) reach;
     ``first``: the one bucket they all start in, where they do; ``long``: its rows kept in memory, by index.
-    Where its rows come in the order of the buckets they start in: ``steps``, (bucket, index of its first row)
-    of each, and ``spanning``, (index, first bucket, last bucket) of the rows reaching past their first."""
+    ``steps``: where its rows come in the order of the buckets they start in, (bucket, index of its first row)
+    of each."""
 
     spilled: bool
     offset: int
@@ -70,7 +70,6 @@ class _Frame:
     first: int | None
     long: frozenset[int]
     steps: tuple[tuple[int, int], ...] | None
-    spanning: tuple[tuple[int, int, int], ...]
 
 
 class Spool:
@@ -137,7 +136,7 @@ class Spool:
         spans = list(map(int.__sub__, map(floordiv, ends, repeat(bn)), firsts))  # < 0: ended before it started
         self.buckets.update(firsts)
         long: set[int] = set()
-        spanning = []
+        hi = max(firsts, default=-1)
         for i in compress(range(len(spans)), spans):
             span, first = spans[i], firsts[i]
             if span > LONG_BUCKETS:
@@ -146,19 +145,19 @@ class Spool:
                 self.long.append((first, first + span, kind or type(r).__name__, r))
             elif span > 0:
                 self.buckets.update(range(first + 1, first + span + 1))
-                spanning.append((i, first, first + span))
+                hi = max(hi, first + span)
         steps = None
         if all(map(int.__le__, firsts, islice(firsts, 1, None))):  # in the order of their first buckets
             steps = tuple((b, bisect_left(firsts, b)) for b in sorted(set(firsts)))
         self.spooled += len(firsts)
         self._index = None
-        if long:
-            firsts = [f for i, f in enumerate(firsts) if i not in long]
+        if long:  # the buckets the others reach
+            kept = [i for i in range(len(firsts)) if i not in long]
+            hi = max((firsts[i] + max(spans[i], 0) for i in kept), default=-1)
+            firsts = [firsts[i] for i in kept]
         lo = min(firsts, default=0)
-        hi = max(max(firsts, default=-1), max((last for _, _, last in spanning), default=-1))
         first = lo if firsts and lo == max(firsts) else None
-        self.frames.append(_Frame(spilled, offset, length, kind, device, lo, hi, first, frozenset(long), steps,
-                                  tuple(spanning)))
+        self.frames.append(_Frame(spilled, offset, length, kind, device, lo, hi, first, frozenset(long), steps))
 
     # ------------------------------------------------------------------------------------------ reading ---
 
@@ -220,7 +219,9 @@ class Spool:
             groups.setdefault(2 * f.first + bit, []).append((kind, recs))
             return
         if f.steps is not None and not f.long:  # slices, and before them in b0's the rows reaching it from before
-            before = [recs[i] for i, first, last in f.spanning if first < b0 <= last]
+            i_e = FIELDS[kind][1]
+            prefix = recs[: next((at for bucket, at in f.steps if bucket >= b0), len(recs))]  # begun before b0
+            before = list(compress(prefix, map((b0 * self.bucket_ns).__le__, map(itemgetter(i_e), prefix))))
             steps = f.steps
             for k, (bucket, at) in enumerate(steps):
                 if bucket > b1:

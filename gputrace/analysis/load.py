@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import and_, attrgetter, le, mul
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
 from gputrace.analysis.uring import Completions
@@ -95,6 +95,66 @@ class Samples:
         return self.stacks[bisect_left(self.ts, a) : bisect_left(self.ts, b)]
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+ASKED_ALONE = 4  # keys a Lazy index looks for one by one before it sorts all its records by key at once
+
+
+class Lazy(Mapping[K, V]):
+    """A window's index of records by thread (or device, process), each entry made when first asked for: a
+    window's explanation asks for few of its threads. The same mapping, in the same order, with the same
+    entries as the dict the records would make one by one (``key`` of each record, its entry ``make`` of the
+    records with that key in the order they came, then ``extra``'s)."""
+
+    def __init__(self, runs: list[list[Any]], key: Callable[[Any], K], make: Callable[[list[Any]], V],
+                 extra: dict[K, list[Any]] | None = None) -> None:
+        self._runs = runs
+        self._keys = [list(map(key, run)) for run in runs]
+        self._extra = extra or {}
+        self._order = dict.fromkeys(chain(chain.from_iterable(self._keys), self._extra))
+        self._make = make
+        self._made: dict[K, V] = {}
+        self._grouped: dict[K, list[Any]] | None = None
+
+    def __getitem__(self, k: K) -> V:
+        made = self._made.get(k)
+        if made is None:
+            if k not in self._order:
+                raise KeyError(k)
+            made = self._made[k] = self._make(self._records(k) + self._extra.get(k, []))
+        return made
+
+    def _records(self, k: K) -> list[Any]:
+        """The records with key ``k``, in order: picked out of every run (a C loop each) for the first few keys
+        asked for; past those, all records are sorted by key once."""
+        if self._grouped is None and len(self._made) < ASKED_ALONE:
+            return [r for run, keys in zip(self._runs, self._keys, strict=True)
+                    for r in compress(run, map(k.__eq__, keys))]  # fmt: skip
+        if self._grouped is None:
+            grouped: dict[K, list[Any]] = {}
+            for run, keys in zip(self._runs, self._keys, strict=True):
+                for r, rk in zip(run, keys, strict=True):
+                    grouped.setdefault(rk, []).append(r)
+            self._grouped = grouped
+        return list(self._grouped.get(k, ()))
+
+    def get(self, k: Any, default: Any = None) -> Any:
+        return self[k] if k in self._order else default
+
+    def __contains__(self, k: object) -> bool:
+        return k in self._order
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def _intervals(start: str, end: str) -> Callable[[list[Any]], Intervals]:
+    return lambda recs: Intervals(recs, start, end)
+
+
 @dataclass
 class Capture:
     """What attribution reads, indexed."""
@@ -106,18 +166,18 @@ class Capture:
     launches: dict[tuple[int, int], CudaApi] = field(default_factory=dict)
     collectives: dict[tuple[int, int], Collective] = field(default_factory=dict)
     calls: list[CollectiveCall] = field(default_factory=list)  # host-side collectives (torch.distributed's)
-    syscalls: dict[int, Intervals] = field(default_factory=dict)
-    offcpu: dict[int, Intervals] = field(default_factory=dict)
-    blocks: dict[int, Intervals] = field(default_factory=dict)  # by submitting tid
-    blocks_by_dev: dict[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
+    syscalls: Mapping[int, Intervals] = field(default_factory=dict)
+    offcpu: Mapping[int, Intervals] = field(default_factory=dict)
+    blocks: Mapping[int, Intervals] = field(default_factory=dict)  # by submitting tid
+    blocks_by_dev: Mapping[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
     block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta
-    syncs: dict[int, Intervals] = field(default_factory=dict)
-    dirty: dict[int, Intervals] = field(default_factory=dict)  # pauses for dirty pages by tid, by start (ts)
-    uring: dict[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
+    syncs: Mapping[int, Intervals] = field(default_factory=dict)
+    dirty: Mapping[int, Intervals] = field(default_factory=dict)  # pauses for dirty pages by tid, by start (ts)
+    uring: Mapping[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
     in_progress: list[InProgress] = field(default_factory=list)  # threads caught waiting at stop
     cpu_cgroups: list[CpuCgroup] = field(default_factory=list)  # where each process was seen (analysis/throttle.py)
     cpu_throttles: list[CpuThrottle] = field(default_factory=list)  # the cgroups' quota and throttling counters
-    samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
+    samples: Mapping[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
     stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (pid, stack id) -> frames, leaf first
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
     nspids: dict[int, int] = field(default_factory=dict)  # pid -> its pid in its own pid namespace, if other
@@ -161,8 +221,13 @@ class Capture:
 
 
 class _Loader:
-    def __init__(self, header: dict[str, Any]) -> None:
+    def __init__(self, header: dict[str, Any], *, lazy: bool = False) -> None:
+        """``lazy``: a window's loader, whose records all come through ``add_local`` and whose per-thread (per
+        device, per process) indexes are made as they are asked for (``Lazy``)."""
         self.cap = Capture(header=header)
+        # lazy: each per-thread table's runs of records, by table ("sys", ... as ``raw``; "dev", "samples", "uring")
+        self.runs: dict[str, list[list[Any]]] | None = {k: [] for k in (*_LAZY_KEYS, "sys", "off", "blk", "sync",
+                                                                            "dirty")} if lazy else None
         self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}, "dirty": {}}
         self.by_dev: dict[str, list[BlockIO]] = {}
         self.gpu_devices: dict[tuple[int, int], GpuDevice] = {}
@@ -250,13 +315,16 @@ class _Loader:
                 comms[key] = comm
 
     def add_local(self, kind: str, recs: list[Any]) -> None:
-        """Index records of one time-local kind as ``add`` does, each one ``add`` took on the capture's first
-        pass, into a window's Capture (analysis/windowed.py): what ``add`` tells the whole capture (threads,
-        processes, span) is not told again, the window sharing the whole capture's."""
+        """Index records of one time-local kind as ``add`` does, each one ``add`` takes (as rows ``note_columns``
+        took are): ``add`` is ``note_columns`` (what the whole capture is told: counts, threads, processes,
+        span, records counted malformed) and this. A window's Capture (analysis/windowed.py) is only this: it
+        shares the whole capture's."""
         cap = self.cap
-        cap.counts[kind] = cap.counts.get(kind, 0) + len(recs)
         table = _LOCAL_TABLES.get(kind)
-        if table is not None:
+        runs = self.runs
+        if runs is not None and kind in _LAZY_KINDS:
+            self._add_run(runs, kind, recs)
+        elif table is not None:
             _by_tid(self.raw[table], recs)
         elif kind in ("GpuKernel", "GpuMemcpy", "GpuMemset"):
             ops = cap.ops
@@ -289,9 +357,7 @@ class _Loader:
         elif kind == "IoUringRequest":
             uring = self.uring
             for r in recs:
-                if r.end_ns < r.start_ns:
-                    cap.malformed += 1
-                else:
+                if r.end_ns >= r.start_ns:  # (one ending before it starts: counted malformed by note_columns)
                     uring.setdefault(r.pid, []).append(r)
         else:
             raise ValueError(f"{kind} is not a time-local kind")
@@ -345,12 +411,57 @@ class _Loader:
         self.cap.kernel_pids.add(r.pid)
         self._span(r.start_ns, r.end_ns)
 
+    def _add_run(self, runs: dict[str, list[list[Any]]], kind: str, recs: list[Any]) -> None:
+        """A lazy loader's ``add_local``: the records kept as they came, for ``Lazy`` to index."""
+        table = _LOCAL_TABLES.get(kind)
+        if table is not None:
+            runs[table].append(recs)
+        elif kind == "CudaApi":
+            self.cap.launches.update(zip(map(_LAUNCH_KEY, recs), recs, strict=True))
+            waits = {name for name in set(map(_NAME, recs)) if _synchronizes_by(name)}
+            if waits:
+                runs["sync"].append([r for r in recs if r.name in waits])
+        elif kind == "BlockIO":
+            runs["blk"].append(recs)
+            runs["dev"].append(recs)
+        elif kind == "StackSample":
+            runs["samples"].append(recs)
+        elif kind == "IoUringRequest":
+            runs["uring"].append([r for r in recs if r.end_ns >= r.start_ns])
+
     def finish(self, nvml_meta: Any = None) -> Capture:
-        cap, raw = self.cap, self.raw
+        cap = self.cap
+        faults: dict[int, list[Syscall]] = {}
         for f in self.faults.values():
             obj = f.obj or f"inode {f.ino} on {cap.block_names.get(f.dev, f.dev)}"
-            raw["sys"].setdefault(f.tid, []).append(
+            faults.setdefault(f.tid, []).append(
                 Syscall(f.pid, f.tid, FAULT_OP, f.start_ns, f.end_ns, 0, -1, obj, 0, f.offset))
+        if self.runs is not None:
+            self._finish_lazy(self.runs, faults)
+        else:
+            self._finish_eager(faults)
+        for made in cap.created.values():
+            made.sort()
+        self._merge_shared_devices(nvml_meta)
+        for ops in cap.ops.values():
+            ops.sort(key=_BY_TIMES)
+        return cap
+
+    def _finish_lazy(self, runs: dict[str, list[list[Any]]], faults: dict[int, list[Syscall]]) -> None:
+        cap = self.cap
+        cap.syscalls = Lazy(runs["sys"], _TID, _intervals("start_ns", "end_ns"), faults)
+        cap.offcpu = Lazy(runs["off"], _TID, _intervals("start_ns", "end_ns"))
+        cap.blocks = Lazy(runs["blk"], _TID, _intervals("issue_ns", "complete_ns"))
+        cap.blocks_by_dev = Lazy(runs["dev"], _DEV, _intervals("issue_ns", "complete_ns"))
+        cap.syncs = Lazy(runs["sync"], _TID, _intervals("start_ns", "end_ns"))
+        cap.dirty = Lazy(runs["dirty"], _TID, _intervals("ts", "ts"))
+        cap.samples = Lazy(runs["samples"], _TID, lambda recs: Samples(list(map(_TS_STACK, recs))))
+        cap.uring = Lazy(runs["uring"], _PID, Completions)
+
+    def _finish_eager(self, faults: dict[int, list[Syscall]]) -> None:
+        cap, raw = self.cap, self.raw
+        for tid, calls in faults.items():
+            raw["sys"].setdefault(tid, []).extend(calls)
         cap.syscalls = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sys"].items()}
         cap.offcpu = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["off"].items()}
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
@@ -359,12 +470,6 @@ class _Loader:
         cap.dirty = {t: Intervals(v, "ts", "ts") for t, v in raw["dirty"].items()}  # searched by start only
         cap.samples = {t: Samples(v) for t, v in self.samples.items()}
         cap.uring = {p: Completions(v) for p, v in self.uring.items()}
-        for made in cap.created.values():
-            made.sort()
-        self._merge_shared_devices(nvml_meta)
-        for ops in cap.ops.values():
-            ops.sort(key=_BY_TIMES)
-        return cap
 
     def _merge_shared_devices(self, nvml_meta: Any) -> None:
         """One timeline per GPU, whichever processes use it and whatever they number it (analysis/devices.py)."""
@@ -539,6 +644,7 @@ def _synchronizes_by(name: str) -> bool:
 
 
 _LAUNCH_KEY, _NAME, _TID = attrgetter("pid", "correlation_id"), attrgetter("name"), attrgetter("tid")
+_PID, _DEV, _TS_STACK = attrgetter("pid"), attrgetter("dev"), attrgetter("ts", "stack")
 
 
 def _block(ld: _Loader, r: BlockIO) -> None:
@@ -664,6 +770,9 @@ _TOLD_AT: dict[str, tuple[int, int, int]] = {
 COLUMN_KINDS = frozenset(_TOLD) | {"SyscallAgg"} | (RECORD_TYPES.keys() - _HANDLERS.keys())
 _ORDERED = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset", "PageFault", "IoUringRequest"})  # end before start: out
 _LOCAL_TABLES = {"Syscall": "sys", "OffCpu": "off", "DirtyPause": "dirty", "GpuSync": "sync"}  # per-tid tables
+# What a lazy loader keeps as runs (``_add_run``), and the tables besides ``raw``'s it keeps them in
+_LAZY_KINDS = frozenset({*_LOCAL_TABLES, "CudaApi", "BlockIO", "StackSample", "IoUringRequest"})
+_LAZY_KEYS = ("dev", "samples", "uring")
 
 
 class Source(Protocol):

@@ -3,10 +3,14 @@
 Records arrive in any order (each source flushes its own batches). Long-lived ones (processes, threads, forks
 and execs, devices, agents, cgroups, collectives, stack frames, drops) are kept whole, as a whole-capture
 analysis keeps them. Time-local ones (syscalls, off-CPU spans, block requests, page faults, io_uring requests,
-dirty pauses, GPU ops, API calls and syncs, CPU samples) are spooled to a private temporary directory, one
-file per time bucket (``bucket_ns``): a record goes to the bucket it starts in, and as a continuation to each
-later bucket it overlaps, so loading buckets [b0, b1] gives every record that overlaps them, each once. A
-record spanning more than ``LONG_BUCKETS`` buckets is kept in memory instead (a sleep of minutes: few).
+dirty pauses, GPU ops, API calls and syncs, CPU samples) go to a spool by time bucket (``bucket_ns``,
+analysis/frames.py): a record belongs to the bucket it starts in and to each later one it overlaps, so
+loading buckets [b0, b1] gives every record that overlaps them, each once, in the order one file per bucket
+would. Read from a capture file (``analyze_capture``), a frame of plain rows is not copied: what the whole
+capture learns from it (its threads, processes, span, futex words, samples) is taken column by column
+(``_Loader.note_columns``), and the windows that reach it read it again from the file; only decoded kernel
+events and rows checked one by one are written to the spool's private file. A window's per-thread indexes are
+made as its explanation asks for them (``load.Lazy``).
 
 The device timelines are then swept in time order, ``window_buckets`` buckets at a time, carrying each
 device's busy interval across windows: a gap is found whole however long it is. The gaps that end in a
@@ -61,7 +65,7 @@ from gputrace.analysis.timeline import (
     loss_windows,
     untimed_losses,
 )
-from gputrace.capture import Batch, CaptureReader, RowsAt, records_of
+from gputrace.capture import Batch, CaptureReader, RowsAt, exact_columns, records_of
 from gputrace.documents import Report
 from gputrace.documents import Stall as StallDoc
 from gputrace.records import GpuKernel
@@ -222,12 +226,7 @@ class WindowedAnalysis:
     def report(self, source: Source) -> Report:
         """The report, once every record was added; ``source`` says the rest (header, metadata, trailer)."""
         if self.held is not None:
-            ld = _Loader(self.header)  # the capture analysed whole: every record indexed, in the order it came
-            add = ld.add
-            for recs, kind, _, _ in self.held:
-                for r in recs if kind is None else records_of(kind, recs):
-                    add(r)
-            return assemble(finish_load(ld, source), self.min_gap_ns)
+            return assemble(finish_load(self.whole(), source), self.min_gap_ns)
         assert self.spool is not None
         try:
             return self._windowed(source, self.spool)
@@ -235,6 +234,25 @@ class WindowedAnalysis:
             self.spool.close()
 
     # ------------------------------------------------------------------------------------------------
+
+    def whole(self) -> _Loader:
+        """The capture analysed whole: every record held indexed, in the order it came (``_Loader.add``, or for
+        a frame of plain rows ``note_columns`` and ``add_local``, which make the same)."""
+        assert self.held is not None
+        ld = _Loader(self.header)
+        held, self.held = self.held[::-1], []
+        while held:  # each frame let go once indexed: its rows and its records are not held at once
+            recs, kind, _, _ = held.pop()
+            if kind is None:
+                for r in recs:
+                    ld.add(r)
+                continue
+            columns = exact_columns(kind, recs)
+            assert columns is not None  # (the reader took them so)
+            ld.note_columns(kind, columns)
+            if kind in EXTENT:
+                ld.add_local(kind, records_of(kind, recs))
+        return ld
 
     def _windowed(self, source: Source, spool: Spool) -> Report:
         spool.flush()
@@ -307,7 +325,7 @@ class WindowedAnalysis:
 
     def _load(self, spool: Spool, b0: int, b1: int, *, host: bool = True) -> Capture:
         """The Capture of buckets [b0, b1]: their records, and the whole capture's long-lived ones."""
-        ld = _Loader(self.header)
+        ld = _Loader(self.header, lazy=True)
         whole = self.cap
         for name in _SHARED:
             setattr(ld.cap, name, getattr(whole, name))
