@@ -408,7 +408,7 @@ def _exact_fields(kind: str) -> tuple[int, int, tuple[tuple[int, frozenset[type]
     return len(cls._fields), len(cls._fields) - len(cls._field_defaults), tuple(checks)
 
 
-def exact_columns(kind: str, rows: list[Any]) -> list[tuple[Any, ...]] | None:
+def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | None:
     """The fields of ``rows`` column by column (a field older rows lack: its default), where every row is a list
     of ``kind``'s fields, all as long, and each field holds exactly its declared type (no bool for an int:
     stricter than ``row_check``, so every such row is sound, and kept by analysis as it is); None otherwise.

@@ -97,13 +97,19 @@ class Spool:
 
     # ------------------------------------------------------------------------------------------ writing ---
 
-    def add_frame(self, kind: str, rows: list[list[Any]], offset: int, length: int, starts: Sequence[int],
-                  ends: Sequence[int]) -> None:
+    def add_frame(self, kind: str, rows: Sequence[Sequence[Any]] | None, offset: int, length: int,
+                  starts: Sequence[int], ends: Sequence[int]) -> None:
         """A frame of rows of ``kind`` the capture holds at ``offset`` (``length`` bytes), with its rows' start and
-        end times."""
+        end times (``rows``: the rows, where they are at hand; else read again if a row is kept in memory)."""
         self.flush()
-        self._note(False, offset, length, kind, kind in DEVICE_KINDS, starts, ends,
-                   lambda i: records_of(kind, [rows[i]])[0])
+
+        def record(i: int) -> Any:
+            if rows is None:
+                assert self._rows_at is not None
+                return records_of(kind, [self._rows_at(offset, length)[i]])[0]
+            return records_of(kind, [rows[i]])[0]
+
+        self._note(False, offset, length, kind, kind in DEVICE_KINDS, starts, ends, record)
 
     def add(self, kind: str, r: Any) -> None:
         """One record, as it came."""

@@ -34,7 +34,7 @@ import contextlib
 import gc
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from copy import copy
 from itertools import compress
 from operator import itemgetter
@@ -77,7 +77,9 @@ LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked
 DROP_RECORDS = 50_000  # records indexed one by one on the first pass between two drops of the loader's indexes
 COLLECT_WINDOWS = 64  # windows explained between two collections of cyclic garbage while the collector is paused
 _FUTEX_NAMES = frozenset(FUTEXES)
-Held = tuple[list[Any], str | None, int, int]  # records, or the rows of a frame of one kind and where it is
+# What a capture that may still be analysed whole holds: records, or where a frame of rows of one kind is in the
+# file (read again if need be), with its rows' start and end times where it is time-local
+Held = tuple[list[Any], str | None, int, int, Sequence[int], Sequence[int]]
 
 # What a window's Capture shares with the whole capture's: long-lived records and what they say
 _SHARED = ("collectives", "calls", "in_progress", "cpu_cgroups", "cpu_throttles", "stacks", "comms", "nspids", "tgid",
@@ -120,7 +122,7 @@ class WindowedAnalysis:
     def add(self, r: Any) -> None:
         """One record."""
         if self.held is not None:
-            self.held.append(([r], None, 0, 0))
+            self.held.append(([r], None, 0, 0, (), ()))
         self._add(r)
         self._spool_past_small()
 
@@ -131,24 +133,22 @@ class WindowedAnalysis:
         if columns is None or kind not in COLUMN_KINDS:
             recs = batch.records if columns is None else records_of(kind, batch.records)
             if self.held is not None:
-                self.held.append((recs, None, 0, 0))
+                self.held.append((recs, None, 0, 0, (), ()))
             for r in recs:
                 self._add(r)
-        elif kind not in EXTENT:  # long-lived, counted only
-            self.ld.note_columns(kind, columns)
-            if self.held is not None:
-                self.held.append((batch.records, kind, batch.offset, batch.length))
         else:
             if self.rows_at is None:
-                raise ValueError("a frame of rows is read again by its windows: WindowedAnalysis needs rows_at")
+                raise ValueError("a frame of rows is read again where it is needed: WindowedAnalysis needs rows_at")
             self.ld.note_columns(kind, columns)
-            self._note_columns(kind, columns)
+            start, end = FIELDS.get(kind, (0, 0))
+            if kind in EXTENT:
+                self._note_columns(kind, columns)
             if self.held is not None:
-                self.held.append((batch.records, kind, batch.offset, batch.length))
-                self.nheld += len(batch.records)
-            else:
+                self.held.append(([], kind, batch.offset, batch.length, *((columns[start], columns[end])
+                                                                         if kind in EXTENT else ((), ()))))
+                self.nheld += len(batch.records) if kind in EXTENT else 0
+            elif kind in EXTENT:
                 assert self.spool is not None
-                start, end = FIELDS[kind]
                 self.spool.add_frame(kind, batch.records, batch.offset, batch.length, columns[start], columns[end])
         self._spool_past_small()
 
@@ -203,10 +203,9 @@ class WindowedAnalysis:
         if self.held is None or self.nheld <= self.small_records:
             return
         spool = self.spool = Spool(self.bucket_ns, self.rows_at)
-        for recs, kind, offset, length in self.held:
+        for recs, kind, offset, length, starts, ends in self.held:
             if kind in EXTENT:
-                start, end = FIELDS[kind]
-                spool.add_frame(kind, recs, offset, length, [r[start] for r in recs], [r[end] for r in recs])
+                spool.add_frame(kind, None, offset, length, starts, ends)
                 continue
             for r in recs if kind is None else ():
                 k = type(r).__name__
@@ -241,17 +240,19 @@ class WindowedAnalysis:
         assert self.held is not None
         ld = _Loader(self.header)
         held, self.held = self.held[::-1], []
-        while held:  # each frame let go once indexed: its rows and its records are not held at once
-            recs, kind, _, _ = held.pop()
+        while held:  # each let go once indexed
+            recs, kind, offset, length, _, _ = held.pop()
             if kind is None:
                 for r in recs:
                     ld.add(r)
                 continue
-            columns = exact_columns(kind, recs)
+            assert self.rows_at is not None
+            rows = self.rows_at(offset, length)  # read again, as the reader gave them
+            columns = exact_columns(kind, rows)
             assert columns is not None  # (the reader took them so)
             ld.note_columns(kind, columns)
             if kind in EXTENT:
-                ld.add_local(kind, records_of(kind, recs))
+                ld.add_local(kind, records_of(kind, rows))
         return ld
 
     def _windowed(self, source: Source, spool: Spool) -> Report:
