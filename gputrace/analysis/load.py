@@ -327,10 +327,12 @@ class _Loader:
         elif table is not None:
             _by_tid(self.raw[table], recs)
         elif kind in ("GpuKernel", "GpuMemcpy", "GpuMemset"):
-            ops = cap.ops
-            for r in recs:
-                if r.end_ns >= r.start_ns:
-                    ops.setdefault((r.pid, r.device), []).append(r)
+            ok = list(map(le, map(_START, recs), map(_END, recs)))
+            if not all(ok):  # an op cannot end before it starts
+                recs = list(compress(recs, ok))
+            devices = list(map(_PID_DEVICE, recs))
+            for device in dict.fromkeys(devices):  # (few: a C loop each)
+                cap.ops.setdefault(device, []).extend(compress(recs, map(device.__eq__, devices)))
         elif kind == "CudaApi":
             cap.launches.update(zip(map(_LAUNCH_KEY, recs), recs, strict=True))
             waits = {name for name in set(map(_NAME, recs)) if _synchronizes_by(name)}
@@ -645,6 +647,7 @@ def _synchronizes_by(name: str) -> bool:
 
 _LAUNCH_KEY, _NAME, _TID = attrgetter("pid", "correlation_id"), attrgetter("name"), attrgetter("tid")
 _PID, _DEV, _TS_STACK = attrgetter("pid"), attrgetter("dev"), attrgetter("ts", "stack")
+_START, _END, _PID_DEVICE = attrgetter("start_ns"), attrgetter("end_ns"), attrgetter("pid", "device")
 
 
 def _block(ld: _Loader, r: BlockIO) -> None:
