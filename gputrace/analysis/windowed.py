@@ -140,14 +140,15 @@ class WindowedAnalysis:
             if self.rows_at is None:
                 raise ValueError("a frame of rows is read again where it is needed: WindowedAnalysis needs rows_at")
             self.ld.note_columns(kind, columns)
-            start, end = FIELDS.get(kind, (0, 0))
-            if kind in EXTENT:
+            local = kind in EXTENT
+            start, end = FIELDS[kind] if local else (0, 0)
+            if local:
                 self._note_columns(kind, columns)
             if self.held is not None:
-                self.held.append(([], kind, batch.offset, batch.length, *((columns[start], columns[end])
-                                                                         if kind in EXTENT else ((), ()))))
-                self.nheld += len(batch.records) if kind in EXTENT else 0
-            elif kind in EXTENT:
+                times = (columns[start], columns[end]) if local else ((), ())
+                self.held.append(([], kind, batch.offset, batch.length, *times))
+                self.nheld += len(batch.records) if local else 0
+            elif local:
                 assert self.spool is not None
                 self.spool.add_frame(kind, batch.records, batch.offset, batch.length, columns[start], columns[end])
         self._spool_past_small()
