@@ -152,7 +152,10 @@ def test_capture_pid_injects_a_running_python_3_11_twice(tmp_path: Path, workloa
     stalls = report["stalls"]
     assert isinstance(stalls, list) and len(stalls) > 20 and all(s["start_ns"] >= began for s in stalls)
     causes = report["summary"]["by_cause"]  # type: ignore[index]
-    assert max(causes, key=causes.get) == "cpu", causes
+    # The job's own CPU work: on its CPU (`cpu`), or waiting for one when the host is busy (`cpu.runqueue`: a
+    # test beside it, a CPU hog) — either way most of the stall time, whatever else runs on the host.
+    own = causes.get("cpu", 0) + causes.get("cpu.runqueue", 0)
+    assert own > sum(causes.values()) / 2, causes
     assert workload311.gap_ms() <= MAX_PAUSE_MS
     print(f"python3.11: pause said {pause:.2f} ms, largest loop gap around the attach {workload311.gap_ms():.2f} ms")
 

@@ -6,6 +6,7 @@ enqueued device work (NCCL's). The whole path, eBPF and two ranks included: the 
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import pytest
 
 from gputrace.agent.wire import FrameError
 from gputrace.analysis.load import Capture, _call, _Loader, link_device_calls
+from gputrace.capture import CaptureReader
 from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.daemon.agents.validate import batch_records
-from gputrace.records import CollectiveCall, CudaApi, GpuKernel
+from gputrace.records import CollectiveCall, CudaApi, GpuKernel, NvtxRange
 
 # One process, world size 1, a FileStore: the wrapper armed as the agent arms it, records printed as JSON
 _ONE_RANK = r"""
@@ -156,3 +158,28 @@ def test_an_agent_injected_into_a_running_job_wraps_its_collectives(tmp_path: Pa
     assert {(c.pid, c.comm, c.name, c.backend, c.waited) for c in calls} == {(p.pid, up[2], "all_reduce", "gloo", True)}
     seqs = [c.seq for c in calls]
     assert seqs[0] > 50 and seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+
+
+def test_a_real_nccl_communicator_on_an_h100_gives_every_call_with_nccls_own_range(tmp_path: Path) -> None:
+    """A capture recorded on an H100 (tests/data/collectives/README.md): `gputrace capture --` around a one-rank
+    NCCL process group calling all_reduce and broadcast 12 times each, 4 KiB to 8 MiB. The report holds every
+    call in order, and each lies around the NVTX range NCCL itself opened for it (CUPTI's record, a source
+    independent of the wrapper)."""
+    cap = tmp_path / "nccl.gputrace"
+    cap.write_bytes(lzma.decompress((Path(__file__).parent / "data/collectives/h100-nccl-one-rank.gputrace.xz")
+                                    .read_bytes()))  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "gputrace", "report", "--json", str(cap)], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    calls = json.loads(out.stdout)["collectives"]
+    assert [c["seq"] for c in calls] == list(range(1, 25))
+    assert [c["op"] for c in calls] == ["all_reduce", "broadcast"] * 12
+    assert [c["bytes"] for c in calls] == [4 << (i // 2 + 10) for i in range(24)]
+    assert {(c["backend"], c["rank"], c["world"], c["comm"]) for c in calls} == {("nccl", 0, 1, calls[0]["comm"])}
+    with CaptureReader(cap) as reader:
+        ranges = [r for r in reader.records() if type(r) is NvtxRange and r.domain == "NCCL"]
+    name = {"all_reduce": "ncclAllReduce", "broadcast": "ncclBroadcast"}
+    for c in calls:
+        assert c["started_ns"] <= c["completed_ns"], c
+        inside = [r.name for r in ranges if c["started_ns"] <= r.start_ns and r.end_ns <= c["completed_ns"]]
+        assert inside == [name[c["op"]]], (c, inside)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import shutil
 import subprocess
 import sys
@@ -21,22 +22,26 @@ from typing import Any
 import pytest
 
 from gputrace.capture import CaptureReader
-from gputrace.records import NvtxRange
+from gputrace.records import GpuKernel, GpuMemcpy, NvtxRange
 from gputrace.testing.schemas import validate
 
 DATA = Path(__file__).parent / "data" / "captures"
-CAPTURES = sorted(p.name.removesuffix(".gputrace.gz") for p in DATA.glob("*.gputrace.gz"))
+PACKED = {".gputrace.gz": gzip.open, ".gputrace.xz": lzma.open}
+CAPTURES = sorted(p.name.removesuffix(end) for end in PACKED for p in DATA.glob(f"*{end}"))
 
 
 def unpacked(name: str, tmp: Path) -> Path:
     out = tmp / f"{name}.gputrace"
-    with gzip.open(DATA / f"{name}.gputrace.gz", "rb") as src, out.open("wb") as dst:
+    [(end, opener)] = [(end, opener) for end, opener in PACKED.items() if (DATA / f"{name}{end}").exists()]
+    with opener(DATA / f"{name}{end}", "rb") as src, out.open("wb") as dst:
         shutil.copyfileobj(src, dst)
     return out
 
 
 def steady_from(cap: Path, step: int) -> int:
-    """When NVTX range ``step`` (1-based, in time order) ended."""
+    """When NVTX range ``step`` (1-based, in time order) ended; 0 for step 0 (every stall counts)."""
+    if step == 0:
+        return 0
     with CaptureReader(cap) as reader:
         ends = sorted(r.end_ns for r in reader.records() if type(r) is NvtxRange and r.name == "step")
     assert len(ends) > step, f"{cap.name}: {len(ends)} NVTX step ranges"
@@ -78,3 +83,30 @@ def test_a_recorded_capture_names_its_true_culprit(name: str, tmp_path: Path) ->
     culprit_ns = sum(ns for pid, ns in job.items() if pid == truth["culprit_pid"])
     assert all(ns < culprit_ns for _, ns in others), (name, job.most_common(4))
     assert "overhead" in report["capture"], "a capture since the cost meter says what tracing cost"
+
+
+ATTACHED = [name for name in CAPTURES if "attached_pid" in json.loads((DATA / f"{name}.truth.json").read_text())]
+
+
+@pytest.mark.parametrize("name", ATTACHED)
+def test_a_job_attached_to_mid_run_has_device_timing_from_the_attach(name: str, tmp_path: Path) -> None:
+    """`capture -p` on a plainly started PyTorch job: the agent was injected, the pause was short, and the
+    device work and stalls in the capture all come after device timing began (none is made up before it)."""
+    pid = json.loads((DATA / f"{name}.truth.json").read_text())["attached_pid"]
+    cap = unpacked(name, tmp_path)
+    out = subprocess.run([sys.executable, "-m", "gputrace", "report", "--json", str(cap)], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    [attached] = report["capture"]["attached"]
+    assert attached["pid"] == pid and attached["how"] == "injected", attached
+    assert 0 < attached["pause_ms"] <= 50, attached
+    began = report["capture"]["device_timing_from_ns"]
+    kinds: Counter[str] = Counter()
+    with CaptureReader(cap) as reader:
+        for rec in reader.records():
+            if type(rec) in (GpuKernel, GpuMemcpy):
+                assert rec.start_ns >= began, rec
+                kinds[rec.kind if type(rec) is GpuMemcpy else "kernel"] += 1
+    assert kinds["kernel"] > 1000 and kinds["h2d"] > 100 and kinds["d2h"] > 100, kinds
+    assert report["stalls"] and min(s["start_ns"] for s in report["stalls"]) >= began
