@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from recorded import CAPTURES, unpacked
 
 from gputrace.analysis import analyze
 from gputrace.analysis.frames import Spool
@@ -17,8 +16,6 @@ from gputrace.analysis.report import assemble
 from gputrace.analysis.windowed import WindowedAnalysis
 from gputrace.capture import open_capture
 from gputrace.testing.scale import generate
-
-DATA = Path(__file__).parent / "data" / "captures"
 
 
 def whole(path: Path) -> dict[str, Any]:
@@ -61,11 +58,9 @@ def test_a_launch_long_before_its_op_and_every_rule_of_the_golden_capture(tmp_pa
         assert got == want
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.gputrace.gz")))
+@pytest.mark.parametrize("name", CAPTURES)
 def test_recorded_h100_captures_give_the_same_report_in_50ms_windows(tmp_path: Path, name: str) -> None:
-    path = tmp_path / "capture.gputrace"
-    with gzip.open(DATA / name, "rb") as src, path.open("wb") as dst:
-        shutil.copyfileobj(src, dst)
+    path = unpacked(name, tmp_path)
     want = whole(path)
     got, an = windowed(path, 50_000_000, 1)
     assert an.windows > 1

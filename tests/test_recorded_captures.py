@@ -9,10 +9,7 @@ own CPU time between steps, but no other process may come out ahead of the culpr
 
 from __future__ import annotations
 
-import gzip
 import json
-import lzma
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -20,22 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from recorded import CAPTURES, DATA, unpacked
 
 from gputrace.capture import CaptureReader
 from gputrace.records import GpuKernel, GpuMemcpy, NvtxRange
 from gputrace.testing.schemas import validate
-
-DATA = Path(__file__).parent / "data" / "captures"
-PACKED = {".gputrace.gz": gzip.open, ".gputrace.xz": lzma.open}
-CAPTURES = sorted(p.name.removesuffix(end) for end in PACKED for p in DATA.glob(f"*{end}"))
-
-
-def unpacked(name: str, tmp: Path) -> Path:
-    out = tmp / f"{name}.gputrace"
-    [(end, opener)] = [(end, opener) for end, opener in PACKED.items() if (DATA / f"{name}{end}").exists()]
-    with opener(DATA / f"{name}{end}", "rb") as src, out.open("wb") as dst:
-        shutil.copyfileobj(src, dst)
-    return out
 
 
 def steady_from(cap: Path, step: int) -> int:
