@@ -4,14 +4,13 @@ analysis gives record by record (``analyze_records``), and the whole capture's w
 
 from __future__ import annotations
 
-import gzip
 import random
-import shutil
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from recorded import CAPTURES, unpacked
 
 from gputrace.analysis import analyze
 from gputrace.analysis.frames import DEVICE_KINDS, FIELDS, LONG_BUCKETS, Spool
@@ -24,7 +23,6 @@ from gputrace.probes.ebpf.syscalls import SPECS
 from gputrace.records import RECORD_TYPES, OffCpu, Syscall
 from gputrace.testing.scale import generate
 
-DATA = Path(__file__).parent / "data" / "captures"
 MS = 1_000_000
 S = 1_000_000_000
 
@@ -129,13 +127,11 @@ def test_scale_captures_frame_by_frame_and_record_by_record(tmp_path: Path, rela
         assert by_frames(path, **windows) == by_records(path, **windows)
 
 
-@pytest.mark.parametrize("name", [pytest.param(p.name, marks=[] if p.name.startswith("h100-cold") else pytest.mark.slow)
-                                  for p in sorted(DATA.glob("*.gputrace.gz"))])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[] if name.startswith("h100-cold") else pytest.mark.slow)
+                                  for name in CAPTURES])
 def test_recorded_h100_captures_frame_by_frame(tmp_path: Path, name: str) -> None:
     """Raw kernel events and CUPTI's frames of a real capture, in windows of 50 ms."""
-    path = tmp_path / "capture.gputrace"
-    with gzip.open(DATA / name, "rb") as src, path.open("wb") as dst:
-        shutil.copyfileobj(src, dst)
+    path = unpacked(name, tmp_path)
     windows = {"bucket_ns": 50 * MS, "window_buckets": 1, "small_records": 0}
     assert by_frames(path, **windows) == by_records(path, **windows)
 
