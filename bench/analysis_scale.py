@@ -1,51 +1,84 @@
 """How analysis time and memory grow with capture size: from 100k to 10M records, side by side.
 
     .venv/bin/python bench/analysis_scale.py [--sizes 100000,1000000,10000000] [--waits pipe,relay] [--stall-every 2]
+        [--baseline-src DIR] [--repeat 3]
 
 The captures (gputrace/testing/scale.py, written as generated) mimic a DataLoader training loop: a trainer
 launching kernels and copies, four workers reading shards (block requests, off-CPU waits, wakeups), noise
 syscalls, and a GPU stall every other step whose wait chain leads to a worker's read. Each size is generated
 twice: the trainer waiting on the workers' queue itself (a pipe), and waiting on a pin-memory thread's queue
 (a futex the thread wakes after its own read of the pipe: a relay). Each analysis runs in a fresh process so
-its peak RSS is its own; ``records/s`` is the records read per second of analysis; the last column is
-the share of stall time named `storage` (the chain followed to the worker's read). A capture of over 200k
-time-local records is analysed window by window (gputrace/analysis/windowed.py): ``held at once`` is the
-most records the analysis held together (one window with its margins; where a capture is analysed whole,
-all of them). Peak RSS still grows with the stall count, as the report lists every stall (35k per 1M
-records here, a few KiB each).
+its peak RSS is its own; ``records/s`` is the records read per second of analysis (wall clock; ``cpu s``: the
+process's own CPU time, which other work on the machine disturbs less); the last column is the share of stall
+time named `storage` (the chain followed to the worker's read). A capture of over 200k time-local records is
+analysed window by window (gputrace/analysis/windowed.py): ``held at once`` is the most records the analysis
+held together (one window with its margins; where a capture is analysed whole, all of them). Peak RSS still
+grows with the stall count, as the report lists every stall (35k per 1M records here, a few KiB each).
+
+``--baseline-src DIR``: also analyse each capture with the gputrace in DIR (a checkout of another version, e.g.
+``git archive main | tar -x -C DIR``), run first on PYTHONPATH in its own process, old and new taking turns;
+each line then gives the medians of ``--repeat`` runs of both, the ratio of their times, and whether both made
+the same report.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from gputrace.testing.scale import generate
 
 
 def analyse_one(path: str) -> None:
-    """Child mode: analyse one capture, print time, peak RSS and the stall count as JSON."""
-    from gputrace.analysis.windowed import WindowedAnalysis
+    """Child mode: analyse one capture with whichever gputrace is first on the path, as ``analyze()`` does but
+    keeping the analysis to ask how much it held; print times, peak RSS, the stall count and the report's hash."""
+    from gputrace.analysis import windowed
     from gputrace.capture import open_capture
 
-    t0 = time.perf_counter()
-    with open_capture(path) as reader:  # what analyze() does, keeping the analysis to ask how much it held
-        an = WindowedAnalysis(dict(reader.header))
-        for r in reader.records():
-            an.add(r)
-        report = an.report(reader)
-    secs = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    with open_capture(path) as reader:
+        if hasattr(windowed, "read_capture"):  # a frame at a time (analysis/windowed.py's analyze_capture)
+            with windowed.paused_gc():
+                an = windowed.read_capture(reader)
+                report = an.report(reader)
+        else:  # a version that reads record by record (what its analyze() did)
+            an = windowed.WindowedAnalysis(dict(reader.header))
+            for r in reader.records():
+                an.add(r)
+            report = an.report(reader)
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     by = report["summary"]["by_cause"]
     held = an.peak_window_records if an.held is None else sum(report["capture"]["records"].values())
-    print(json.dumps({"seconds": secs, "rss_mib": rss_mib, "stalls": len(report["stalls"]), "by_cause": by,
-                      "held": held}))
+    digest = hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest()[:16]
+    print(json.dumps({"seconds": secs, "cpu": cpu, "rss_mib": rss_mib, "stalls": len(report["stalls"]),
+                      "by_cause": by, "held": held, "digest": digest}))
+
+
+def run_one(path: Path, src: str | None) -> dict[str, Any]:
+    """One analysis of ``path`` in a fresh process (with ``src`` first on PYTHONPATH)."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, __file__, "--one", str(path)], check=True, capture_output=True, text=True,
+                         env=env).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's figures, with the median seconds, CPU seconds and peak RSS of all."""
+    return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in ("seconds", "cpu", "rss_mib")}}
 
 
 def main() -> int:
@@ -53,29 +86,47 @@ def main() -> int:
     ap.add_argument("--sizes", default="100000,1000000,3000000,10000000", help="record counts, comma separated")
     ap.add_argument("--waits", default="pipe,relay", help="which trainer waits to generate: pipe, relay or both")
     ap.add_argument("--stall-every", type=int, default=2, help="steps per GPU stall (the report lists every stall)")
+    ap.add_argument("--baseline-src", help="a checkout of another gputrace to run side by side (its root)")
+    ap.add_argument("--repeat", type=int, default=1, help="analyses of each capture by each version (medians)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         analyse_one(args.one)
         return 0
+    base = str(Path(args.baseline_src).resolve()) if args.baseline_src else None
+    if base is not None and not (Path(base) / "gputrace" / "analysis").is_dir():
+        ap.error(f"{base} holds no gputrace checkout")
     sizes = [int(s) for s in args.sizes.split(",")]
     relays = [w == "relay" for w in args.waits.split(",")]
-    print(f"{'records':>10} {'trainer waits':>13} {'file MiB':>9} {'stalls':>7} {'analyze s':>10} {'records/s':>10} "
-          f"{'peak RSS MiB':>13} {'held at once':>13} {'storage %':>10}")
+    head = (f"{'records':>10} {'trainer waits':>13} {'file MiB':>9} {'stalls':>7} {'analyze s':>10} {'cpu s':>7} "
+            f"{'records/s':>10} {'peak RSS MiB':>13} {'held at once':>13} {'storage %':>10}")
+    if base is not None:
+        head += f" {'base s':>8} {'base cpu s':>10} {'base rec/s':>10} {'base RSS':>9} {'speedup':>8} {'same':>5}"
+    print(f"median of {args.repeat} run(s) each" + (f"; base: {base}" if base else ""))
+    print(head)
     with tempfile.TemporaryDirectory(prefix="gputrace-scale-") as tmp:
         for n in sizes:
             for relay in relays:
                 path = Path(tmp) / f"scale-{n}-{relay}.gputrace"
                 written = generate(path, n, relay, args.stall_every)
-                out = subprocess.run([sys.executable, __file__, "--one", str(path)], check=True,
-                                     capture_output=True, text=True).stdout
+                new_runs, old_runs = [], []
+                for _ in range(args.repeat):  # taking turns: a busy spell of the machine falls on both
+                    new_runs.append(run_one(path, None))
+                    if base is not None:
+                        old_runs.append(run_one(path, base))
                 mib = path.stat().st_size / 2**20
                 path.unlink()
-                r = json.loads(out)
+                r = medians(new_runs)
                 storage = 100.0 * r["by_cause"].get("storage", 0) / max(sum(r["by_cause"].values()), 1)
-                print(f"{written:>10,} {'futex relay' if relay else 'pipe':>13} {mib:>9.1f} "
-                      f"{r['stalls']:>7,} {r['seconds']:>10.2f} {written / r['seconds']:>10,.0f} "
-                      f"{r['rss_mib']:>13.0f} {r['held']:>13,} {storage:>10.1f}")
+                line = (f"{written:>10,} {'futex relay' if relay else 'pipe':>13} {mib:>9.1f} "
+                        f"{r['stalls']:>7,} {r['seconds']:>10.2f} {r['cpu']:>7.2f} {written / r['seconds']:>10,.0f} "
+                        f"{r['rss_mib']:>13.0f} {r['held']:>13,} {storage:>10.1f}")
+                if old_runs:
+                    o = medians(old_runs)
+                    same = all(x["digest"] == r["digest"] for x in old_runs + new_runs)
+                    line += (f" {o['seconds']:>8.2f} {o['cpu']:>10.2f} {written / o['seconds']:>10,.0f} "
+                             f"{o['rss_mib']:>9.0f} {o['seconds'] / r['seconds']:>7.1f}x {'yes' if same else 'NO':>5}")
+                print(line, flush=True)
     return 0
 
 

@@ -18,14 +18,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import operator
 import os
 import re
 import shlex
 import socket
 import stat
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from itertools import chain, repeat
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import msgpack
 
@@ -379,6 +381,94 @@ def _row_check(kind: str, whole: bool) -> Callable[[Any], bool]:
     return fn
 
 
+# A column of a field of each declared type, checked whole (``exact_columns``): the types its values may have,
+# and for a list field, those its items may have and how many it must hold (-1: any number)
+_EXACT_TYPES: dict[str, tuple[frozenset[type], frozenset[type], int]] = {
+    "int": (frozenset({int}), frozenset(), -1),
+    "bool": (frozenset({bool}), frozenset(), -1),
+    "float": (frozenset({float, int}), frozenset(), -1),
+    "str": (frozenset({str}), frozenset(), -1),
+    "list[str]": (frozenset({list}), frozenset({str}), -1),
+    "tuple[int, int, int]": (frozenset({list}), frozenset({int}), 3),
+}  # fmt: skip
+
+
+@functools.cache
+def _exact_fields(kind: str) -> tuple[int, int, tuple[tuple[int, frozenset[type], frozenset[type], int], ...]]:
+    """(``kind``'s fields, how many a row must hold, (field index, value types, item types, items) of each field
+    checked)."""
+    cls = RECORD_TYPES[kind]
+    checks = []
+    for i, name in enumerate(cls._fields):
+        ann = cls.__annotations__[name]
+        text = str(getattr(ann, "__forward_arg__", ann if isinstance(ann, str) else getattr(ann, "__name__", ann)))
+        want = _EXACT_TYPES.get(text.split(" = ")[0].strip())
+        if want is not None:
+            checks.append((i, *want))
+    return len(cls._fields), len(cls._fields) - len(cls._field_defaults), tuple(checks)
+
+
+def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | None:
+    """The fields of ``rows`` column by column (a field older rows lack: its default), where every row is a list
+    of ``kind``'s fields, all as long, and each field holds exactly its declared type (no bool for an int:
+    stricter than ``row_check``, so every such row is sound, and kept by analysis as it is); None otherwise.
+    A frame's values are checked a column at a time, in C loops (``set(map(type, column))``)."""
+    nfields, needed, checks = _exact_fields(kind)
+    if set(map(type, rows)) != {list}:
+        return None
+    lengths = set(map(len, rows))
+    width = lengths.pop()
+    if lengths or not needed <= width <= nfields:
+        return None
+    columns = list(zip(*rows, strict=True))
+    for i, types, items, n in checks:
+        if i >= width:
+            break
+        col = columns[i]
+        if not set(map(type, col)) <= types:
+            return None
+        if items and not (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n})):
+            return None
+    if width < nfields:
+        defaults = RECORD_TYPES[kind]._field_defaults
+        columns += [(defaults[f],) * len(rows) for f in RECORD_TYPES[kind]._fields[width:]]
+    return columns
+
+
+def records_of(kind: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
+    """The records of rows ``exact_columns`` took (all as long; fields they lack take their defaults), read as
+    lists or (``rows_at``) as tuples."""
+    cls = RECORD_TYPES[kind]
+    make = functools.partial(tuple.__new__, cls)
+    if not rows or len(rows[0]) == len(cls._fields):
+        return list(map(make, rows))
+    pad = [cls._field_defaults[f] for f in cls._fields[len(rows[0]) :]]
+    return list(map(make, map(operator.add, rows, repeat(pad if type(rows[0]) is list else tuple(pad)))))
+
+
+@functools.cache
+def has_lists(kind: str) -> bool:
+    """Whether a field of ``kind`` holds a list: its rows must be read as lists (``rows_at``)."""
+    return any(items for _, _, items, _ in _exact_fields(kind)[2])
+
+
+class RowsAt(Protocol):
+    """``CaptureReader.rows_at``."""
+
+    def __call__(self, offset: int, length: int, *, lists: bool = True) -> Sequence[Sequence[Any]]: ...
+
+
+class Batch(NamedTuple):
+    """The records of one frame (``CaptureReader.batches``); ``columns`` given: ``records`` are the frame's rows
+    as read (lists, exactly their kind's fields), and ``columns`` those fields column by column."""
+
+    kind: str  # "" for a frame of kernel events (records of several kinds)
+    records: list[Any]
+    offset: int  # where the frame is in the file, and its length
+    length: int
+    columns: list[tuple[Any, ...]] | None
+
+
 # How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.
 _FRAME_STARTS = (b"\x93\xa1R", b"\x92\xa1K", b"\x93\xa1M", b"\x92\xa1T")
 
@@ -465,6 +555,13 @@ class CaptureReader:
 
     def records(self) -> Iterator[tuple[Any, ...]]:
         """Every record in file order. Raw kernel events come out decoded, fds resolved to objects."""
+        for batch in self.batches():
+            yield from batch.records
+
+    def batches(self, exact: Container[str] = ()) -> Iterator[Batch]:
+        """Every record in file order, a frame at a time (``records()`` flattens these). A frame of a kind in
+        ``exact`` whose rows are exactly that kind's fields, each of its declared type (``exact_check``), comes
+        as those rows with their ``columns``: no record is made for it, and ``rows_at`` reads them again."""
         self._file.seek(0)
         self._unpacker = self._new_unpacker()
         self._unpacker.skip()
@@ -506,6 +603,9 @@ class CaptureReader:
                 self._file.seek(resume)
                 self._unpacker, base = self._new_unpacker(), resume
                 continue
+            length = base + self._unpacker.tell() - offset
+            out: list[Any] = []  # the frame's records: those read before a bad row or event are kept
+            kind = ""
             try:
                 if not (isinstance(frame, list) and 2 <= len(frame) <= 3 and isinstance(frame[0], str)):
                     raise ValueError("not a frame (a list of a tag and its content)")
@@ -520,11 +620,21 @@ class CaptureReader:
                     name = frame[1][:64]
                     self.unknown_kinds[name] = self.unknown_kinds.get(name, 0) + len(frame[2])
                 elif tag == "R":
-                    yield from self._sound_rows(frame[1], frame[2], decoder) or self._rows(frame[1], frame[2], decoder)
+                    kind = frame[1]
+                    if kind in exact and frame[2] and self._observer(kind, decoder) is None:
+                        columns = exact_columns(kind, frame[2])
+                        if columns is not None:
+                            yield Batch(kind, frame[2], offset, length, columns)
+                            continue
+                    sound = self._sound_rows(kind, frame[2], decoder)
+                    if sound is not None:
+                        out = sound
+                    else:
+                        self._rows(out, kind, frame[2], decoder)
                 elif tag == "K":
                     if decoder is None:
                         raise ValueError("kernel events before the eBPF metadata")
-                    yield from decoder.decode(frame[1])
+                    out.extend(decoder.decode(frame[1]))
                 elif tag == "M":
                     if not isinstance(frame[2], dict):
                         raise ValueError(f"{frame[1][:64]!r} metadata is not a map")
@@ -543,6 +653,17 @@ class CaptureReader:
             # AttributeError: a map expected where the file holds something else (hostile or damaged input)
             except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:  # this frame only
                 self._problem(f"corrupt frame at byte {offset}: {str(e)[:200]}")
+            if out:
+                yield Batch(kind, out, offset, length, None)
+
+    def rows_at(self, offset: int, length: int, *, lists: bool = True) -> Sequence[Sequence[Any]]:
+        """The rows of the record frame ``batches`` gave at ``offset`` (``length`` bytes) with its columns, read
+        again (they were checked then); as tuples unless ``lists`` (faster to make: a frame with no field that
+        holds a list, ``has_lists``, reads the same either way)."""
+        frame = msgpack.unpackb(os.pread(self._file.fileno(), length, offset), raw=False, strict_map_key=False,
+                                use_list=lists)
+        rows: Sequence[Sequence[Any]] = frame[2]
+        return rows
 
     def _trailer(self, frame: list[Any]) -> None:
         """Take a "T" frame as the trailer; its fields of the wrong type are left out (and told)."""
@@ -579,7 +700,7 @@ class CaptureReader:
             tail = data[-(len(_FRAME_STARTS[0]) - 1):]  # a start split across two reads
             pos += len(chunk)
 
-    def _sound_rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]] | None:
+    def _sound_rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> list[Any] | None:
         """The frame's records made in one go, when every row is sound and as long as its kind and reading it asks
         nothing more (what nearly every frame is); else None, and ``_rows`` reads it row by row."""
         if self._observer(kind, decoder) is not None:
@@ -587,9 +708,10 @@ class CaptureReader:
         cls = RECORD_TYPES[kind]
         if not all(map(whole_row_check(kind), rows)):
             return None
-        return map(functools.partial(tuple.__new__, cls), rows)  # what cls._make does, less its length check
+        return list(map(functools.partial(tuple.__new__, cls), rows))  # what cls._make does, less its length check
 
-    def _rows(self, kind: str, rows: list[list[Any]], decoder: Any) -> Iterator[tuple[Any, ...]]:
+    def _rows(self, out: list[Any], kind: str, rows: list[list[Any]], decoder: Any) -> None:
+        """The records of ``rows`` onto ``out``, up to a row that is not one (raised: the frame's problem)."""
         cls = RECORD_TYPES[kind]
         nfields = len(cls._fields)
         needed = nfields - len(cls._field_defaults)  # fields added later have defaults: older rows lack them
@@ -608,7 +730,7 @@ class CaptureReader:
             rec = make(row) if len(row) == nfields else make(row[:nfields]) if len(row) > nfields else cls(*row)
             if note is not None:
                 note(rec)
-            yield rec
+            out.append(rec)
 
     def _observer(self, kind: str, decoder: Any) -> Callable[[Any], None] | None:
         """What reading a row of ``kind`` must also do: keep drop counts, feed the kernel decoder's fd tables,

@@ -10,9 +10,10 @@ import pytest
 from recorded import CAPTURES, unpacked
 
 from gputrace.analysis import analyze
+from gputrace.analysis.frames import Spool
 from gputrace.analysis.load import load
 from gputrace.analysis.report import assemble
-from gputrace.analysis.windowed import Spool, WindowedAnalysis
+from gputrace.analysis.windowed import WindowedAnalysis
 from gputrace.capture import open_capture
 from gputrace.testing.scale import generate
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from gputrace.analysis.notes import capture_notes, lost_records
 from gputrace.analysis.report import CAUSES, SCHEMA, holders_text, pid_text
 from gputrace.analysis.timefmt import fmt_ms
-from gputrace.analysis.windowed import analyze_records
+from gputrace.analysis.windowed import analyze_capture
 from gputrace.capture import CaptureReader
 from gputrace.documents import Holder, Report, Stall
 
@@ -23,7 +23,7 @@ def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> Report:
     capture's length (analysis/windowed.py)."""
     if min_gap_ns <= 0:
         raise ValueError("min_gap_ns must be > 0")
-    return analyze_records(reader, reader.records(), min_gap_ns=min_gap_ns)
+    return analyze_capture(reader, min_gap_ns=min_gap_ns)
 
 
 RUNQUEUE_NOTE_SHARE = 0.2  # of stall time in cpu.runqueue, from which the capture's summary says who had the CPU

@@ -12,6 +12,8 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from typing import Any, TypedDict
 
 from gputrace.analysis import uring
@@ -121,6 +123,7 @@ def evidence_offcpu(o: OffCpu, kind: str = "offcpu") -> Evidence:
 
 
 ETIMEDOUT = 110
+_API_TIMES, _TID = attrgetter("start_ns", "end_ns"), attrgetter("tid")
 FUTEXES = ("futex", "futex_waitv")
 TIMER_WAKER = "[timer]"  # the eBPF source's waker for wakeups from a timer interrupt (hrtimer expiry)
 
@@ -216,6 +219,7 @@ class Explainer:
     def __init__(self, cap: Capture, facts: CaptureFacts | None = None) -> None:
         self.cap = cap
         self.mounts: list[Any] = list(cap.header.get("mounts") or [])
+        self._fstypes: dict[str, str] = {}  # path -> its filesystem's type
         self.ties = BlockTies(cap, self.mounts)
         self.throttles = Throttles(cap)
         tracer = cap.header.get("tracer_pid")
@@ -430,11 +434,10 @@ class Explainer:
         """The end of ``tid``'s last CUDA API call (a launch, a copy, a sync) that started in [a, b); 0 if none."""
         if self._api_index is None:
             self._api_index = {}
-            for api in self.cap.launches.values():
-                self._api_index.setdefault(api.tid, []).append((api.start_ns, api.end_ns))
-            for calls in self._api_index.values():
-                calls.sort()
-        calls = self._api_index.get(tid, [])
+        calls = self._api_index.get(tid)
+        if calls is None:  # a thread's calls gathered when first asked for: few threads are
+            apis = self.cap.launches.values()
+            calls = self._api_index[tid] = sorted(map(_API_TIMES, compress(apis, map(tid.__eq__, map(_TID, apis)))))
         i = bisect_left(calls, (b, -1)) - 1
         return calls[i][1] if i >= 0 and calls[i][0] >= a else 0
 
@@ -634,7 +637,7 @@ class Explainer:
             culprit["bytes"] = sum(b.nbytes for b in tie.blocks) if tie else 0
         blocks = tie.blocks if tie else []
         extra: PartExtra = {}
-        fstype = filesystem_of(sc.obj, self.mounts) if sc.obj else ""
+        fstype = self._filesystem(sc.obj) if sc.obj else ""
         servers = [o for o in blocked if o.waker_pid and o.waker_pid != sc.pid
                    and not is_kernel_task(o.waker_pid, o.waker_comm)]
         if servers and not blocks:
@@ -656,6 +659,13 @@ class Explainer:
         index = self.cap.dirty.get(sc.tid)
         pauses: list[DirtyPause] = index.starting_in(sc.start_ns, sc.end_ns) if index else []
         return _paused(pauses, blocked, sc.end_ns) if pauses else ({}, [])
+
+    def _filesystem(self, path: str) -> str:
+        """``filesystem_of`` the capture's mounts, once a path."""
+        fstype = self._fstypes.get(path)
+        if fstype is None:
+            fstype = self._fstypes[path] = filesystem_of(path, self.mounts)
+        return fstype
 
     def _block_fields(self, tie: Tie, tid: int) -> BlockFields:
         blocks = tie.blocks

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from itertools import chain, compress
+from operator import and_, attrgetter, le, mul
+from typing import Any, Protocol, TypeVar
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
 from gputrace.analysis.uring import Completions
 from gputrace.capture import CaptureReader
 from gputrace.records import (
+    RECORD_TYPES,
     AgentInfo,
     AgentThread,
     BlockIO,
@@ -46,6 +49,7 @@ from gputrace.records import (
 )
 
 GpuOp = GpuKernel | GpuMemcpy | GpuMemset
+_BY_TIMES = attrgetter("start_ns", "end_ns")  # how a device's ops are sorted
 FAULT_OP = "page_fault"  # the name a PageFault takes among a thread's blocking calls
 DIRTY_OP = "balance_dirty_pages"  # the op of a sleep a pause for dirty pages began outside any recorded call
 # An interpreter with a global lock: its executable's name, or the agent's hello ("cpython 3.11.2 /usr/bin/python3")
@@ -58,10 +62,11 @@ class Intervals:
     time), sorted by start, with a bisect index."""
 
     def __init__(self, records: list[Any], start: str, end: str) -> None:
-        records.sort(key=lambda r: getattr(r, start))
+        by_start = attrgetter(start)
+        records.sort(key=by_start)
         self.records = records
         self._end = end
-        self.starts = [getattr(r, start) for r in records]
+        self.starts = list(map(by_start, records))
 
     def overlapping(self, a: int, b: int) -> Iterator[Any]:
         """Records that intersect [a, b)."""
@@ -90,6 +95,66 @@ class Samples:
         return self.stacks[bisect_left(self.ts, a) : bisect_left(self.ts, b)]
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+ASKED_ALONE = 4  # keys a Lazy index looks for one by one before it sorts all its records by key at once
+
+
+class Lazy(Mapping[K, V]):
+    """A window's index of records by thread (or device, process), each entry made when first asked for: a
+    window's explanation asks for few of its threads. The same mapping, in the same order, with the same
+    entries as the dict the records would make one by one (``key`` of each record, its entry ``make`` of the
+    records with that key in the order they came, then ``extra``'s)."""
+
+    def __init__(self, runs: list[list[Any]], key: Callable[[Any], K], make: Callable[[list[Any]], V],
+                 extra: dict[K, list[Any]] | None = None) -> None:
+        self._runs = runs
+        self._keys = [list(map(key, run)) for run in runs]
+        self._extra = extra or {}
+        self._order = dict.fromkeys(chain(chain.from_iterable(self._keys), self._extra))
+        self._make = make
+        self._made: dict[K, V] = {}
+        self._grouped: dict[K, list[Any]] | None = None
+
+    def __getitem__(self, k: K) -> V:
+        made = self._made.get(k)
+        if made is None:
+            if k not in self._order:
+                raise KeyError(k)
+            made = self._made[k] = self._make(self._records(k) + self._extra.get(k, []))
+        return made
+
+    def _records(self, k: K) -> list[Any]:
+        """The records with key ``k``, in order: picked out of every run (a C loop each) for the first few keys
+        asked for; past those, all records are sorted by key once."""
+        if self._grouped is None and len(self._made) < ASKED_ALONE:
+            return [r for run, keys in zip(self._runs, self._keys, strict=True)
+                    for r in compress(run, map(k.__eq__, keys))]  # fmt: skip
+        if self._grouped is None:
+            grouped: dict[K, list[Any]] = {}
+            for run, keys in zip(self._runs, self._keys, strict=True):
+                for r, rk in zip(run, keys, strict=True):
+                    grouped.setdefault(rk, []).append(r)
+            self._grouped = grouped
+        return list(self._grouped.get(k, ()))
+
+    def get(self, k: Any, default: Any = None) -> Any:
+        return self[k] if k in self._order else default
+
+    def __contains__(self, k: object) -> bool:
+        return k in self._order
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def _intervals(start: str, end: str) -> Callable[[list[Any]], Intervals]:
+    return lambda recs: Intervals(recs, start, end)
+
+
 @dataclass
 class Capture:
     """What attribution reads, indexed."""
@@ -101,18 +166,18 @@ class Capture:
     launches: dict[tuple[int, int], CudaApi] = field(default_factory=dict)
     collectives: dict[tuple[int, int], Collective] = field(default_factory=dict)
     calls: list[CollectiveCall] = field(default_factory=list)  # host-side collectives (torch.distributed's)
-    syscalls: dict[int, Intervals] = field(default_factory=dict)
-    offcpu: dict[int, Intervals] = field(default_factory=dict)
-    blocks: dict[int, Intervals] = field(default_factory=dict)  # by submitting tid
-    blocks_by_dev: dict[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
+    syscalls: Mapping[int, Intervals] = field(default_factory=dict)
+    offcpu: Mapping[int, Intervals] = field(default_factory=dict)
+    blocks: Mapping[int, Intervals] = field(default_factory=dict)  # by submitting tid
+    blocks_by_dev: Mapping[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
     block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta
-    syncs: dict[int, Intervals] = field(default_factory=dict)
-    dirty: dict[int, Intervals] = field(default_factory=dict)  # pauses for dirty pages by tid, by start (ts)
-    uring: dict[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
+    syncs: Mapping[int, Intervals] = field(default_factory=dict)
+    dirty: Mapping[int, Intervals] = field(default_factory=dict)  # pauses for dirty pages by tid, by start (ts)
+    uring: Mapping[int, Completions] = field(default_factory=dict)  # io_uring requests by pid, by completion
     in_progress: list[InProgress] = field(default_factory=list)  # threads caught waiting at stop
     cpu_cgroups: list[CpuCgroup] = field(default_factory=list)  # where each process was seen (analysis/throttle.py)
     cpu_throttles: list[CpuThrottle] = field(default_factory=list)  # the cgroups' quota and throttling counters
-    samples: dict[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
+    samples: Mapping[int, Samples] = field(default_factory=dict)  # CPU stack samples by tid
     stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (pid, stack id) -> frames, leaf first
     comms: dict[int, str] = field(default_factory=dict)  # pid or tid -> comm
     nspids: dict[int, int] = field(default_factory=dict)  # pid -> its pid in its own pid namespace, if other
@@ -156,8 +221,13 @@ class Capture:
 
 
 class _Loader:
-    def __init__(self, header: dict[str, Any]) -> None:
+    def __init__(self, header: dict[str, Any], *, lazy: bool = False) -> None:
+        """``lazy``: a window's loader, whose records all come through ``add_local`` and whose per-thread (per
+        device, per process) indexes are made as they are asked for (``Lazy``)."""
         self.cap = Capture(header=header)
+        # lazy: each per-thread table's runs of records, by table ("sys", ... as ``raw``; "dev", "samples", "uring")
+        self.runs: dict[str, list[list[Any]]] | None = {k: [] for k in (*_LAZY_KEYS, "sys", "off", "blk", "sync",
+                                                                            "dirty")} if lazy else None
         self.raw: dict[str, dict[int, list[Any]]] = {"sys": {}, "off": {}, "blk": {}, "sync": {}, "dirty": {}}
         self.by_dev: dict[str, list[BlockIO]] = {}
         self.gpu_devices: dict[tuple[int, int], GpuDevice] = {}
@@ -174,17 +244,125 @@ class _Loader:
         handler = _HANDLERS.get(kind)
         if handler is None:
             return False
-        ints, strs = _SHAPES.get(kind, ((), ()))
-        for i in ints:
-            if type(r[i]) is not int:
-                self.cap.malformed += 1
-                return False
-        for i in strs:
-            if type(r[i]) is not str:
-                self.cap.malformed += 1
-                return False
+        if not shaped(kind, r):
+            self.cap.malformed += 1
+            return False
         handler(self, r)
         return True
+
+    def note_columns(self, kind: str, columns: list[tuple[Any, ...]]) -> None:
+        """What ``add`` of each row of a frame of one of the ``COLUMN_KINDS`` tells the whole capture (its count,
+        the threads and processes, the span, records it counts malformed), but for the indexes a window's
+        Capture holds (analysis/windowed.py): computed column by column, in C loops. ``columns``: every field of
+        rows ``capture.exact_columns`` took, each of exactly its declared type, which ``add`` takes as they are."""
+        cap = self.cap
+        cap.counts[kind] = cap.counts.get(kind, 0) + len(columns[0])
+        if kind not in _TOLD_AT:  # counted only, or (SyscallAgg) its process one the kernel source watched
+            if kind == "SyscallAgg":
+                cap.kernel_pids.update(columns[0])
+            return
+        start, end, told = _TOLD_AT[kind]
+        if kind in _ORDERED:  # a row ending before it starts is passed over (a request's counted malformed)
+            ok = list(map(le, columns[start], columns[end]))
+            if not all(ok):
+                if kind == "IoUringRequest":
+                    cap.malformed += ok.count(False)
+                columns = [tuple(compress(c, ok)) for c in columns]
+                if not columns[0]:
+                    return
+        fields = RECORD_TYPES[kind]._fields
+        if told & _THREAD:
+            pids, tids = columns[fields.index("pid")], columns[fields.index("tid")]
+            if kind == "OffCpu":
+                self._woken(pids, tids, columns[6], columns[7], columns[8])
+            elif not set(tids) - {0} <= cap.tgid.keys():  # (else no setdefault would change tgid)
+                self._first_pids(zip(map(mul, tids, map(bool, pids)), pids, strict=True))
+            told_pids = set(compress(pids, tids))  # _thread: a process of a record with a thread
+            told_pids.discard(0)
+            cap.pids |= told_pids
+        if told & _KERNEL:
+            cap.kernel_pids.update(columns[fields.index("pid")])
+        if start >= 0:
+            first = min(filter((0).__lt__, columns[start]), default=0)
+            if first and (cap.first_ns == 0 or first < cap.first_ns):
+                cap.first_ns = first
+            cap.last_ns = max(cap.last_ns, max(columns[end]))
+
+    def _first_pids(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """``tgid.setdefault(tid, pid)`` for each (tid, pid) in order, tid 0 passed over: the same as over the
+        distinct pairs in the order each first came (a pair seen again changes nothing)."""
+        tgid = self.cap.tgid
+        for tid, pid in dict.fromkeys(pairs):
+            if tid and tid not in tgid:
+                tgid[tid] = pid
+
+    def _woken(self, pids: Sequence[int], tids: Sequence[int], waker_pids: Sequence[int], waker_tids: Sequence[int],
+               waker_comms: Sequence[str]) -> None:
+        """``_offcpu``'s thread and waker of each row, in the rows' order: the row's thread (``_thread``), then its
+        waker's (where it names one: a tid and a pid > 0), whose comm names both too where none does yet."""
+        named = list(map(and_, map(bool, waker_tids), map((0).__lt__, waker_pids)))
+        if not (set(tids) | set(waker_tids)) - {0} <= self.cap.tgid.keys():  # (else no setdefault changes tgid)
+            own = zip(map(mul, tids, map(bool, pids)), pids, strict=True)
+            wakers = zip(map(mul, waker_tids, named), waker_pids, strict=True)
+            self._first_pids(chain.from_iterable(zip(own, wakers, strict=True)))
+        comms = self.cap.comms
+        if (set(waker_tids) | set(waker_pids)) - {0} <= comms.keys():
+            return
+        by_tid = zip(map(mul, waker_tids, named), waker_comms, strict=True)
+        by_pid = zip(map(mul, waker_pids, named), waker_comms, strict=True)
+        for key, comm in dict.fromkeys(chain.from_iterable(zip(by_tid, by_pid, strict=True))):
+            if key and key not in comms:
+                comms[key] = comm
+
+    def add_local(self, kind: str, recs: list[Any]) -> None:
+        """Index records of one time-local kind as ``add`` does, each one ``add`` takes (as rows ``note_columns``
+        took are): ``add`` is ``note_columns`` (what the whole capture is told: counts, threads, processes,
+        span, records counted malformed) and this. A window's Capture (analysis/windowed.py) is only this: it
+        shares the whole capture's."""
+        cap = self.cap
+        table = _LOCAL_TABLES.get(kind)
+        runs = self.runs
+        if runs is not None and kind in _LAZY_KINDS:
+            self._add_run(runs, kind, recs)
+        elif table is not None:
+            _by_tid(self.raw[table], recs)
+        elif kind in ("GpuKernel", "GpuMemcpy", "GpuMemset"):
+            ok = list(map(le, map(_START, recs), map(_END, recs)))
+            if not all(ok):  # an op cannot end before it starts
+                recs = list(compress(recs, ok))
+            devices = list(map(_PID_DEVICE, recs))
+            for device in dict.fromkeys(devices):  # (few: a C loop each)
+                cap.ops.setdefault(device, []).extend(compress(recs, map(device.__eq__, devices)))
+        elif kind == "CudaApi":
+            cap.launches.update(zip(map(_LAUNCH_KEY, recs), recs, strict=True))
+            waits = {name for name in set(map(_NAME, recs)) if _synchronizes_by(name)}
+            syncs = self.raw["sync"]
+            for r in recs if waits else ():
+                if r.name in waits:
+                    syncs.setdefault(r.tid, []).append(r)
+        elif kind == "BlockIO":
+            _by_tid(self.raw["blk"], recs)
+            by_dev = self.by_dev
+            for r in recs:
+                by_dev.setdefault(r.dev, []).append(r)
+        elif kind == "StackSample":
+            samples = self.samples
+            for r in recs:
+                samples.setdefault(r.tid, []).append((r.ts, r.stack))
+        elif kind == "PageFault":
+            faults = self.faults
+            for r in recs:
+                key = (r.tid, r.start_ns)
+                prev = faults.get(key)
+                if r.end_ns >= r.start_ns and (prev is None or r.end_ns > prev.end_ns):
+                    faults[key] = r
+        elif kind == "IoUringRequest":
+            uring = self.uring
+            for r in recs:
+                if r.end_ns >= r.start_ns:  # (one ending before it starts: counted malformed by note_columns)
+                    uring.setdefault(r.pid, []).append(r)
+        else:
+            raise ValueError(f"{kind} is not a time-local kind")
 
     def _thread(self, pid: int, tid: int) -> None:
         if tid and pid:
@@ -235,12 +413,57 @@ class _Loader:
         self.cap.kernel_pids.add(r.pid)
         self._span(r.start_ns, r.end_ns)
 
+    def _add_run(self, runs: dict[str, list[list[Any]]], kind: str, recs: list[Any]) -> None:
+        """A lazy loader's ``add_local``: the records kept as they came, for ``Lazy`` to index."""
+        table = _LOCAL_TABLES.get(kind)
+        if table is not None:
+            runs[table].append(recs)
+        elif kind == "CudaApi":
+            self.cap.launches.update(zip(map(_LAUNCH_KEY, recs), recs, strict=True))
+            waits = {name for name in set(map(_NAME, recs)) if _synchronizes_by(name)}
+            if waits:
+                runs["sync"].append([r for r in recs if r.name in waits])
+        elif kind == "BlockIO":
+            runs["blk"].append(recs)
+            runs["dev"].append(recs)
+        elif kind == "StackSample":
+            runs["samples"].append(recs)
+        elif kind == "IoUringRequest":
+            runs["uring"].append([r for r in recs if r.end_ns >= r.start_ns])
+
     def finish(self, nvml_meta: Any = None) -> Capture:
-        cap, raw = self.cap, self.raw
+        cap = self.cap
+        faults: dict[int, list[Syscall]] = {}
         for f in self.faults.values():
             obj = f.obj or f"inode {f.ino} on {cap.block_names.get(f.dev, f.dev)}"
-            raw["sys"].setdefault(f.tid, []).append(
+            faults.setdefault(f.tid, []).append(
                 Syscall(f.pid, f.tid, FAULT_OP, f.start_ns, f.end_ns, 0, -1, obj, 0, f.offset))
+        if self.runs is not None:
+            self._finish_lazy(self.runs, faults)
+        else:
+            self._finish_eager(faults)
+        for made in cap.created.values():
+            made.sort()
+        self._merge_shared_devices(nvml_meta)
+        for ops in cap.ops.values():
+            ops.sort(key=_BY_TIMES)
+        return cap
+
+    def _finish_lazy(self, runs: dict[str, list[list[Any]]], faults: dict[int, list[Syscall]]) -> None:
+        cap = self.cap
+        cap.syscalls = Lazy(runs["sys"], _TID, _intervals("start_ns", "end_ns"), faults)
+        cap.offcpu = Lazy(runs["off"], _TID, _intervals("start_ns", "end_ns"))
+        cap.blocks = Lazy(runs["blk"], _TID, _intervals("issue_ns", "complete_ns"))
+        cap.blocks_by_dev = Lazy(runs["dev"], _DEV, _intervals("issue_ns", "complete_ns"))
+        cap.syncs = Lazy(runs["sync"], _TID, _intervals("start_ns", "end_ns"))
+        cap.dirty = Lazy(runs["dirty"], _TID, _intervals("ts", "ts"))
+        cap.samples = Lazy(runs["samples"], _TID, lambda recs: Samples(list(map(_TS_STACK, recs))))
+        cap.uring = Lazy(runs["uring"], _PID, Completions)
+
+    def _finish_eager(self, faults: dict[int, list[Syscall]]) -> None:
+        cap, raw = self.cap, self.raw
+        for tid, calls in faults.items():
+            raw["sys"].setdefault(tid, []).extend(calls)
         cap.syscalls = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["sys"].items()}
         cap.offcpu = {t: Intervals(v, "start_ns", "end_ns") for t, v in raw["off"].items()}
         cap.blocks = {t: Intervals(v, "issue_ns", "complete_ns") for t, v in raw["blk"].items()}
@@ -249,12 +472,6 @@ class _Loader:
         cap.dirty = {t: Intervals(v, "ts", "ts") for t, v in raw["dirty"].items()}  # searched by start only
         cap.samples = {t: Samples(v) for t, v in self.samples.items()}
         cap.uring = {p: Completions(v) for p, v in self.uring.items()}
-        for made in cap.created.values():
-            made.sort()
-        self._merge_shared_devices(nvml_meta)
-        for ops in cap.ops.values():
-            ops.sort(key=lambda o: (o.start_ns, o.end_ns))
-        return cap
 
     def _merge_shared_devices(self, nvml_meta: Any) -> None:
         """One timeline per GPU, whichever processes use it and whatever they number it (analysis/devices.py)."""
@@ -403,9 +620,34 @@ def _agent_thread(ld: _Loader, r: AgentThread) -> None:
 def _api(ld: _Loader, r: CudaApi) -> None:
     ld.cap.launches[(r.pid, r.correlation_id)] = r
     ld._thread(r.pid, r.tid)
-    if "Synchronize" in r.name or r.name.startswith(("cuStreamSynchronize", "cuCtxSynchronize")):
-        # a host wait for the device even where no synchronization activity was recorded (uprobes)
+    if _synchronizes(r):
         ld.raw["sync"].setdefault(r.tid, []).append(r)
+
+
+def _by_tid(table: dict[int, list[Any]], recs: list[Any]) -> None:
+    """``table.setdefault(r.tid, []).append(r)`` for each record in order: of few threads, a C loop each."""
+    tids = list(map(_TID, recs))
+    threads = dict.fromkeys(tids)
+    if len(threads) * 8 > len(recs):
+        for r in recs:
+            table.setdefault(r.tid, []).append(r)
+        return
+    for tid in threads:
+        table.setdefault(tid, []).extend(compress(recs, map(tid.__eq__, tids)))
+
+
+def _synchronizes(r: CudaApi) -> bool:
+    """A host wait for the device, even where no synchronization activity was recorded (uprobes)."""
+    return _synchronizes_by(r.name)
+
+
+def _synchronizes_by(name: str) -> bool:
+    return "Synchronize" in name or name.startswith(("cuStreamSynchronize", "cuCtxSynchronize"))
+
+
+_LAUNCH_KEY, _NAME, _TID = attrgetter("pid", "correlation_id"), attrgetter("name"), attrgetter("tid")
+_PID, _DEV, _TS_STACK = attrgetter("pid"), attrgetter("dev"), attrgetter("ts", "stack")
+_START, _END, _PID_DEVICE = attrgetter("start_ns"), attrgetter("end_ns"), attrgetter("pid", "device")
 
 
 def _block(ld: _Loader, r: BlockIO) -> None:
@@ -504,6 +746,36 @@ _SHAPES = {
     "StackSample": _shape(StackSample, "ts pid tid stack"),
     "StackFrames": _shape(StackFrames, "pid stack"),
 }
+
+
+def shaped(kind: str, r: Any) -> bool:
+    """Whether the fields attribution computes with hold their types in ``r`` (``_SHAPES``)."""
+    ints, strs = _SHAPES.get(kind, ((), ()))
+    return all(type(r[i]) is int for i in ints) and all(type(r[i]) is str for i in strs)
+
+
+_THREAD, _KERNEL = 1, 2
+# What ``add`` tells the whole capture of a time-local record: (start field, end field) of its span (-1: none),
+# and whether its thread and process (``_THREAD``), and its process as one the kernel source watched (``_KERNEL``)
+_TOLD = {
+    "GpuKernel": ("start_ns", "end_ns", 0), "GpuMemcpy": ("start_ns", "end_ns", 0),
+    "GpuMemset": ("start_ns", "end_ns", 0), "CudaApi": ("", "", _THREAD),
+    "Syscall": ("start_ns", "end_ns", _THREAD | _KERNEL), "OffCpu": ("start_ns", "end_ns", _THREAD | _KERNEL),
+    "BlockIO": ("issue_ns", "complete_ns", 0), "PageFault": ("start_ns", "end_ns", _THREAD | _KERNEL),
+    "IoUringRequest": ("start_ns", "end_ns", _THREAD | _KERNEL), "DirtyPause": ("ts", "ts", _THREAD | _KERNEL),
+    "GpuSync": ("start_ns", "end_ns", _THREAD), "StackSample": ("", "", _THREAD),
+}  # fmt: skip
+_TOLD_AT: dict[str, tuple[int, int, int]] = {
+    k: (RECORD_TYPES[k]._fields.index(a) if a else -1, RECORD_TYPES[k]._fields.index(b) if b else -1, told)
+    for k, (a, b, told) in _TOLD.items()
+}
+# The kinds ``note_columns`` takes: the time-local ones, and those ``add`` only counts (or notes the process of)
+COLUMN_KINDS = frozenset(_TOLD) | {"SyscallAgg"} | (RECORD_TYPES.keys() - _HANDLERS.keys())
+_ORDERED = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset", "PageFault", "IoUringRequest"})  # end before start: out
+_LOCAL_TABLES = {"Syscall": "sys", "OffCpu": "off", "DirtyPause": "dirty", "GpuSync": "sync"}  # per-tid tables
+# What a lazy loader keeps as runs (``_add_run``), and the tables besides ``raw``'s it keeps them in
+_LAZY_KINDS = frozenset({*_LOCAL_TABLES, "CudaApi", "BlockIO", "StackSample", "IoUringRequest"})
+_LAZY_KEYS = ("dev", "samples", "uring")
 
 
 class Source(Protocol):

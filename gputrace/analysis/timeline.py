@@ -6,7 +6,9 @@ only waits for a late rank: that wait is stall time (the GPU spins but does no w
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from gputrace.analysis.devices import DeviceKey
@@ -217,6 +219,7 @@ def _single(waits: dict[int, CollectiveWait], name: str, member: Member, best: d
 
 
 Waits = dict[int, CollectiveWait]
+_START, _END, _INDEX = attrgetter("start_ns"), attrgetter("end_ns"), itemgetter(2)
 
 
 # ------------------------------------------------------------------ collectives called on the host ---
@@ -337,22 +340,33 @@ class Sweep:
     def window(self, ops: list[GpuOp], a: int, b: int, waits: Waits, min_gap_ns: int) -> list[Stall]:
         """Go on over the ops (sorted by start) whose busy time starts in [a, b): the stalls they end, as
         ``_device`` finds them over the whole timeline."""
-        busy = sorted((s, op.end_ns, i) for i, op in enumerate(ops) if a <= (s := _busy_start(op, waits)) < b)
+        if waits:
+            busy = sorted((s, op.end_ns, i) for i, op in enumerate(ops) if a <= (s := _busy_start(op, waits)) < b)
+        else:  # each op busy from its start: in the order of the ops, sorted by (start, end)
+            starts = list(map(_START, ops))
+            lo, hi = bisect_left(starts, a), bisect_left(starts, b)
+            busy = list(zip(starts[lo:hi], map(_END, ops[lo:hi]), range(lo, hi), strict=True))
         found: list[Stall] = []
+        if not busy:
+            return found
+        seen = list(map(ops.__getitem__, map(_INDEX, busy)))
+        first_ns, last_ns = min(map(_START, seen)), max(map(_END, seen))
+        if self.cur_start is None:  # the device's first op
+            self.first_ns, self.last_ns = first_ns, last_ns
+            self.cur_start, self.cur_end = busy[0][0], busy[0][1]
+            busy = busy[1:]
+        else:
+            self.first_ns, self.last_ns = min(self.first_ns, first_ns), max(self.last_ns, last_ns)
+        cur_start, cur_end, busy_ns = self.cur_start, self.cur_end, self.busy_ns
         for start, end, i in busy:
-            op = ops[i]
-            if self.cur_start is None:
-                self.first_ns, self.last_ns = op.start_ns, op.end_ns
-                self.cur_start, self.cur_end = start, end
-                continue
-            self.first_ns, self.last_ns = min(self.first_ns, op.start_ns), max(self.last_ns, op.end_ns)
-            if start > self.cur_end:
-                self.busy_ns += self.cur_end - self.cur_start
-                if start - self.cur_end >= min_gap_ns:
-                    found.extend(_gap(self.key, self.cur_end, start, op, waits, min_gap_ns))
-                self.cur_start, self.cur_end = start, end
-            else:
-                self.cur_end = max(self.cur_end, end)
+            if start > cur_end:
+                busy_ns += cur_end - cur_start
+                if start - cur_end >= min_gap_ns:
+                    found.extend(_gap(self.key, cur_end, start, ops[i], waits, min_gap_ns))
+                cur_start, cur_end = start, end
+            elif end > cur_end:
+                cur_end = end
+        self.cur_start, self.cur_end, self.busy_ns = cur_start, cur_end, busy_ns
         self.stalls += len(found)
         self.stall_ns += sum(s.end_ns - s.start_ns for s in found)
         return found

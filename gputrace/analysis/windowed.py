@@ -3,10 +3,14 @@
 Records arrive in any order (each source flushes its own batches). Long-lived ones (processes, threads, forks
 and execs, devices, agents, cgroups, collectives, stack frames, drops) are kept whole, as a whole-capture
 analysis keeps them. Time-local ones (syscalls, off-CPU spans, block requests, page faults, io_uring requests,
-dirty pauses, GPU ops, API calls and syncs, CPU samples) are spooled to a private temporary directory, one
-file per time bucket (``bucket_ns``): a record goes to the bucket it starts in, and as a continuation to each
-later bucket it overlaps, so loading buckets [b0, b1] gives every record that overlaps them, each once. A
-record spanning more than ``LONG_BUCKETS`` buckets is kept in memory instead (a sleep of minutes: few).
+dirty pauses, GPU ops, API calls and syncs, CPU samples) go to a spool by time bucket (``bucket_ns``,
+analysis/frames.py): a record belongs to the bucket it starts in and to each later one it overlaps, so
+loading buckets [b0, b1] gives every record that overlaps them, each once, in the order one file per bucket
+would. Read from a capture file (``analyze_capture``), a frame of plain rows is not copied: what the whole
+capture learns from it (its threads, processes, span, futex words, samples) is taken column by column
+(``_Loader.note_columns``), and the windows that reach it read it again from the file; only decoded kernel
+events and rows checked one by one are written to the spool's private file. A window's per-thread indexes are
+made as its explanation asks for them (``load.Lazy``).
 
 The device timelines are then swept in time order, ``window_buckets`` buckets at a time, carrying each
 device's busy interval across windows: a gap is found whole however long it is. The gaps that end in a
@@ -26,20 +30,30 @@ A capture whose time-local records number at most ``small_records`` is analysed 
 
 from __future__ import annotations
 
-import os
-import tempfile
-from bisect import bisect_left, bisect_right
+import contextlib
+import gc
+from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from copy import copy
+from itertools import compress
+from operator import itemgetter
 from typing import Any
-
-import msgpack
 
 from gputrace.analysis.attribute import Attributor
 from gputrace.analysis.devices import DeviceKey
-from gputrace.analysis.explain import FUTEXES, CaptureFacts, _timed_out, interpreted
-from gputrace.analysis.load import Capture, GpuOp, Source, _Loader, finish_load, link_device_calls
+from gputrace.analysis.explain import ETIMEDOUT, FUTEXES, CaptureFacts, _timed_out, interpreted
+from gputrace.analysis.frames import EXTENT, FIELDS, Spool
+from gputrace.analysis.load import (
+    COLUMN_KINDS,
+    Capture,
+    GpuOp,
+    Source,
+    _Loader,
+    finish_load,
+    link_device_calls,
+    shaped,
+)
 from gputrace.analysis.report import assemble, call_rows, collective_rows, host_of, report_of, stall_doc
 from gputrace.analysis.timeline import (
     _COLLECTIVE_WORDS,
@@ -51,101 +65,21 @@ from gputrace.analysis.timeline import (
     loss_windows,
     untimed_losses,
 )
+from gputrace.capture import Batch, CaptureReader, RowsAt, exact_columns, records_of
 from gputrace.documents import Report
 from gputrace.documents import Stall as StallDoc
-from gputrace.records import RECORD_TYPES, GpuKernel
+from gputrace.records import GpuKernel
 
-BUCKET_NS = 1_000_000_000  # a spool file's span, and the margin a window is loaded with on each side
+BUCKET_NS = 1_000_000_000  # a spool bucket's span, and the margin a window is loaded with on each side
 WINDOW_BUCKETS = 8  # buckets a window's stalls end in
 SMALL_RECORDS = 200_000  # time-local records up to which a capture is analysed whole
-LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than copied to each
 LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked for, past a window's margin
-FLUSH_RECORDS = 50_000  # spooled records buffered before they are written
-# Where a time-local record's time span is: (start field, end field); GPU records go to their own files
-_EXTENT: dict[str, tuple[str, str]] = {
-    "GpuKernel": ("start_ns", "end_ns"), "GpuMemcpy": ("start_ns", "end_ns"), "GpuMemset": ("start_ns", "end_ns"),
-    "CudaApi": ("start_ns", "end_ns"), "GpuSync": ("start_ns", "end_ns"),
-    "Syscall": ("start_ns", "end_ns"), "OffCpu": ("start_ns", "end_ns"), "BlockIO": ("issue_ns", "complete_ns"),
-    "PageFault": ("start_ns", "end_ns"), "IoUringRequest": ("start_ns", "end_ns"), "DirtyPause": ("ts", "ts"),
-    "StackSample": ("ts", "ts"),
-}  # fmt: skip
-_DEVICE_KINDS = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset", "CudaApi"})
-_KINDS = sorted(_EXTENT)
-_KIND_ID = {k: i for i, k in enumerate(_KINDS)}
-_FIELDS = {k: (RECORD_TYPES[k]._fields.index(a), RECORD_TYPES[k]._fields.index(b)) for k, (a, b) in _EXTENT.items()}
-
-
-class Spool:
-    """Time-local records on disk by time bucket (the module's docstring): written as they come, read back
-    a bucket range at a time. The directory is private (mode 0700) and removed by ``close``."""
-
-    def __init__(self, bucket_ns: int) -> None:
-        self.bucket_ns = bucket_ns
-        self._dir = tempfile.TemporaryDirectory(prefix="gputrace-windows-")
-        self._pending: dict[tuple[int, bool], list[bytes]] = {}
-        self._npending = 0
-        self._packer = msgpack.Packer()
-        self.buckets: set[int] = set()  # buckets holding any record
-        self.long: list[tuple[int, int, Any]] = []  # (start, end, record) of records spanning many buckets
-        self.spooled = 0
-
-    def add(self, kind: str, r: Any) -> None:
-        i, j = _FIELDS[kind]
-        start, end = r[i], r[j]
-        end = max(start, end)
-        b0, b1 = start // self.bucket_ns, end // self.bucket_ns
-        self.spooled += 1
-        dev = kind in _DEVICE_KINDS
-        if b1 - b0 > LONG_BUCKETS:
-            self.long.append((start, end, r))
-            self.buckets.add(b0)
-            return
-        row = list(r)
-        self._put(b0, dev, self._packer.pack((_KIND_ID[kind], False, row)))
-        if b1 > b0:
-            cont = self._packer.pack((_KIND_ID[kind], True, row))
-            for b in range(b0 + 1, b1 + 1):
-                self._put(b, dev, cont)
-
-    def _put(self, b: int, dev: bool, item: bytes) -> None:
-        self._pending.setdefault((b, dev), []).append(item)
-        self._npending += 1
-        if self._npending >= FLUSH_RECORDS:
-            self.flush()
-
-    def _path(self, b: int, dev: bool) -> str:
-        return os.path.join(self._dir.name, f"{b}.{'gpu' if dev else 'host'}")
-
-    def flush(self) -> None:
-        for (b, dev), items in self._pending.items():
-            with open(self._path(b, dev), "ab") as f:
-                f.write(b"".join(items))
-            self.buckets.add(b)
-        self._pending.clear()
-        self._npending = 0
-
-    def read(self, b0: int, b1: int, *, host: bool = True) -> Iterator[Any]:
-        """The records that overlap buckets [b0, b1], each once (GPU records only, unless ``host``)."""
-        ordered = sorted(self.buckets)
-        for b in ordered[bisect_left(ordered, b0) : bisect_right(ordered, b1)]:
-            for dev in (True, False) if host else (True,):
-                try:
-                    f = open(self._path(b, dev), "rb")  # noqa: SIM115 (closed below)
-                except FileNotFoundError:
-                    continue
-                with f:
-                    for kind_id, cont, row in msgpack.Unpacker(f, raw=False, use_list=True):
-                        if cont and b != b0:
-                            continue  # a continuation: read from the first bucket loaded, or as the original
-                        yield RECORD_TYPES[_KINDS[kind_id]]._make(row)
-        lo, hi = b0 * self.bucket_ns, (b1 + 1) * self.bucket_ns
-        for start, end, r in self.long:
-            if start < hi and end >= lo and (host or type(r).__name__ in _DEVICE_KINDS):
-                yield r
-
-    def close(self) -> None:
-        self._dir.cleanup()
-
+DROP_RECORDS = 50_000  # records indexed one by one on the first pass between two drops of the loader's indexes
+COLLECT_WINDOWS = 64  # windows explained between two collections of cyclic garbage while the collector is paused
+_FUTEX_NAMES = frozenset(FUTEXES)
+# What a capture that may still be analysed whole holds: records, or where a frame of rows of one kind is in the
+# file (read again if need be), with its rows' start and end times where it is time-local
+Held = tuple[list[Any], str | None, int, int, Sequence[int], Sequence[int]]
 
 # What a window's Capture shares with the whole capture's: long-lived records and what they say
 _SHARED = ("collectives", "calls", "in_progress", "cpu_cgroups", "cpu_throttles", "stacks", "comms", "nspids", "tgid",
@@ -154,11 +88,14 @@ _SHARED = ("collectives", "calls", "in_progress", "cpu_cgroups", "cpu_throttles"
 
 
 class WindowedAnalysis:
-    """Feed it a capture's records (``add``), in the order they come; ``report`` then gives the capture's
-    gputrace.report/1 document. Usable over any record iterator: ``analyze_records``."""
+    """Feed it a capture's records in the order they come (``add``, or a frame at a time: ``add_batch``);
+    ``report`` then gives the capture's gputrace.report/1 document. Usable over any record iterator
+    (``analyze_records``); over a capture's frames (``analyze_capture``), the frames of plain rows are not copied
+    but read again by the windows that reach them (``rows_at``: ``CaptureReader.rows_at``)."""
 
     def __init__(self, header: dict[str, Any], *, min_gap_ns: int = 1_000_000, bucket_ns: int = BUCKET_NS,
-                 window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS) -> None:
+                 window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS,
+                 rows_at: RowsAt | None = None) -> None:
         if min_gap_ns <= 0:
             raise ValueError("min_gap_ns must be > 0")
         if bucket_ns <= 0 or window_buckets <= 0:
@@ -166,9 +103,12 @@ class WindowedAnalysis:
         self.header = header
         self.min_gap_ns = min_gap_ns
         self.bucket_ns, self.window_buckets, self.small_records = bucket_ns, window_buckets, small_records
+        self.rows_at = rows_at
         self.ld = _Loader(header)
-        self.held: list[Any] | None = []  # time-local records while the capture may still be analysed whole
+        self.held: list[Held] | None = []  # every record while the capture may still be analysed whole
+        self.nheld = 0  # the time-local ones among them
         self.spool: Spool | None = None
+        self._indexed = 0  # records the loader indexed one by one since its indexes were last dropped
         self.futex_words: dict[tuple[int, int], tuple[set[int], set[int]]] = {}
         self.sampled: dict[int, Counter[int]] = {}  # tid -> its samples' stack ids
         self.named_collectives = False  # a kernel named like a collective was seen
@@ -180,8 +120,42 @@ class WindowedAnalysis:
         self.peak_window_records = 0
 
     def add(self, r: Any) -> None:
+        """One record."""
+        if self.held is not None:
+            self.held.append(([r], None, 0, 0, (), ()))
+        self._add(r)
+        self._spool_past_small()
+
+    def add_batch(self, batch: Batch) -> None:
+        """The records of one frame (``CaptureReader.batches``). A frame of plain rows of a time-local kind is
+        taken column by column (``_Loader.note_columns``) and noted where it is, no record made of it."""
+        kind, columns = batch.kind, batch.columns
+        if columns is None or kind not in COLUMN_KINDS:
+            recs = batch.records if columns is None else records_of(kind, batch.records)
+            if self.held is not None:
+                self.held.append((recs, None, 0, 0, (), ()))
+            for r in recs:
+                self._add(r)
+        else:
+            if self.rows_at is None:
+                raise ValueError("a frame of rows is read again where it is needed: WindowedAnalysis needs rows_at")
+            self.ld.note_columns(kind, columns)
+            local = kind in EXTENT
+            start, end = FIELDS[kind] if local else (0, 0)
+            if local:
+                self._note_columns(kind, columns)
+            if self.held is not None:
+                times = (columns[start], columns[end]) if local else ((), ())
+                self.held.append(([], kind, batch.offset, batch.length, *times))
+                self.nheld += len(batch.records) if local else 0
+            elif local:
+                assert self.spool is not None
+                self.spool.add_frame(kind, batch.records, batch.offset, batch.length, columns[start], columns[end])
+        self._spool_past_small()
+
+    def _add(self, r: Any) -> None:
         kind = type(r).__name__
-        if not self.ld.add(r) or kind not in _EXTENT:
+        if not self.ld.add(r) or kind not in EXTENT:
             return
         if kind == "Syscall" and r.name in FUTEXES:
             waited, timed_out = self.futex_words.setdefault((r.pid, r.arg), (set(), set()))
@@ -194,18 +168,52 @@ class WindowedAnalysis:
             low = r.name.lower()
             self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
         if self.held is not None:
-            self.held.append(r)
-            if len(self.held) > self.small_records:
-                self.spool = Spool(self.bucket_ns)
-                for h in self.held:
-                    self.spool.add(type(h).__name__, h)
-                self.held = None
-                self._drop_local()
+            self.nheld += 1
             return
         assert self.spool is not None
         self.spool.add(kind, r)
-        if self.spool.spooled % FLUSH_RECORDS == 0:
+        self._indexed += 1
+        if self._indexed >= DROP_RECORDS:
             self._drop_local()
+
+    def _note_columns(self, kind: str, columns: list[tuple[Any, ...]]) -> None:
+        """What ``_add`` gathers over the whole capture (futex words, sampled stacks, a collective's name), of
+        a frame's rows column by column."""
+        if kind == "Syscall":
+            pick = list(compress(range(len(columns[2])), map(_FUTEX_NAMES.__contains__, columns[2])))
+            if not pick:
+                return
+            take = itemgetter(*pick) if len(pick) > 1 else lambda col: (col[pick[0]],)
+            pids, tids, rets, args = (take(columns[i]) for i in (0, 1, 5, 9))
+            waits = zip(zip(pids, args, strict=True), tids, map((-ETIMEDOUT).__eq__, rets), strict=True)
+            for key, tid, timed_out in dict.fromkeys(waits):  # distinct waits, in the order they came
+                words = self.futex_words.setdefault(key, (set(), set()))
+                words[0].add(tid)
+                if timed_out:
+                    words[1].add(tid)
+        elif kind == "StackSample":
+            for (tid, stack), n in Counter(zip(columns[2], columns[3], strict=True)).items():
+                self.sampled.setdefault(tid, Counter())[stack] += n
+        elif kind == "GpuKernel" and not self.named_collectives:
+            low = "\0".join(columns[7]).lower()  # no word spans two names
+            self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
+
+    def _spool_past_small(self) -> None:
+        """Past ``small_records`` time-local records the capture is analysed window by window: those held go to
+        the spool, and from then on every one as it comes."""
+        if self.held is None or self.nheld <= self.small_records:
+            return
+        spool = self.spool = Spool(self.bucket_ns, self.rows_at)
+        for recs, kind, offset, length, starts, ends in self.held:
+            if kind in EXTENT:
+                spool.add_frame(kind, None, offset, length, starts, ends)
+                continue
+            for r in recs if kind is None else ():
+                k = type(r).__name__
+                if k in EXTENT and shaped(k, r):
+                    spool.add(k, r)
+        self.held = None
+        self._drop_local()
 
     def _drop_local(self) -> None:
         """The whole-capture loader keeps only what is long-lived: its time-local indexes are emptied."""
@@ -213,11 +221,12 @@ class WindowedAnalysis:
         ld.raw = {k: {} for k in ld.raw}
         ld.by_dev, ld.faults, ld.samples, ld.uring = {}, {}, {}, {}
         ld.cap.ops, ld.cap.launches = {}, {}
+        self._indexed = 0
 
     def report(self, source: Source) -> Report:
         """The report, once every record was added; ``source`` says the rest (header, metadata, trailer)."""
         if self.held is not None:
-            return assemble(finish_load(self.ld, source), self.min_gap_ns)
+            return assemble(finish_load(self.whole(), source), self.min_gap_ns)
         assert self.spool is not None
         try:
             return self._windowed(source, self.spool)
@@ -225,6 +234,27 @@ class WindowedAnalysis:
             self.spool.close()
 
     # ------------------------------------------------------------------------------------------------
+
+    def whole(self) -> _Loader:
+        """The capture analysed whole: every record held indexed, in the order it came (``_Loader.add``, or for
+        a frame of plain rows ``note_columns`` and ``add_local``, which make the same)."""
+        assert self.held is not None
+        ld = _Loader(self.header)
+        held, self.held = self.held[::-1], []
+        while held:  # each let go once indexed
+            recs, kind, offset, length, _, _ = held.pop()
+            if kind is None:
+                for r in recs:
+                    ld.add(r)
+                continue
+            assert self.rows_at is not None
+            rows = self.rows_at(offset, length)  # read again, as the reader gave them
+            columns = exact_columns(kind, rows)
+            assert columns is not None  # (the reader took them so)
+            ld.note_columns(kind, columns)
+            if kind in EXTENT:
+                ld.add_local(kind, records_of(kind, rows))
+        return ld
 
     def _windowed(self, source: Source, spool: Spool) -> Report:
         spool.flush()
@@ -272,7 +302,10 @@ class WindowedAnalysis:
                     stalls.append(s)
                     if st.collective is None and st.op is not None and id(st.op) in colop_ids:
                         arrivals[id(st.op)] = s
+                att.explainer.on_collective = None  # (a cycle through the Attributor: the window is freed now)
                 del win, att
+                if self.windows % COLLECT_WINDOWS == 0 and not gc.isenabled():
+                    gc.collect()  # what cycles explaining makes, while the collector is paused (paused_gc)
                 self.unsought.clear()
             del gpu
             i = bisect_left(ordered, b + wb, i)
@@ -294,16 +327,15 @@ class WindowedAnalysis:
 
     def _load(self, spool: Spool, b0: int, b1: int, *, host: bool = True) -> Capture:
         """The Capture of buckets [b0, b1]: their records, and the whole capture's long-lived ones."""
-        ld = _Loader(self.header)
+        ld = _Loader(self.header, lazy=True)
         whole = self.cap
         for name in _SHARED:
             setattr(ld.cap, name, getattr(whole, name))
         ld.gpu_devices = self.ld.gpu_devices
         n = 0
-        add = ld.add
-        for r in spool.read(b0, b1, host=host):
-            add(r)
-            n += 1
+        for kind, recs in spool.runs(b0, b1, host=host):
+            ld.add_local(kind, recs)
+            n += len(recs)
         self.peak_window_records = max(self.peak_window_records, n)
         cap = ld.finish(self.nvml_meta)
         if self.colops:  # the collective kernels are the whole capture's objects: their waits are keyed by them
@@ -391,6 +423,44 @@ def analyze_records(source: Source, records: Iterable[Any], *, min_gap_ns: int =
     an = WindowedAnalysis(dict(source.header), min_gap_ns=min_gap_ns, bucket_ns=bucket_ns,
                           window_buckets=window_buckets, small_records=small_records)
     add = an.add
-    for r in records:
-        add(r)
-    return an.report(source)
+    with paused_gc():
+        for r in records:
+            add(r)
+        return an.report(source)
+
+
+def analyze_capture(reader: CaptureReader, *, min_gap_ns: int = 1_000_000, bucket_ns: int = BUCKET_NS,
+                    window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS) -> Report:
+    """``analyze_records`` of a capture file, a frame at a time: the frames of plain rows of time-local records
+    are taken column by column and read again only by the windows that reach them (``WindowedAnalysis``). The
+    same report as ``analyze_records(reader, reader.records())``."""
+    with paused_gc():
+        an = read_capture(reader, min_gap_ns=min_gap_ns, bucket_ns=bucket_ns, window_buckets=window_buckets,
+                          small_records=small_records)
+        return an.report(reader)
+
+
+def read_capture(reader: CaptureReader, **kwargs: Any) -> WindowedAnalysis:
+    """The analysis of ``reader``'s capture, every frame added (``analyze_capture`` without the report; keyword
+    arguments: ``WindowedAnalysis``'s)."""
+    an = WindowedAnalysis(dict(reader.header), rows_at=reader.rows_at, **kwargs)
+    add = an.add_batch
+    for batch in reader.batches(exact=COLUMN_KINDS):
+        add(batch)
+    return an
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused, and resumed after: an analysis makes millions of records, and each
+    automatic collection walks every container still alive (a window's records, the frames read), a third of the
+    analysis's time. Records hold no cycles: reference counting frees each window once it is explained; the few
+    cycles explaining makes are collected every COLLECT_WINDOWS windows."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
