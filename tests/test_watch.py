@@ -382,3 +382,43 @@ def test_sigterm_closes_every_segment_and_a_restart_resumes_watching() -> None:
             assert r.returncode == 0, r.stderr
         finally:
             _kill(job)
+
+
+@pytest.mark.kernel
+def test_a_segments_state_holds_the_processes_the_kernel_programs_follow(tmp_path: Path) -> None:
+    """A new segment's process state comes from the job's own processes as its kernel programs follow them (a
+    child forked after tracing began included), not from a pass over every process on the host; it is the same
+    state the pass over /proc finds."""
+    from types import SimpleNamespace
+
+    from workloads.ebpfcap import ebpf_capture
+
+    from gputrace.daemon.watch.watcher import _tree_snapshot
+    from gputrace.records import FdInfo, ProcInfo
+
+    data = tmp_path / "shard.bin"
+    data.write_bytes(b"x" * 4096)
+    forks = ("import os, sys, time\nsys.stdin.readline()\nif os.fork() == 0:\n    f = open(sys.argv[1], 'rb')\n"
+             "    print(os.getpid(), flush=True)\n    time.sleep(60)\nelse:\n    time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", forks, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    assert parent.stdin is not None and parent.stdout is not None
+    try:
+        with ebpf_capture(tmp_path / "t.gputrace", [parent.pid]) as src:
+            parent.stdin.write("fork\n")
+            parent.stdin.flush()
+            child = int(parent.stdout.readline())
+            wait_for(lambda: child in src.live_targets(), 10, "the child followed by the kernel programs")
+            followed = _tree_snapshot(parent.pid, SimpleNamespace(ebpf=src))
+        scanned = _tree_snapshot(parent.pid)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(parent.pid)], check=False)
+        parent.kill()
+        parent.wait()
+    assert [r.pid for r in followed if type(r) is ProcInfo] == [parent.pid, child]
+    assert any(type(r) is FdInfo and r.pid == child and r.obj == str(data) for r in followed), followed
+
+    def timeless(rows: list[Any]) -> list[str]:  # what each row says, whenever it was read
+        return sorted(repr(r._replace(ts=0) if "ts" in r._fields else r) for r in rows)
+
+    assert timeless(followed) == timeless(scanned)

@@ -270,7 +270,7 @@ class Watcher:
         def make_writer(path: Path, header: dict[str, Any], **_: Any) -> FlightRecorder:
             job.recorder = FlightRecorder(job.directory, header, self.config.flight,
                                           on_closed=lambda seg: self._analyse_later(job, seg),
-                                          snapshot=lambda: _tree_snapshot(f.pid),
+                                          snapshot=lambda: _tree_snapshot(f.pid, job.session),
                                           min_gap_ns=int(self.config.min_gap_ms * 1e6))
             return job.recorder
 
@@ -532,12 +532,16 @@ def _probe_cost(job: WatchJob) -> dict[str, int]:
     return {"probe_runs": sum(r.runs for r in rows), "probe_ns": sum(r.cpu_ns for r in rows)}
 
 
-def _tree_snapshot(pid: int) -> list[tuple[Any, ...]]:
-    """Processes, threads and open files of ``pid`` and its descendants, read now (a new segment's state)."""
+def _tree_snapshot(pid: int, session: Any = None) -> list[tuple[Any, ...]]:
+    """Processes, threads and open files of ``pid`` and its descendants, read now (a new segment's state). Once
+    the job's session traces it, its processes are the ones its kernel programs follow (forks and exits as they
+    happened): no pass over every process on the host for each segment of each job."""
     from gputrace.probes import procfs
 
+    ebpf = getattr(session, "ebpf", None)
+    pids = [pid, *sorted(ebpf.live_targets() - {pid})] if ebpf is not None else [pid, *procfs.descendants(pid)]
     rows: list[tuple[Any, ...]] = []
-    for p in [pid, *procfs.descendants(pid)]:
+    for p in pids:
         with contextlib.suppress(OSError):
             rows.extend(procfs.snapshot(p))
     return rows
