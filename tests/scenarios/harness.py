@@ -88,7 +88,13 @@ def same_culprit(stall: dict[str, Any], t: dict[str, Any]) -> bool:
     if stall["cause"] == "tracing" and "tracing" in t.get("causes", ()):  # it names the tool's session
         return True
     pids = t.get("culprit_pids", [t["culprit_pid"]])  # where either of two processes is a right answer
-    return c["pid"] in pids and c["tid"] == t.get("culprit_tid", c["tid"])  # a thread where it says
+    if c["pid"] in pids and c["tid"] == t.get("culprit_tid", c["tid"]):  # a thread where it says
+        return True
+    # The wait chain went through the labelled process and on to what held that process up in turn: deeper than
+    # the label, which cannot see it (train_torch's workers share one result queue, and a fast worker's batch
+    # can wait for the queue's lock, held by the slow worker's feeder thread while it waits for its own GIL).
+    via = stall.get("via") or ()
+    return "culprit_tid" not in t and any(f"wait:pid {p}" in via for p in pids if p != stall.get("device_pid"))
 
 
 # A label's ``own_from_ns`` says when what the step waited for was over (the batch in the trainer's hands, a
@@ -134,7 +140,11 @@ def score(name: str, report: dict[str, Any], truth: dict[int, list[dict[str, Any
         # machine's load or the tool's), not wrong culprits
         own_runqueue = s["cause"] == "cpu.runqueue" and s["culprit"]["pid"] == s.get("device_pid")
         tools_own = s["cause"] == "tracing"
-        if (named and not own_runqueue and not tools_own and ns >= WRONG_CULPRIT_MIN_NS
+        # nor does the GPU process's own CPU time where its CPU samples show it running (on a loaded host the
+        # trainer's own hand-over of a batch, before the step gets it, can outlast the worker's part of a stall)
+        own_sampled = (s["cause"] == "cpu" and s["culprit"]["pid"] == s.get("device_pid")
+                       and s["culprit"].get("samples", 0) > 0)  # fmt: skip
+        if (named and not own_runqueue and not tools_own and not own_sampled and ns >= WRONG_CULPRIT_MIN_NS
                 and not any(same_culprit(s, r) for r in right)):
             sc.wrong_culprits.append(s)
         why = f", why: {s['why']}" if s.get("why") else ""  # an unknown stall's reason, for a CI log to show

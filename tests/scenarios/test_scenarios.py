@@ -234,6 +234,30 @@ def test_scoring_counts_a_wrong_culprit_and_unknown() -> None:
     assert (sc.correct_ns, len(sc.misses), sc.wrong_culprits) == (0, 1, [])
 
 
+def test_scoring_takes_a_chain_through_the_labelled_process_and_beyond_it() -> None:
+    # train_torch_slow under load (a 22.4 ms stall kept from a run): the fast worker's (pid 8) batch, its
+    # feeder thread waiting for the shared result queue's lock, which the slow worker's (pid 9) feeder held while
+    # waiting for its own GIL. The chain passes through the labelled worker and names the slow one: right.
+    label = {"pid": 7, "launch_ns": 0, "cause": "cpu", "causes": ["cpu", "cpu.runqueue"], "object": "",
+             "culprit_pid": 7, "culprit_pids": [7, 8]}
+    slow = {"pid": 9, "tid": 9, "comm": "pt_data_worker", "op": "cpu", "object": "", "bytes": 0, "duration_ns": 0}
+    stall = {"device_pid": 7, "start_ns": -22_400_000, "end_ns": 10, "duration_ns": 22_400_000, "cause": "cpu",
+             "culprit": slow, "via": ["wait:pid 8", "wait:pid 9", "gil:tid 9"]}
+    sc = harness.score("t", {"stalls": [stall]}, {7: [label]})
+    assert (sc.correct_ns, sc.wrong_culprits) == (22_400_000, [])
+    # the same culprit reached without the labelled worker, or only through the GPU process itself: wrong
+    for via in (["wait:pid 9", "gil:tid 9"], ["wait:pid 7", "wait:pid 9"]):
+        sc = harness.score("t", {"stalls": [{**stall, "via": via}]}, {7: [label]})
+        assert sc.correct_ns == 0 and len(sc.wrong_culprits) == 1, via
+    # the GPU process's own CPU where the label says it waited for its worker: a miss; a wrong culprit unless its
+    # CPU samples show it running then
+    own, worker = {**slow, "pid": 7, "tid": 7}, {7: [{**label, "culprit_pid": 8, "culprit_pids": [8]}]}
+    sampled = harness.score("t", {"stalls": [{**stall, "culprit": {**own, "samples": 7}, "via": []}]}, worker)
+    unsampled = harness.score("t", {"stalls": [{**stall, "culprit": own, "via": []}]}, worker)
+    assert (sampled.correct_ns, sampled.wrong_culprits, len(sampled.misses)) == (0, [], 1)
+    assert unsampled.correct_ns == 0 and len(unsampled.wrong_culprits) == 1
+
+
 def test_scoring_gives_the_time_after_what_the_step_waited_for_to_the_launching_process() -> None:
     # train_torch_slow_pinned (an 8.9 ms stall as in a CI failure): a step whose batch came from the slow worker
     # (pid 9), in the trainer's hands at 100 (own_from_ns); the GPU then idled 8.9 ms between the step's own
