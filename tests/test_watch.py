@@ -398,8 +398,9 @@ def test_a_segments_state_holds_the_processes_the_kernel_programs_follow(tmp_pat
 
     data = tmp_path / "shard.bin"
     data.write_bytes(b"x" * 4096)
-    forks = ("import os, sys, time\nsys.stdin.readline()\nif os.fork() == 0:\n    f = open(sys.argv[1], 'rb')\n"
-             "    print(os.getpid(), flush=True)\n    time.sleep(60)\nelse:\n    time.sleep(60)\n")
+    # both processes live until the test closes their stdin
+    forks = ("import os, sys\nsys.stdin.readline()\nif os.fork() == 0:\n    f = open(sys.argv[1], 'rb')\n"
+             "    print(os.getpid(), flush=True)\nsys.stdin.read()\n")
     parent = subprocess.Popen([sys.executable, "-c", forks, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)  # fmt: skip
     assert parent.stdin is not None and parent.stdout is not None
@@ -412,9 +413,8 @@ def test_a_segments_state_holds_the_processes_the_kernel_programs_follow(tmp_pat
             followed = _tree_snapshot(parent.pid, SimpleNamespace(ebpf=src))
         scanned = _tree_snapshot(parent.pid)
     finally:
-        subprocess.run(["pkill", "-KILL", "-P", str(parent.pid)], check=False)
-        parent.kill()
-        parent.wait()
+        parent.stdin.close()
+        parent.wait(10)
     assert [r.pid for r in followed if type(r) is ProcInfo] == [parent.pid, child]
     assert any(type(r) is FdInfo and r.pid == child and r.obj == str(data) for r in followed), followed
 
