@@ -72,14 +72,16 @@ class WatchSvc:
         self.job_file = base / "job.py"
         self.job_file.write_text(JOB)
         os.chmod(self.job_file, 0o644)
-        self.start(*extra)
+        self.extra = extra
+        self.start()
 
-    def start(self, *extra: str) -> None:
+    def start(self) -> None:
+        """The service, with the options it was first started with (a restart keeps them)."""
         self.sock.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gputrace", "daemon", "--socket", str(self.sock), "--state-dir", str(self.state),
              "--watch", "--watch-scan-s", "0.2", "--flight-seconds", "8", "--flight-segment-s", "1",
-             "--metrics-textfile", str(self.metrics), *extra],
+             "--metrics-textfile", str(self.metrics), *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=self.env)
         connectable(self.sock, 30, alive=lambda: self.proc.poll() is None)  # accepting, not merely made
 
@@ -361,8 +363,10 @@ def test_a_flood_of_short_lived_gpu_processes_stays_bounded() -> None:
 
 
 def test_sigterm_closes_every_segment_and_a_restart_resumes_watching() -> None:
-    with watch_service("--flight-seconds", "60") as svc:
-        job = svc.job("120", "5", "5")
+    # A window far longer than a restart can take under load: the segments of the last run are still in it when
+    # the restarted service closes its first one.
+    with watch_service("--flight-seconds", "600") as svc:
+        job = svc.job("600", "5", "5")  # killed at the end; outlives the slowest restart
         try:
             wait_until("segments", lambda: (svc.watched(job.pid) or {}).get("segments", 0) >= 2, 90)
             log = svc.stop()
