@@ -58,7 +58,7 @@ class Pacing:
 
 
 WATCH_PACING = Pacing(wait_s=1.0, ring_poll_ms=250, uprobe_poll_ms=1000, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
-                      agent_flush_ms=250)
+                      agent_flush_ms=1000)
 
 
 @dataclass

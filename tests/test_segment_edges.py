@@ -21,6 +21,7 @@ from gputrace.analysis import analyze
 from gputrace.analysis.explain import BEFORE_HOST_RECORDS
 from gputrace.analysis.windowed import analyze_records
 from gputrace.capture import CaptureReader, host_header, open_capture
+from gputrace.daemon.session import WATCH_PACING
 from gputrace.daemon.watch import flight
 from gputrace.daemon.watch.flight import CONTROL, FlightLimits, FlightRecorder, dump_capture
 from gputrace.records import CudaApi, GpuDevice, GpuKernel, ProcInfo, ThreadInfo
@@ -178,11 +179,13 @@ def causes_of(segments: list[Path]) -> Counter[str]:
     return Counter(s["cause"] for seg in segments for s in report(seg)["stalls"])
 
 
+@pytest.mark.parametrize(("gpu_lag_ms", "flush_ms"), [(600, 250), (0, WATCH_PACING.agent_flush_ms)])
 def test_a_segments_first_stalls_keep_their_host_side_evidence(
-    tmp_path: Path, fake_clock: Callable[[float], None]
+    tmp_path: Path, fake_clock: Callable[[float], None], gpu_lag_ms: int, flush_ms: int
 ) -> None:
-    # the agent's batches come 600-850 ms after their ops: each 1 s segment's first stalls lie before it opened
-    segments = record(tmp_path / "f", Job(150, gpu_lag_ms=600, flush_ms=250), fake_clock)
+    # the agent's batches come 600-850 ms after their ops (or, at watch mode's agent pace, up to a whole
+    # flush period after them): each 1 s segment's first stalls lie before it opened
+    segments = record(tmp_path / "f", Job(150, gpu_lag_ms=gpu_lag_ms, flush_ms=flush_ms), fake_clock)
     assert len(segments) >= 2, segments
     early = 0
     for seg in segments:
@@ -192,8 +195,9 @@ def test_a_segments_first_stalls_keep_their_host_side_evidence(
             assert reader.trailer is not None and reader.trailer["host_from_ns"] <= opened
         early += sum(s["start_ns"] < opened for s in report(seg)["stalls"])
     assert early >= 20, early  # the case at hand
-    # every stall a sleep (one per boundary has its two ops in two segments: in neither)
-    assert causes_of(segments) == Counter({"sleep": 150 - len(segments)}), causes_of(segments)
+    # every stall a sleep (one at a boundary whose two ops are in two segments is in neither)
+    causes = causes_of(segments)
+    assert set(causes) == {"sleep"} and 150 - len(segments) <= causes["sleep"] < 150, causes
 
 
 def test_without_carried_blobs_such_stalls_are_unknown_never_cpu(

@@ -39,7 +39,8 @@ STATE_KINDS = frozenset({"ProcInfo", "ThreadInfo", "FdInfo", "EpollEntry", "File
 MAX_STATE_ROWS = 50_000  # state rows carried at most; more are counted (flight.state_rows) and not carried
 HOST_CATCH_UP_S = 1.0  # a due segment closes after the next kernel blob, or this long after it was due
 # The kernel blobs of the last CARRY_S go into the next segment as well (``_open``): agents send their GPU records
-# later than the ring is drained (watch mode: every 250 ms), so a segment's first stalls lie before it opened
+# later than the ring is drained (watch mode: the agents every second, the ring every 250 ms), so a segment's
+# first stalls lie before it opened
 CARRY_S = 2.0
 CARRY_BYTES = 8 << 20  # carried at most (the oldest go first)
 CARRIED = "flight"  # the metadata frame that says how many kernel frames after it were carried
