@@ -13,13 +13,16 @@ events and rows checked one by one are written to the spool's private file. A wi
 made as its explanation asks for them (``load.Lazy``).
 
 The device timelines are then swept in time order, ``window_buckets`` buckets at a time, carrying each
-device's busy interval across windows: a gap is found whole however long it is. The gaps that end in a
-window are explained on the records of the buckets from one before the earliest gap's start (its launch and
-the calls it waited in began before it) to one after the window (calls it waited in end after it), with the
-code a whole-capture analysis uses (analysis/attribute.py, analysis/explain.py). A window without stalls
-loads its GPU records only. What attribution reads across the whole capture — which threads wait on each
-futex word and who wakes them (a lock's takers, the GIL's holder), whether a thread runs the interpreter,
-the collectives and their waits — is gathered per thread, word or collective instance, never per record.
+device's busy interval across windows: a gap is found whole however long it is. The sweep reads a window's
+GPU ops alone. The gaps that end in a window are explained a group at a time (``_clusters``: gaps whose bucket
+ranges overlap or touch), each group on the records of the buckets from one before its first gap's start (its
+launch and the calls it waited in began before it) to one after its last gap's end (calls it waited in end
+after it), with the code a whole-capture analysis uses (analysis/attribute.py, analysis/explain.py). After a
+window whose groups reached most of its buckets, the next window is loaded whole at once (ops and host
+records), and its gaps explained on that where they start in it. What attribution reads across the whole
+capture — which threads wait on each futex word and who wakes them (a lock's takers, the GIL's holder),
+whether a thread runs the interpreter, the collectives and their waits — is gathered per thread, word or
+collective instance, never per record.
 
 Memory: the long-lived records, those per-object facts, and the records of one window with its margins (or
 of one gap, where a gap is longer than a window); the report's own stalls. Flat in the capture's length.
