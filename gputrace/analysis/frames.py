@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import tempfile
 from bisect import bisect_left, bisect_right
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress, islice, repeat
-from operator import floordiv, itemgetter
+from itertools import compress, repeat
+from operator import floordiv, itemgetter, ne
 from typing import Any
 
 import msgpack
@@ -32,6 +33,7 @@ import msgpack
 from gputrace.capture import RowsAt, has_lists, records_of
 from gputrace.records import RECORD_TYPES
 
+CACHED_READS = 4  # reads whose frames' records are kept for the next reads
 LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than read with every window it reaches
 WIDE_BUCKETS = 256  # a frame reaching more buckets (records flushed long after others) is looked at by every read
 FLUSH_RECORDS = 50_000  # records given one by one, buffered before they are written as one frame
@@ -90,10 +92,10 @@ class Spool:
         self.long: list[tuple[int, int, str, Any]] = []  # (first bucket, last bucket, kind, record), as they came
         self.spooled = 0
         self._index: tuple[list[int], list[int], int, list[int]] | None = None  # see _candidates
-        # the records of the frames the last two reads used, by frame: a window's device records are read, then
-        # its host ones; the next window's reach back into the last one's
+        # the records of the frames the last CACHED_READS reads used, by frame: a window's device records are
+        # read, then the host ones around each of its stalls; the next window's reach back into the last one's
         self._cache: dict[int, list[Any]] = {}
-        self._older: dict[int, list[Any]] = {}
+        self._used: deque[list[int]] = deque()  # the frames each of those reads used, oldest first
 
     # ------------------------------------------------------------------------------------------ writing ---
 
@@ -136,33 +138,38 @@ class Spool:
     def _note(self, spilled: bool, offset: int, length: int, kind: str | None, device: bool | None,
               starts: Sequence[int], ends: Sequence[int], record: Callable[[int], Any]) -> None:
         """A frame noted: the buckets its rows reach, and its rows spanning more than LONG_BUCKETS kept in memory
-        (``record``: the record of a row, by index)."""
+        (``record``: the record of a row, by index). The rows that end in the bucket they start in (nearly all)
+        are taken column by column; only those reaching past it are looked at one by one."""
         bn = self.bucket_ns
         firsts = list(map(floordiv, starts, repeat(bn)))
-        spans = list(map(int.__sub__, map(floordiv, ends, repeat(bn)), firsts))  # < 0: ended before it started
-        self.buckets.update(firsts)
+        lasts = list(map(floordiv, ends, repeat(bn)))
+        distinct = set(firsts)
+        self.buckets |= distinct
         long: set[int] = set()
-        hi = max(firsts, default=-1)
-        for i in compress(range(len(spans)), spans):
-            span, first = spans[i], firsts[i]
-            if span > LONG_BUCKETS:
-                long.add(i)
-                r = record(i)
-                self.long.append((first, first + span, kind or type(r).__name__, r))
-            elif span > 0:
-                self.buckets.update(range(first + 1, first + span + 1))
-                hi = max(hi, first + span)
+        hi = max(distinct, default=-1)
+        if lasts != firsts:  # some rows end in another bucket (later: they reach it; earlier: they end before start)
+            for i in compress(range(len(firsts)), map(ne, firsts, lasts)):
+                first = firsts[i]
+                span = lasts[i] - first
+                if span > LONG_BUCKETS:
+                    long.add(i)
+                    r = record(i)
+                    self.long.append((first, first + span, kind or type(r).__name__, r))
+                elif span > 0:
+                    self.buckets.update(range(first + 1, first + span + 1))
+                    hi = max(hi, first + span)
         steps = None
-        if all(map(int.__le__, firsts, islice(firsts, 1, None))):  # in the order of their first buckets
-            steps = tuple((b, bisect_left(firsts, b)) for b in sorted(set(firsts)))
+        if len(distinct) == 1 or firsts == sorted(firsts):  # in the order of their first buckets
+            steps = tuple((b, bisect_left(firsts, b)) for b in sorted(distinct))
         self.spooled += len(firsts)
         self._index = None
         if long:  # the buckets the others reach
             kept = [i for i in range(len(firsts)) if i not in long]
-            hi = max((firsts[i] + max(spans[i], 0) for i in kept), default=-1)
+            hi = max((firsts[i] + max(lasts[i] - firsts[i], 0) for i in kept), default=-1)
             firsts = [firsts[i] for i in kept]
-        lo = min(firsts, default=0)
-        first = lo if firsts and lo == max(firsts) else None
+            distinct = set(firsts)
+        lo = min(distinct, default=0)
+        first = lo if len(distinct) == 1 else None
         self.frames.append(_Frame(spilled, offset, length, kind, device, lo, hi, first, frozenset(long), steps))
 
     # ------------------------------------------------------------------------------------------ reading ---
@@ -173,24 +180,33 @@ class Spool:
         for _, recs in self.runs(b0, b1, host=host):
             yield from recs
 
-    def runs(self, b0: int, b1: int, *, host: bool = True) -> list[Run]:
-        """``read``'s records as runs of one kind each."""
+    def runs(self, b0: int, b1: int, *, host: bool = True, api: bool = True) -> list[Run]:
+        """``read``'s records as runs of one kind each (``api`` False: without the CUDA API calls, CudaApi)."""
         self.flush()
         groups: Groups = {}
-        cache: dict[int, list[Any]] = {}
+        cache, used = self._cache, []
         for i in self._candidates(b0, b1):
             f = self.frames[i]
-            if not host and f.device is False:
+            if (not host and f.device is False) or (not api and f.kind == "CudaApi"):
                 continue
-            recs = cache[i] = self._cache.get(i) or self._older.get(i) or self._records(f)
+            recs = cache.get(i)
+            if recs is None:
+                recs = cache[i] = self._records(f)
+            used.append(i)
             if f.kind is not None:
                 self._group_frame(groups, f, f.kind, recs, b0, b1)
             else:
-                self._group_items(groups, f, recs, b0, b1, host)
-        self._older, self._cache = self._cache, cache
+                self._group_items(groups, f, recs, b0, b1, host, api)
+        self._used.append(used)
+        if len(self._used) > CACHED_READS:  # the oldest read's frames let go, but those a later read used
+            oldest = self._used.popleft()
+            kept = set().union(*self._used)
+            for i in oldest:
+                if i not in kept:
+                    cache.pop(i, None)
         out = [run for key in sorted(groups) for run in groups[key]]
         for first, last, kind, r in self.long:
-            if first <= b1 and last >= b0 and (host or kind in DEVICE_KINDS):
+            if first <= b1 and last >= b0 and (host or kind in DEVICE_KINDS) and (api or kind != "CudaApi"):
                 out.append((kind, [r]))
         return out
 
@@ -257,13 +273,14 @@ class Spool:
             groups.setdefault(2 * key + bit, []).append((kind, list(map(recs.__getitem__, order[i:j]))))
             i = j
 
-    def _group_items(self, groups: Groups, f: _Frame, items: list[Any], b0: int, b1: int, host: bool) -> None:
+    def _group_items(self, groups: Groups, f: _Frame, items: list[Any], b0: int, b1: int, host: bool,
+                     api: bool = True) -> None:
         """The records of a frame of the spool's own that reach [b0, b1], each onto its group, in order."""
         bn = self.bucket_ns
         last: dict[int, Run] = {}  # each group's run this frame adds to
         for n, (kind, r) in enumerate(items):
             device = kind in DEVICE_KINDS
-            if (not host and not device) or n in f.long:
+            if (not host and not device) or n in f.long or (not api and kind == "CudaApi"):
                 continue
             i_s, i_e = FIELDS[kind]
             start, end = r[i_s], r[i_e]

@@ -283,7 +283,9 @@ class _Loader:
         if told & _KERNEL:
             cap.kernel_pids.update(columns[fields.index("pid")])
         if start >= 0:
-            first = min(filter((0).__lt__, columns[start]), default=0)
+            first = min(columns[start])
+            if first <= 0:  # (rare) a start not recorded: the first one that was
+                first = min(filter((0).__lt__, columns[start]), default=0)
             if first and (cap.first_ns == 0 or first < cap.first_ns):
                 cap.first_ns = first
             cap.last_ns = max(cap.last_ns, max(columns[end]))

@@ -13,13 +13,16 @@ events and rows checked one by one are written to the spool's private file. A wi
 made as its explanation asks for them (``load.Lazy``).
 
 The device timelines are then swept in time order, ``window_buckets`` buckets at a time, carrying each
-device's busy interval across windows: a gap is found whole however long it is. The gaps that end in a
-window are explained on the records of the buckets from one before the earliest gap's start (its launch and
-the calls it waited in began before it) to one after the window (calls it waited in end after it), with the
-code a whole-capture analysis uses (analysis/attribute.py, analysis/explain.py). A window without stalls
-loads its GPU records only. What attribution reads across the whole capture — which threads wait on each
-futex word and who wakes them (a lock's takers, the GIL's holder), whether a thread runs the interpreter,
-the collectives and their waits — is gathered per thread, word or collective instance, never per record.
+device's busy interval across windows: a gap is found whole however long it is. The sweep reads a window's
+GPU ops alone. The gaps that end in a window are explained a group at a time (``_clusters``: gaps whose bucket
+ranges overlap or touch), each group on the records of the buckets from one before its first gap's start (its
+launch and the calls it waited in began before it) to one after its last gap's end (calls it waited in end
+after it), with the code a whole-capture analysis uses (analysis/attribute.py, analysis/explain.py). After a
+window whose groups reached most of its buckets, the next window is loaded whole at once (ops and host
+records), and its gaps explained on that where they start in it. What attribution reads across the whole
+capture — which threads wait on each futex word and who wakes them (a lock's takers, the GIL's holder),
+whether a thread runs the interpreter, the collectives and their waits — is gathered per thread, word or
+collective instance, never per record.
 
 Memory: the long-lived records, those per-object facts, and the records of one window with its margins (or
 of one gap, where a gap is longer than a window); the report's own stalls. Flat in the capture's length.
@@ -185,9 +188,12 @@ class WindowedAnalysis:
                 return
             take = itemgetter(*pick) if len(pick) > 1 else lambda col: (col[pick[0]],)
             pids, tids, rets, args = (take(columns[i]) for i in (0, 1, 5, 9))
-            waits = zip(zip(pids, args, strict=True), tids, map((-ETIMEDOUT).__eq__, rets), strict=True)
-            for key, tid, timed_out in dict.fromkeys(waits):  # distinct waits, in the order they came
-                words = self.futex_words.setdefault(key, (set(), set()))
+            waits = zip(pids, args, tids, map((-ETIMEDOUT).__eq__, rets), strict=True)
+            futex_words = self.futex_words
+            for pid, arg, tid, timed_out in dict.fromkeys(waits):  # distinct waits, in the order they came
+                words = futex_words.get((pid, arg))
+                if words is None:
+                    words = futex_words[(pid, arg)] = (set(), set())
                 words[0].add(tid)
                 if timed_out:
                     words[1].add(tid)
@@ -276,38 +282,48 @@ class WindowedAnalysis:
         arrivals: dict[int, StallDoc] = {}
         bn, wb = self.bucket_ns, self.window_buckets
         ordered = sorted(spool.buckets)
-        i, busy = 0, False
+        i, full = 0, False
         while i < len(ordered):
             b = ordered[i]
             a, z = b * bn, (b + wb) * bn
-            # the last window had stalls: this one likely has too, and loads its host records at once
-            loaded_host = busy
-            gpu = self._load(spool, b - 1, b + wb, host=loaded_host)
+            # the sweep reads the ops alone; where the last window's stalls needed most of its records, this
+            # one's likely do too: it is loaded whole at once
+            gpu = self._load(spool, b - 1, b + wb, host=full, api=full)
             found: list[Stall] = []
             for key, ops in sorted(gpu.ops.items()):
                 sw = sweeps.setdefault(key, Sweep(key))
                 found += sw.window(ops, a, z, waits, self.min_gap_ns)
-            busy = bool(found)
-            if found:
-                lo = min(b, min(s.start_ns for s in found) // bn) - 1
-                win = gpu if loaded_host and lo == b - 1 else self._load(spool, lo, b + wb)
-                self.windows += 1
-                self._find_launches(spool, win, found, lo)
+            if not found:
+                del gpu
+                full = False
+                i = bisect_left(ordered, b + wb, i)
+                continue
+            self.windows += 1
+            docs: dict[int, StallDoc] = {}
+            groups = _clusters(found, bn)
+            if full and groups[0][0] >= b - 1:  # the window's records, loaded whole, are enough for every stall
+                groups = [(b - 1, b + wb, list(range(len(found))))]
+            for lo, hi, group in groups:
+                win = gpu if full and (lo, hi) == (b - 1, b + wb) else self._load(spool, lo, hi)
+                self._find_launches(spool, win, [found[n] for n in group], lo)
                 att = Attributor(win, host, facts)
                 att.host_waits(calls_waited)
-                for st in found:
-                    s = stall_doc(att, st, host, losses, lost_anywhere)
+                for n in group:
+                    st = found[n]
+                    s = docs[n] = stall_doc(att, st, host, losses, lost_anywhere)
                     if id(st.op) in self.unsought and s.get("why", "").startswith("no launch record"):
                         s["why"] += f" in the {LAUNCH_LOOKBACK_NS // 10**9} s before it"
-                    stalls.append(s)
-                    if st.collective is None and st.op is not None and id(st.op) in colop_ids:
-                        arrivals[id(st.op)] = s
-                att.explainer.on_collective = None  # (a cycle through the Attributor: the window is freed now)
+                att.explainer.on_collective = None  # (a cycle through the Attributor: the records are freed now)
                 del win, att
-                if self.windows % COLLECT_WINDOWS == 0 and not gc.isenabled():
-                    gc.collect()  # what cycles explaining makes, while the collector is paused (paused_gc)
                 self.unsought.clear()
             del gpu
+            full = sum(hi - lo + 1 for lo, hi, _ in groups) >= wb
+            for n, st in enumerate(found):
+                stalls.append(docs[n])
+                if st.collective is None and st.op is not None and id(st.op) in colop_ids:
+                    arrivals[id(st.op)] = docs[n]
+            if self.windows % COLLECT_WINDOWS == 0 and not gc.isenabled():
+                gc.collect()  # what cycles explaining makes, while the collector is paused (paused_gc)
             i = bisect_left(ordered, b + wb, i)
         if cap.in_progress and ordered:  # what the threads caught waiting at stop waited for: the last records'
             cap.uring = self._load(spool, ordered[-1] - wb, ordered[-1]).uring
@@ -325,15 +341,16 @@ class WindowedAnalysis:
             report["collectives"] = rows
         return report
 
-    def _load(self, spool: Spool, b0: int, b1: int, *, host: bool = True) -> Capture:
-        """The Capture of buckets [b0, b1]: their records, and the whole capture's long-lived ones."""
+    def _load(self, spool: Spool, b0: int, b1: int, *, host: bool = True, api: bool = True) -> Capture:
+        """The Capture of buckets [b0, b1]: their records (device ones only unless ``host``; without the CUDA
+        API calls unless ``api``), and the whole capture's long-lived ones."""
         ld = _Loader(self.header, lazy=True)
         whole = self.cap
         for name in _SHARED:
             setattr(ld.cap, name, getattr(whole, name))
         ld.gpu_devices = self.ld.gpu_devices
         n = 0
-        for kind, recs in spool.runs(b0, b1, host=host):
+        for kind, recs in spool.runs(b0, b1, host=host, api=api):
             ld.add_local(kind, recs)
             n += len(recs)
         self.peak_window_records = max(self.peak_window_records, n)
@@ -408,6 +425,25 @@ class WindowedAnalysis:
                                      if o.wake_ns and o.waker_pid == r.pid and o.waker_tid != r.tid)
             i = bisect_left(ordered, b + wb, i)
         return out
+
+
+def _clusters(found: list[Stall], bucket_ns: int) -> list[tuple[int, int, list[int]]]:
+    """The stalls of a window (by index in ``found``) in groups explained on the records of one bucket range
+    each: a stall needs the buckets from one before it starts to one after it ends; stalls whose ranges overlap
+    or touch share one. (first bucket, last bucket, the group's stalls in the order they were found) of each,
+    by first bucket."""
+    spans = sorted((st.start_ns // bucket_ns - 1, st.end_ns // bucket_ns + 1, k) for k, st in enumerate(found))
+    out: list[tuple[int, int, list[int]]] = []
+    first, last = spans[0][0], spans[0][1]
+    group: list[int] = []
+    for lo, hi, k in spans:
+        if lo > last + 1:
+            out.append((first, last, sorted(group)))
+            first, last, group = lo, hi, []
+        last = max(last, hi)
+        group.append(k)
+    out.append((first, last, sorted(group)))
+    return out
 
 
 def _interpreted(cap: Capture, tid: int, samples: Counter[int]) -> bool | None:
