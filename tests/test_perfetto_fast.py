@@ -141,6 +141,7 @@ class _PlainRun(_Run):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.handlers[StackSample] = lambda r: _plain_sample(self.samples, r)
+        self.row_handlers = {}  # every record through the plain handlers above, none a frame's rows at a time
 
     def slice(self, uuid: int, s: int, e: int, name: str, cat: bytes, args: dict[str, Any],
               flows: list[int] | tuple[int, ...] = ()) -> None:

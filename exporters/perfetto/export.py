@@ -35,12 +35,12 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from gputrace.analysis.attribute import collective_object
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
-from gputrace.capture import CaptureReader
+from gputrace.capture import CaptureReader, records_of
 from gputrace.documents import Report, Stall
 from gputrace.errors import OutputError, UserError
 from gputrace.exporters import ExportResult
@@ -52,6 +52,7 @@ from gputrace.exporters.perfetto.samples import CpuSamples, StackInterner
 from gputrace.exporters.perfetto.tracks import ID_SPAN, LaneSet, PacketSink, Tracks
 from gputrace.probes.ebpf import uring
 from gputrace.records import (
+    RECORD_TYPES,
     AgentInfo,
     AgentThread,
     BlockIO,
@@ -119,6 +120,10 @@ _WAKER_PID, _WAKER_TID, _FROM_PID, _FROM_TID, _WAKEE_PID, _WAKEE_TID = (
 _WAKE_NS, _SECTOR, _LATENCY, _CORRELATION = (pp.int_arg(n) for n in ("wake_ns", "sector", "latency_ns",
                                                                     "correlation_id"))
 _CACHE_MAX = 1 << 14
+_I64_MAX = (1 << 63) - 1
+# A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_columns), or
+# the records themselves.
+Rows = Sequence[Sequence[Any]]
 
 
 class PerfettoExporter:
@@ -137,7 +142,7 @@ class PerfettoExporter:
         def body(sink: PacketSink) -> list[str]:
             run = _Run(sink, reader.header, self.report, self.pending_cap)
             run.start()
-            run.feed(reader.records())
+            run.feed_reader(reader)
             run.finish()
             return run.notes(reader)
 
@@ -324,6 +329,22 @@ class _Run(Canvas):
             CpuCgroup: self.cpu_cgroup, TracingCost: self.tracing_cost, AgentThread: self.agent_thread,
             StackSample: self.samples.sample, StackFrames: self.samples.frames,
         }
+        # The kinds most records are, drawn a frame at a time from their rows as read (feed_reader): the same
+        # packets as their handlers above write, with each frame's lookups made once and what recurs kept encoded.
+        self.row_handlers: dict[str, Callable[[Rows], None]] = {
+            "Syscall": self.syscall_rows, "OffCpu": self.offcpu_rows, "BlockIO": self.block_rows,
+            "CudaApi": self.cuda_api_rows, "GpuKernel": self.activity_rows(GpuKernel),
+            "GpuMemcpy": self.activity_rows(GpuMemcpy), "GpuMemset": self.activity_rows(GpuMemset),
+            "StackSample": self.samples.sample_rows,
+        }
+        self._syscall_slices: dict[tuple[Any, ...], pp.SliceTemplate] = {}
+        self._block_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._offcpu_heads: dict[tuple[Any, ...], bytes] = {}
+        self._held: dict[tuple[Any, ...], bytes] = {}
+        self._wake_heads: dict[tuple[int, int], bytes] = {}
+        self._woken_heads: dict[tuple[Any, ...], bytes] = {}
+        self._api_tails: dict[tuple[str, int], bytes] = {}
+        self._kernel_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 
     # -- frame ----------------------------------------------------------------------------------------
 
@@ -336,6 +357,26 @@ class _Run(Canvas):
 
     def record(self, rec: tuple[Any, ...]) -> None:
         self.feed((rec,))
+
+    def feed_reader(self, reader: CaptureReader) -> None:
+        """Draw a capture's records: a frame of a kind in ``row_handlers`` whose rows are exactly typed
+        (``CaptureReader.batches``' ``exact``) goes to its row handler as read, any other record to ``feed``. A
+        joined capture's records, moved onto another clock, and a reader that gives no frames go to ``feed``."""
+        batches = getattr(reader, "batches", None)
+        fast = self.row_handlers
+        if batches is None or not fast or self.shift_ns:
+            self.feed(reader.records())
+            return
+        for batch in batches(exact=frozenset(fast)):
+            rows, kind = batch.records, batch.kind
+            handler = fast.get(kind) if batch.columns is not None else None
+            if handler is None:
+                self.feed(rows)
+            elif len(rows[0]) != len(RECORD_TYPES[kind]._fields):  # an older capture's: fields left at defaults
+                self.feed(records_of(kind, rows))
+            else:
+                handler(rows)
+                self.sink.spill()
 
     def feed(self, records: Iterable[tuple[Any, ...]]) -> None:
         """Draw each record (the exporter's inner loop: its lookups made once, not per record)."""
@@ -375,8 +416,9 @@ class _Run(Canvas):
             notes.append(f"capture incomplete: {reader.problem or 'records were lost'}; exported what was readable")
         notes += [f"skipped {n} {kind} record(s): not known to the Perfetto exporter"
                   for kind, n in sorted(self.skipped.items())]
-        if self.malformed:
-            notes.append(f"skipped {self.malformed} malformed record(s) (fields of the wrong type)")
+        malformed = self.malformed + self.samples.malformed
+        if malformed:
+            notes.append(f"skipped {malformed} malformed record(s) (fields of the wrong type)")
         if self.fixed:
             notes.append(f"{self.fixed} record(s) ended before they began; drawn with zero duration")
         if self.launches.unmatched:
@@ -427,6 +469,40 @@ class _Run(Canvas):
         fields = b"".join((pp.event_name(r.name), _CAT_SYSCALL, _OBJ(r.obj) if r.obj else b"", _NBYTES(r.nbytes),
                            _RET(r.ret), _FD(r.fd), _ARG(r.arg), pp.flow_ids(flows) if flows else b""))
         self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def syscall_rows(self, rows: Rows) -> None:
+        """``syscall()`` of each row: each distinct call on each thread track is encoded once
+        (``pp.slice_template``) and framed around its times; a call that is stall evidence the plain way."""
+        out, lanes, links, templates = self.sink.buf, self.lanes, self.stall_links, self._syscall_slices
+        packets = 0
+        for row in rows:
+            try:
+                pid, tid, name, start, end, ret, fd, obj, nbytes, arg = row
+                s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+                lane = (lanes.get(("tl", pid, tid, "")) or self.thread_lanes(pid, tid, "")).place(s, e)
+                flows = links.take(evidence_key("syscall", pid, tid, start)) if links.waiting else None
+                if flows:
+                    fields = self._syscall_fields(name, ret, fd, obj, nbytes, arg) + pp.flow_ids(flows)
+                    out += pp.framed_slice(s, e, lane.uuid, fields)
+                else:
+                    key = (lane.uuid, name, ret, fd, obj, nbytes, arg)
+                    t = templates.get(key)
+                    if t is None:
+                        if len(templates) >= _CACHE_MAX:
+                            templates.clear()
+                        t = templates[key] = pp.slice_template(lane.uuid,
+                                                               self._syscall_fields(name, ret, fd, obj, nbytes, arg))
+                    out += pp.framed_slice_of(s, e, t)
+                packets += 2
+            except _MALFORMED:
+                self.malformed += 1
+        self.sink.count += packets
+
+    @staticmethod
+    def _syscall_fields(name: str, ret: int, fd: int, obj: str, nbytes: int, arg: int) -> bytes:
+        """A syscall slice's name, category and annotations, encoded."""
+        return b"".join((pp.event_name(name), _CAT_SYSCALL, _OBJ(obj) if obj else b"", _NBYTES(nbytes), _RET(ret),
+                         _FD(fd), _ARG(arg)))
 
     def page_fault(self, r: PageFault) -> None:
         """On the syscall lane: the thread is in the kernel, waiting for a mapped file's page."""
@@ -501,6 +577,76 @@ class _Run(Canvas):
         lane.add(wake, e)
         self.put_framed(packets, 5)  # all encoded first: a broken record writes nothing
 
+    def offcpu_rows(self, rows: Rows) -> None:
+        """``offcpu()`` of each row, the annotations that recur (a task state and its waker, the thread that
+        held the CPU, a wakeup's two names) kept encoded."""
+        out, lanes, links, flows_new = self.sink.buf, self.lanes, self.stall_links, self.flows.new
+        heads, held, wake_heads, woken_heads = self._offcpu_heads, self._held, self._wake_heads, self._woken_heads
+        waker = self.tracks.waker
+        packets = 0
+        for row in rows:
+            try:
+                pid, tid, start, end, state, wake_ns, waker_pid, waker_tid, waker_comm, held_pid, held_tid, \
+                    held_comm = row
+                s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+                lane = (lanes.get(("tl", pid, tid, "off-CPU")) or self.thread_lanes(pid, tid, "off-CPU")).place(s, e)
+                uuid = lane.uuid
+                woken = bool(wake_ns and s <= wake_ns <= e)
+                key = (state, woken, waker_pid, waker_tid, waker_comm)
+                begin = heads.get(key)
+                if begin is None:
+                    begin = self._offcpu_name(state) + _STATE(state)
+                    if woken:
+                        begin += _WAKER_PID(waker_pid) + _WAKER_TID(waker_tid) + _WAKER_COMM(waker_comm)
+                    if len(heads) >= _CACHE_MAX:
+                        heads.clear()
+                    heads[key] = begin
+                if woken:
+                    begin += _WAKE_NS(wake_ns)
+                if held_tid:
+                    hkey = (held_pid, held_tid, held_comm)
+                    h = held.get(hkey)
+                    if h is None:
+                        if len(held) >= _CACHE_MAX:
+                            held.clear()
+                        h = held[hkey] = _FROM_PID(held_pid) + _FROM_TID(held_tid) + _FROM_COMM(held_comm)
+                    begin += h
+                flows = links.take(evidence_key("offcpu", pid, tid, start)) if links.waiting else None
+                if flows:
+                    begin += pp.flow_ids(flows)
+                if not (woken and waker_tid):
+                    out += pp.framed_slice(s, e, uuid, begin)
+                    packets += 2
+                    continue
+                arrow = pp.flow_id(flows_new())
+                wake = wake_ns
+                wuuid = waker(waker_pid, waker_tid, waker_comm)
+                wake_head = wake_heads.get((pid, tid))
+                if wake_head is None:
+                    if len(wake_heads) >= _CACHE_MAX:
+                        wake_heads.clear()
+                    wake_head = wake_heads[(pid, tid)] = b"".join((pp.event_name(f"wake tid {tid}"), _CAT_SCHED,
+                                                                  _WAKEE_PID(pid), _WAKEE_TID(tid)))
+                wkey = (waker_comm, waker_pid, waker_tid)
+                woken_head = woken_heads.get(wkey)
+                if woken_head is None:
+                    if len(woken_heads) >= _CACHE_MAX:
+                        woken_heads.clear()
+                    woken_head = woken_heads[wkey] = b"".join((
+                        pp.event_name(f"woken by {waker_comm or waker_tid}"), _CAT_SCHED, _WAKER_PID(waker_pid),
+                        _WAKER_TID(waker_tid)))
+                packets_ = b"".join((
+                    pp.framed_event(pp.INSTANT, wake, wuuid, wake_head + arrow),
+                    pp.framed_event(pp.SLICE_BEGIN, s, uuid, begin),
+                    pp.framed_slice(wake, e, uuid, woken_head + arrow),
+                    pp.framed_end(e, uuid)))
+                lane.add(wake, e)
+                out += packets_
+                packets += 5
+            except _MALFORMED:
+                self.malformed += 1
+        self.sink.count += packets
+
     def _offcpu_name(self, state: str) -> bytes:
         """An off-CPU slice's encoded name and category, kept per task state."""
         enc = pp.event_name("runqueue" if state == "R" else f"off-CPU ({state})") + _CAT_SCHED
@@ -509,9 +655,7 @@ class _Run(Canvas):
         return enc
 
     def waker_track(self, r: OffCpu) -> int:
-        uuid = self.tracks.untraced_thread(r.waker_pid, r.waker_tid, r.waker_comm)
-        self.tracks.refresh_comm(r.waker_pid, r.waker_tid, r.waker_comm)
-        return uuid
+        return self.tracks.waker(r.waker_pid, r.waker_tid, r.waker_comm)
 
     def block(self, r: BlockIO) -> None:
         s, e = self.span(r.issue_ns, r.complete_ns)
@@ -523,6 +667,36 @@ class _Run(Canvas):
                            _SECTOR(r.sector), _BYTES(r.nbytes), _RWBS(r.rwbs), _LATENCY(e - s),
                            pp.flow_ids(flows) if flows else b""))
         self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def block_rows(self, rows: Rows) -> None:
+        """``block()`` of each row, the annotations that recur (the request's name, thread, size and kind) kept
+        encoded."""
+        out, lanes, links, heads = self.sink.buf, self.lanes, self.stall_links, self._block_heads
+        thread_name = self.tracks.thread_name
+        packets = 0
+        for row in rows:
+            try:
+                pid, tid, comm, dev, sector, nbytes, rwbs, issue, complete = row
+                s, e = (issue, complete) if 0 <= issue <= complete <= _I64_MAX else self.span(issue, complete)
+                dev = dev or "?"
+                if comm and thread_name.get((pid, tid)) != comm:
+                    self.tracks.refresh_comm(pid, tid, comm)
+                lane = (lanes.get(("blk", dev)) or self.block_lanes(dev)).place(s, e)
+                flows = links.take(evidence_key("block", pid, tid, issue)) if links.waiting else None
+                key = (rwbs, nbytes, pid, tid, comm)
+                h = heads.get(key)
+                if h is None:
+                    if len(heads) >= _CACHE_MAX:
+                        heads.clear()
+                    h = heads[key] = (b"".join((self.block_name(rwbs, nbytes), _CAT_BLOCK, _PID(pid), _TID(tid),
+                                                _COMM(comm))), _BYTES(nbytes) + _RWBS(rwbs))
+                fields = b"".join((h[0], _SECTOR(sector), h[1], _LATENCY(e - s),
+                                   pp.flow_ids(flows) if flows else b""))
+                out += pp.framed_slice(s, e, lane.uuid, fields)
+                packets += 2
+            except _MALFORMED:
+                self.malformed += 1
+        self.sink.count += packets
 
     def block_lanes(self, dev: str) -> LaneSet:
         ls = self.lanes.get(("blk", dev))
@@ -566,23 +740,87 @@ class _Run(Canvas):
         for rec, flow in self.launches.activity(r):
             self._write_gpu(rec, flow)
 
+    def cuda_api_rows(self, rows: Rows) -> None:
+        """``cuda_api()`` of each row."""
+        new, api, write = tuple.__new__, self.launches.api, self._write_gpu
+        for row in rows:
+            try:
+                for rec, flow in api(new(CudaApi, row)):
+                    write(rec, flow)
+            except _MALFORMED:
+                self.malformed += 1
+
+    def activity_rows(self, cls: type) -> Callable[[Rows], None]:
+        """The row handler of GPU work of kind ``cls`` (kernels, copies or memsets): ``activity()`` of each row."""
+        def draw(rows: Rows) -> None:
+            new, activity, write = tuple.__new__, self.launches.activity, self._write_gpu
+            for row in rows:
+                try:
+                    for rec, flow in activity(new(cls, row)):
+                        write(rec, flow)
+                except _MALFORMED:
+                    self.malformed += 1
+        return draw
+
     def _write_gpu(self, r: Any, flow: int) -> None:
+        """A launch's or GPU work's slice, with the arrow ``flow`` (0: none) and any stall evidence's arrows. What
+        recurs is kept encoded: a call's api and result; a kernel's name, pid, context, grid and block (where
+        they are ints, as a capture's are)."""
         flows: list[int] = [flow] if flow else []
-        if isinstance(r, CudaApi):
-            s, e = self.span(r.start_ns, r.end_ns)
-            lane = self.thread_lanes(r.pid, r.tid, "CUDA API").place(s, e)
-            flows += self.evidence("gpu", r.pid, 0, r.start_ns)
-            fields = b"".join((pp.event_name(r.name), _CAT_CUDA, _CORRELATION(r.correlation_id), _API(r.api),
-                               _RESULT(r.result), pp.flow_ids(flows) if flows else b""))
+        links = self.stall_links
+        if type(r) is CudaApi or isinstance(r, CudaApi):
+            pid, tid, name, start, end, corr, api, result = r
+            s, e = (start, end) if type(start) is int and type(end) is int and 0 <= start <= end <= _I64_MAX \
+                else self.span(start, end)
+            lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
+            if links.waiting:
+                flows += links.take(evidence_key("gpu", pid, 0, start))
+            tail = self._api_tails.get((api, result)) if type(result) is int and type(api) is str else None
+            if tail is None:
+                tail = _API(api) + _RESULT(result)
+                if type(result) is int and type(api) is str and len(self._api_tails) < _CACHE_MAX:
+                    self._api_tails[(api, result)] = tail
+            fields = b"".join((pp.event_name(name), _CAT_CUDA, _CORRELATION(corr), tail,
+                               pp.flow_ids(flows) if flows else b""))
             self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
             return
-        s, e = self.span(r.start_ns, r.end_ns)
-        lane = self.gpu_lanes(r.pid, r.device, r.stream).place(s, e)
-        coll = self.collectives.pop((r.pid, r.correlation_id), None) if self.collectives else None
-        head = activity_fields(r, coll)
-        flows += self.evidence("gpu", r.pid, 0, r.start_ns)
+        pid, device, _, stream, start, end, corr = r[:7]
+        s, e = (start, end) if type(start) is int and type(end) is int and 0 <= start <= end <= _I64_MAX \
+            else self.span(start, end)
+        ls = self._streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)
+        lane = ls.place(s, e)
+        coll = self.collectives.pop((pid, corr), None) if self.collectives else None
+        head = (self._kernel_head(r) if coll is None and type(r) is GpuKernel else None) or activity_fields(r, coll)
+        if links.waiting:
+            flows += links.take(evidence_key("gpu", pid, 0, start))
         fields = b"".join((head[0], _CAT_GPU, head[1], pp.flow_ids(flows) if flows else b""))
         self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def _kernel_head(self, r: GpuKernel) -> tuple[bytes, bytes] | None:
+        """``activity_fields(r, None)`` of a kernel whose name is a string and whose pid, context, grid and block
+        are ints: its name, pid, context, grid and block kept encoded (its correlation id goes between them).
+        None for any other kernel."""
+        pid, _, context, _, _, _, corr, name, grid, block = r
+        grid, block = cast(Any, grid), cast(Any, block)  # as read: lists (a record made in code may hold tuples)
+        if not (type(grid) is list and type(block) is list and len(grid) == 3 and len(block) == 3
+                and type(name) is str):
+            return None
+        g0, g1, g2 = grid
+        b0, b1, b2 = block
+        if not (type(pid) is type(context) is type(g0) is type(g1) is type(g2) is type(b0) is type(b1) is type(b2)
+                is int):
+            return None
+        key = (name, pid, context, g0, g1, g2, b0, b1, b2)
+        parts = self._kernel_heads.get(key)
+        if parts is None:
+            name_enc, args = activity_fields(r, None)
+            corr_enc = _CORRELATION(corr)
+            if not args.startswith(corr_enc):  # never: activity_fields begins with the correlation id
+                return name_enc, args
+            if len(self._kernel_heads) >= _CACHE_MAX:
+                self._kernel_heads.clear()
+            parts = self._kernel_heads[key] = (name_enc, args[len(corr_enc):])
+        return parts[0], _CORRELATION(corr) + parts[1]
 
     def gpu_lanes(self, pid: int, device: int, stream: int) -> LaneSet:
         """A stream's lanes, by the (pid, CUDA id) its records name (stream_lanes, remembered)."""

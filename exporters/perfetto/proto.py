@@ -352,6 +352,38 @@ def framed_slice(s: int, e: int, uuid: int, fields: bytes) -> bytes:
                      heads[4 + len(high_e)], _GROUP[e & 0x3FFF], _GROUP[e >> 14], high_e, tail))
 
 
+# A slice whose track and fields recur (the same call on the same thread, a kernel's launch on its stream): its
+# two packets but their timestamps, made once (``slice_template``) and framed around each slice's times.
+SliceTemplate = tuple[bytes, int, tuple[bytes, ...], bytes]
+_PRE = [_PACKET + _SMALL[n] + _K_TS for n in range(1024)]  # a packet's framing and timestamp key, by its size
+
+
+def slice_template(uuid: int, fields: bytes) -> SliceTemplate:
+    """What ``framed_slice(s, e, uuid, fields)`` writes besides the two timestamps: the begin packet after its
+    timestamp, that packet's size less its timestamp's varint, and the end packet's heads (by the length of its
+    timestamp's varint) and tail."""
+    begin, heads, tail = _TRACKS.get(uuid) or _track(uuid)
+    lev = len(begin) + len(fields)
+    body = _SEQ_EVENT + (_SMALL[lev] if lev < 0x4000 else varint(lev)) + begin + fields
+    return body, len(_K_TS) + len(body), heads, tail
+
+
+def framed_slice_of(s: int, e: int, template: SliceTemplate) -> bytes:
+    """``framed_slice(s, e, uuid, fields)`` from ``slice_template(uuid, fields)`` (``s`` and ``e`` clamped)."""
+    body, base, heads, tail = template
+    if s < 0x1000_0000 or e < s:
+        vs, ve = varint(s), varint(e)
+        n = base + len(vs)
+        return b"".join((_PACKET, varint(n), _K_TS, vs, body, heads[len(ve)], ve, tail))
+    hs, he = s >> 28, e >> 28
+    high_s = _HIGH.get(hs) or _high(hs)
+    high_e = high_s if he == hs else _HIGH.get(he) or _high(he)
+    n = base + 4 + len(high_s)
+    return b"".join((_PRE[n] if n < 1024 else _PACKET + varint(n) + _K_TS, _GROUP[s & 0x3FFF],
+                     _GROUP[(s >> 14) & 0x3FFF], high_s, body, heads[4 + len(high_e)], _GROUP[e & 0x3FFF],
+                     _GROUP[(e >> 14) & 0x3FFF], high_e, tail))
+
+
 def framed_end(ts: int, uuid: int) -> bytes:
     """``framed_event(SLICE_END, ts, uuid, b"")``: a slice's end alone."""
     _, heads, tail = _TRACKS.get(uuid) or _track(uuid)

@@ -10,7 +10,8 @@ frames never come is drawn under a single ``[unknown]`` frame and counted.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from gputrace.exporters.perfetto import proto as pp
 from gputrace.records import StackFrames, StackSample
@@ -104,6 +105,7 @@ class CpuSamples:
         self._npending = 0
         self._fields: dict[tuple[int, int, int], bytes] = {}  # (pid, tid, cpu) -> encoded PerfSample fields
         self.unsymbolized = 0  # drawn as [unknown]: their frames never came (or came too late)
+        self.malformed = 0  # rows sample_rows refused (fields of the wrong type)
 
     def frames(self, r: StackFrames) -> None:
         if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
@@ -136,6 +138,25 @@ class CpuSamples:
         self._npending += 1
         if self._npending > self._cap:
             self._evict_oldest()
+
+    def sample_rows(self, rows: Sequence[Sequence[Any]]) -> None:
+        """``sample()`` of each row (ts, pid, tid, stack, cpu), a record made only for a sample whose stack
+        was not drawn before."""
+        stacks, fields_of, thread, put = self._stacks, self._fields, self._thread, self._put_framed
+        new, framed, clamp = tuple.__new__, pp.framed_perf_sample, pp.clamp_ts
+        for row in rows:
+            try:
+                ts, pid, tid, stack, cpu = row
+                iid = stacks.get((pid, stack))
+                if type(iid) is not int:
+                    self.sample(new(StackSample, row))
+                    continue
+                fields = fields_of.get((pid, tid, cpu)) or self._ready(new(StackSample, row))[3]
+                ts = clamp(ts)
+                thread(pid, tid)
+                put(framed(ts, fields, iid), 1)
+            except (TypeError, ValueError, AttributeError, OverflowError, IndexError):
+                self.malformed += 1
 
     def finish(self) -> None:
         """Samples still waiting for frames that never came: drawn as [unknown]."""

@@ -31,7 +31,7 @@ class PacketSink:
 
     def __init__(self, out: BinaryIO | Writes) -> None:
         self._write = out.write
-        self.buf = bytearray()
+        self.buf = bytearray()  # the same object for the whole export: frame handlers append to it directly
         self.count = 0
 
     def put(self, packet: bytes) -> None:
@@ -45,9 +45,15 @@ class PacketSink:
         if len(buf) >= FLUSH_BYTES:
             self.flush()
 
+    def spill(self) -> None:
+        """Write the buffer once it holds ``FLUSH_BYTES`` (after packets appended to ``buf`` directly)."""
+        if len(self.buf) >= FLUSH_BYTES:
+            self.flush()
+
     def flush(self) -> None:
         if self.buf:
-            data, self.buf = bytes(self.buf), bytearray()
+            data = bytes(self.buf)
+            self.buf.clear()
             self._write(data)
 
 
@@ -272,6 +278,18 @@ class Tracks:
                 self.proc_name[pid] = (comm, [])
                 self.untraced_pids.add(pid)
         return self.thread(pid, tid)
+
+    def waker(self, pid: int, tid: int, comm: str) -> int:
+        """``untraced_thread`` then ``refresh_comm``: the track of a thread seen waking another, by the comm its
+        wakeup names; looked up alone where that changes nothing (the thread is named so, and described)."""
+        name = self.thread_name.get((pid, tid))
+        if name is not None and (name == comm or not comm):
+            u = self._threads.get((pid, tid))
+            if u is not None:
+                return u
+        u = self.untraced_thread(pid, tid, comm)
+        self.refresh_comm(pid, tid, comm)
+        return u
 
     # -- plain and counter tracks -----------------------------------------------------------------------
 
