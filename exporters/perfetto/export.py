@@ -124,6 +124,8 @@ _I64_MAX = (1 << 63) - 1
 # A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_columns), or
 # the records themselves.
 Rows = Sequence[Sequence[Any]]
+_NO_HOLDER = (0, 0, "")  # an OffCpu row of a capture made before its held_* fields: their defaults
+_SHORT_ROWS = frozenset({"OffCpu"})  # kinds whose row handlers also take such older, shorter rows
 
 
 class PerfettoExporter:
@@ -372,7 +374,8 @@ class _Run(Canvas):
             handler = fast.get(kind) if batch.columns is not None else None
             if handler is None:
                 self.feed(rows)
-            elif len(rows[0]) != len(RECORD_TYPES[kind]._fields):  # an older capture's: fields left at defaults
+            elif len(rows[0]) != len(RECORD_TYPES[kind]._fields) and kind not in _SHORT_ROWS:
+                # an older capture's rows: the records hold the fields they lack at their defaults
                 self.feed(records_of(kind, rows))
             else:
                 handler(rows)
@@ -586,8 +589,8 @@ class _Run(Canvas):
         packets = 0
         for row in rows:
             try:
-                pid, tid, start, end, state, wake_ns, waker_pid, waker_tid, waker_comm, held_pid, held_tid, \
-                    held_comm = row
+                pid, tid, start, end, state, wake_ns, waker_pid, waker_tid, waker_comm, *holder = row
+                held_pid, held_tid, held_comm = holder or _NO_HOLDER
                 s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
                 lane = (lanes.get(("tl", pid, tid, "off-CPU")) or self.thread_lanes(pid, tid, "off-CPU")).place(s, e)
                 uuid = lane.uuid
@@ -618,7 +621,7 @@ class _Run(Canvas):
                     out += pp.framed_slice(s, e, uuid, begin)
                     packets += 2
                     continue
-                arrow = pp.flow_id(flows_new())
+                flow = flows_new()
                 wake = wake_ns
                 wuuid = waker(waker_pid, waker_tid, waker_comm)
                 wake_head = wake_heads.get((pid, tid))
@@ -635,11 +638,7 @@ class _Run(Canvas):
                     woken_head = woken_heads[wkey] = b"".join((
                         pp.event_name(f"woken by {waker_comm or waker_tid}"), _CAT_SCHED, _WAKER_PID(waker_pid),
                         _WAKER_TID(waker_tid)))
-                packets_ = b"".join((
-                    pp.framed_event(pp.INSTANT, wake, wuuid, wake_head + arrow),
-                    pp.framed_event(pp.SLICE_BEGIN, s, uuid, begin),
-                    pp.framed_slice(wake, e, uuid, woken_head + arrow),
-                    pp.framed_end(e, uuid)))
+                packets_ = pp.framed_wakeup(s, wake, e, uuid, begin, wuuid, wake_head, woken_head, flow)
                 lane.add(wake, e)
                 out += packets_
                 packets += 5
@@ -752,15 +751,57 @@ class _Run(Canvas):
 
     def activity_rows(self, cls: type) -> Callable[[Rows], None]:
         """The row handler of GPU work of kind ``cls`` (kernels, copies or memsets): ``activity()`` of each row."""
+        kernels = cls is GpuKernel
+        heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # see _activity_head
+
         def draw(rows: Rows) -> None:
-            new, activity, write = tuple.__new__, self.launches.activity, self._write_gpu
+            new, activity, write, take_api = tuple.__new__, self.launches.activity, self._write_gpu, \
+                self.launches.take_api
+            out, streams, links = self.sink.buf, self._streams, self.stall_links
+            packets = 0
             for row in rows:
                 try:
-                    for rec, flow in activity(new(cls, row)):
-                        write(rec, flow)
+                    pid, device, context, stream, start, end, corr, *rest = row
+                    hit = take_api((pid, corr))
+                    if hit is None:  # no launch waits for it: activity() decides
+                        for rec, flow in activity(new(cls, row)):
+                            write(rec, flow)
+                        continue
+                    api, flow = hit
+                    write(api, flow)
+                    s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+                    lane = (streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)).place(s, e)
+                    coll = self.collectives.pop((pid, corr), None) if self.collectives else None
+                    if coll is None:
+                        key = (pid, context, rest[0], *rest[1], *rest[2]) if kernels else (pid, context, *rest)
+                        head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
+                        fields = b"".join((head[0], _CORRELATION(corr), head[1]))
+                    else:
+                        name, args = activity_fields(new(cls, row), coll)
+                        fields = name + _CAT_GPU + args
+                    if links.waiting:
+                        flows = [flow, *links.take(evidence_key("gpu", pid, 0, start))]
+                        fields += pp.flow_ids(flows)
+                    else:
+                        fields += pp.flow_id(flow)
+                    out += pp.framed_slice(s, e, lane.uuid, fields)
+                    packets += 2
                 except _MALFORMED:
                     self.malformed += 1
+            self.sink.count += packets
         return draw
+
+    @staticmethod
+    def _activity_head(heads: dict[tuple[Any, ...], tuple[bytes, bytes]], key: tuple[Any, ...],
+                       r: Any) -> tuple[bytes, bytes]:
+        """What GPU work's slice holds around its correlation id (its name and category; its pid, context and
+        kind's own annotations), kept under ``key``: the fields of ``activity_fields(r, None)``."""
+        name, args = activity_fields(r, None)
+        corr = _CORRELATION(r.correlation_id)
+        if len(heads) >= _CACHE_MAX:
+            heads.clear()
+        head = heads[key] = (name + _CAT_GPU, args[len(corr):])
+        return head
 
     def _write_gpu(self, r: Any, flow: int) -> None:
         """A launch's or GPU work's slice, with the arrow ``flow`` (0: none) and any stall evidence's arrows. What

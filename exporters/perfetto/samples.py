@@ -19,6 +19,7 @@ from gputrace.records import StackFrames, StackSample
 UNKNOWN = "[unknown]"
 _U32 = 1 << 32
 _FUNCTION_NAMES, _MAPPING_PATHS = 5, 17  # InternedData fields
+_TAILS_MAX = 1 << 14
 
 
 def split_frame(frame: str) -> tuple[str, str]:
@@ -106,6 +107,7 @@ class CpuSamples:
         self._fields: dict[tuple[int, int, int], bytes] = {}  # (pid, tid, cpu) -> encoded PerfSample fields
         self.unsymbolized = 0  # drawn as [unknown]: their frames never came (or came too late)
         self.malformed = 0  # rows sample_rows refused (fields of the wrong type)
+        self._tails: dict[tuple[int, int, int, int], bytes] = {}  # (pid, tid, cpu, callstack) -> pp.sample_tail
 
     def frames(self, r: StackFrames) -> None:
         if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
@@ -142,8 +144,8 @@ class CpuSamples:
     def sample_rows(self, rows: Sequence[Sequence[Any]]) -> None:
         """``sample()`` of each row (ts, pid, tid, stack, cpu), a record made only for a sample whose stack
         was not drawn before."""
-        stacks, fields_of, thread, put = self._stacks, self._fields, self._thread, self._put_framed
-        new, framed, clamp = tuple.__new__, pp.framed_perf_sample, pp.clamp_ts
+        stacks, fields_of, thread, put, tails = self._stacks, self._fields, self._thread, self._put_framed, self._tails
+        new, framed, clamp = tuple.__new__, pp.framed_sample, pp.clamp_ts
         for row in rows:
             try:
                 ts, pid, tid, stack, cpu = row
@@ -151,10 +153,16 @@ class CpuSamples:
                 if type(iid) is not int:
                     self.sample(new(StackSample, row))
                     continue
-                fields = fields_of.get((pid, tid, cpu)) or self._ready(new(StackSample, row))[3]
+                key = (pid, tid, cpu, iid)
+                tail = tails.get(key)
+                if tail is None:
+                    fields = fields_of.get((pid, tid, cpu)) or self._ready(new(StackSample, row))[3]
+                    if len(tails) >= _TAILS_MAX:
+                        tails.clear()
+                    tail = tails[key] = pp.sample_tail(fields, iid)
                 ts = clamp(ts)
                 thread(pid, tid)
-                put(framed(ts, fields, iid), 1)
+                put(framed(ts, tail), 1)
             except (TypeError, ValueError, AttributeError, OverflowError, IndexError):
                 self.malformed += 1
 
