@@ -345,7 +345,7 @@ class _Run(Canvas):
         self._held: dict[tuple[Any, ...], bytes] = {}
         self._wake_heads: dict[tuple[int, int], bytes] = {}
         self._woken_heads: dict[tuple[Any, ...], bytes] = {}
-        self._api_tails: dict[tuple[str, int], bytes] = {}
+        self._api_parts: dict[tuple[str, str, int], tuple[bytes, bytes]] = {}  # a launch's name, api and result
         self._kernel_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 
     # -- frame ----------------------------------------------------------------------------------------
@@ -816,13 +816,14 @@ class _Run(Canvas):
             lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
             if links.waiting:
                 flows += links.take(evidence_key("gpu", pid, 0, start))
-            tail = self._api_tails.get((api, result)) if type(result) is int and type(api) is str else None
-            if tail is None:
-                tail = _API(api) + _RESULT(result)
-                if type(result) is int and type(api) is str and len(self._api_tails) < _CACHE_MAX:
-                    self._api_tails[(api, result)] = tail
-            fields = b"".join((pp.event_name(name), _CAT_CUDA, _CORRELATION(corr), tail,
-                               pp.flow_ids(flows) if flows else b""))
+            typed = type(name) is str and type(api) is str and type(result) is int
+            parts = self._api_parts.get((name, api, result)) if typed else None
+            if parts is None:
+                parts = (pp.event_name(name) + _CAT_CUDA, _API(api) + _RESULT(result))
+                if typed and len(self._api_parts) < _CACHE_MAX:
+                    self._api_parts[(name, api, result)] = parts
+            fields = b"".join((parts[0], _CORRELATION(corr), parts[1],
+                               (pp.flow_id(flows[0]) if len(flows) == 1 else pp.flow_ids(flows)) if flows else b""))
             self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
             return
         pid, device, _, stream, start, end, corr = r[:7]

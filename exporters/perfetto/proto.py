@@ -221,7 +221,9 @@ def int_arg(name: str, recurring: bool = False) -> Encode:
                 v = small[value]
             elif 0x4000 <= value < 0x1000_0000:
                 v = group[value & 0x3FFF] + small[value >> 14]
-            elif _I64_MIN <= value <= _I64_MAX:
+            elif 0 <= value <= _I64_MAX:  # times: their high bits looked up
+                v = ts_varint(value)
+            elif _I64_MIN <= value < 0:
                 v = varint(value)
             else:
                 return debug_arg(name, value)

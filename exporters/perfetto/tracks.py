@@ -131,6 +131,9 @@ def _compatible(s: int, e: int, ys: int, ye: int) -> bool:
     return s < ys and ye <= e  # around
 
 
+_SEQUENTIAL_MAX = Lane.KEEP_SEQUENTIAL + EVICT  # slices a sequential lane holds before it forgets EVICT of them
+
+
 class LaneSet:
     """Slices of one logical track; overlapping ones go to extra lanes instead of breaking the nesting.
 
@@ -148,16 +151,24 @@ class LaneSet:
     def place(self, s: int, e: int) -> Lane:
         """The first lane ``[s, e]`` fits on (``s <= e``), a new one if none does."""
         for lane in self.lanes:
-            if s >= lane.maxend and not lane.nest:  # after all of it: add()'s in-order case, without the call
-                starts = lane.starts
-                starts.append(s)
-                lane.ends.append(e)
+            if s >= lane.maxend:  # after all of it: add()'s in-order case, without the call
+                if lane.nest:
+                    recent = lane.recent
+                    recent.append((s, e))
+                    if len(recent) > Lane.KEEP:
+                        end = recent.popleft()[1]
+                        if end > lane.floor:
+                            lane.floor = end
+                else:
+                    starts = lane.starts
+                    starts.append(s)
+                    lane.ends.append(e)
+                    if len(starts) > _SEQUENTIAL_MAX:
+                        lane.evict()
                 if e > lane.maxend:
                     lane.maxend = e
-                if len(starts) > Lane.KEEP_SEQUENTIAL + EVICT:
-                    lane.evict()
                 return lane
-            if s >= lane.maxend or lane.fits(s, e):
+            if lane.fits(s, e):
                 lane.add(s, e)
                 return lane
         lane = Lane(self._make(len(self.lanes)), self._nest)
