@@ -768,14 +768,21 @@ class _Run(Canvas):
                             write(rec, flow)
                         continue
                     api, flow = hit
-                    write(api, flow)
+                    corr_enc = _CORRELATION(corr)
+                    arrow = pp.flow_id(flow)
+                    launch = None if links.waiting else self._launch_slice(api, corr_enc, arrow)
+                    if launch is None:
+                        write(api, flow)
+                    else:
+                        out += launch
+                        packets += 2
                     s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
                     lane = (streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)).place(s, e)
                     coll = self.collectives.pop((pid, corr), None) if self.collectives else None
                     if coll is None:
                         key = (pid, context, rest[0], *rest[1], *rest[2]) if kernels else (pid, context, *rest)
                         head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
-                        fields = b"".join((head[0], _CORRELATION(corr), head[1]))
+                        fields = b"".join((head[0], corr_enc, head[1]))
                     else:
                         name, args = activity_fields(new(cls, row), coll)
                         fields = name + _CAT_GPU + args
@@ -783,13 +790,29 @@ class _Run(Canvas):
                         flows = [flow, *links.take(evidence_key("gpu", pid, 0, start))]
                         fields += pp.flow_ids(flows)
                     else:
-                        fields += pp.flow_id(flow)
+                        fields += arrow
                     out += pp.framed_slice(s, e, lane.uuid, fields)
                     packets += 2
                 except _MALFORMED:
                     self.malformed += 1
             self.sink.count += packets
         return draw
+
+    def _launch_slice(self, r: CudaApi, corr: bytes, arrow: bytes) -> bytes | None:
+        """``_write_gpu(r, flow)``'s packets for a launch whose times, correlation id, name, api and result are of
+        their declared types, where no stall evidence is looked for, given its GPU work's encoded correlation id
+        (the same) and arrow (``flow``'s); None for any other launch."""
+        pid, tid, name, start, end, corr_id, api, result = r
+        if not (type(start) is type(end) is type(corr_id) is type(result) is int and type(name) is type(api) is str):
+            return None
+        s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+        lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
+        parts = self._api_parts.get((name, api, result))
+        if parts is None:
+            parts = (pp.event_name(name) + _CAT_CUDA, _API(api) + _RESULT(result))
+            if len(self._api_parts) < _CACHE_MAX:
+                self._api_parts[(name, api, result)] = parts
+        return pp.framed_slice(s, e, lane.uuid, b"".join((parts[0], corr, parts[1], arrow)))
 
     @staticmethod
     def _activity_head(heads: dict[tuple[Any, ...], tuple[bytes, bytes]], key: tuple[Any, ...],
