@@ -20,6 +20,7 @@ UNKNOWN = "[unknown]"
 _U32 = 1 << 32
 _FUNCTION_NAMES, _MAPPING_PATHS = 5, 17  # InternedData fields
 _TAILS_MAX = 1 << 14
+_I64_MAX = (1 << 63) - 1
 
 
 def split_frame(frame: str) -> tuple[str, str]:
@@ -160,9 +161,8 @@ class CpuSamples:
                     if len(tails) >= _TAILS_MAX:
                         tails.clear()
                     tail = tails[key] = pp.sample_tail(fields, iid)
-                ts = clamp(ts)
                 thread(pid, tid)
-                put(framed(ts, tail), 1)
+                put(framed(ts if 0 <= ts <= _I64_MAX else clamp(ts), tail), 1)
             except (TypeError, ValueError, AttributeError, OverflowError, IndexError):
                 self.malformed += 1
 
