@@ -415,7 +415,7 @@ def test_row_handlers_write_what_the_plain_ones_write(tmp_path: Path, monkeypatc
     for i in range(0, len(recs), 300):
         w.write(recs[i:i + 300])
     w.close({"complete": True})
-    report = _report(recs) if with_report else None
+    report: Any = _report(recs) if with_report else None
 
     def write(out: Path) -> Any:
         with CaptureReader(cap) as reader:
