@@ -31,6 +31,7 @@ device, with arrows from evidence on any host (a late rank's read, on its host, 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -210,7 +211,8 @@ class PerfettoExporter:
                 fd = _create_new(tmp, self.out_path)
                 f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
             sink = PacketSink(_Named(f, self.out_path))
-            notes = body(sink)
+            with _gc_paused():
+                notes = body(sink)
             sink.flush()
             with _writing(self.out_path):
                 f.flush()
@@ -259,6 +261,21 @@ def _on_clock(rec: tuple[Any, ...], by: int) -> tuple[Any, ...]:
         if type(v) is int and not (zero_is_none and v == 0):
             values[i] = v + by
     return t._make(values)  # type: ignore[attr-defined, no-any-return]
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while the trace is drawn, and resumed as it was. The export makes no
+    reference cycles (what it reads and writes is freed by reference counting as it goes, so memory stays flat),
+    but the capture's rows are millions of short-lived containers, and the collections they set off took about a
+    tenth of the export's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
