@@ -79,7 +79,13 @@ class LaunchMatcher:
         api = self._api.pop(key, None)
         if api is None:
             return None
-        return api, self._paired(key)
+        flow = self._flows.new()  # _paired()'s, inline: GPU work's rows take this way
+        self.matched += 1
+        done = self._done
+        done[key] = None
+        if len(done) > _DONE_CAP:
+            done.popitem(last=False)
+        return api, flow
 
     def drain(self) -> Iterator[tuple[tuple[Any, ...], int]]:
         """Everything still waiting, without flows (its other end never came)."""
