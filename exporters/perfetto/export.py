@@ -357,6 +357,7 @@ class _Run(Canvas):
             "StackSample": self.samples.sample_rows,
         }
         self._syscall_slices: dict[tuple[Any, ...], pp.SliceTemplate] = {}
+        self._offcpu_slices: dict[tuple[int, bytes], pp.SliceTemplate] = {}
         self._block_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self._offcpu_heads: dict[tuple[Any, ...], bytes] = {}
         self._held: dict[tuple[Any, ...], bytes] = {}
@@ -602,7 +603,7 @@ class _Run(Canvas):
         held the CPU, a wakeup's two names) kept encoded."""
         out, lanes, links, flows_new = self.sink.buf, self.lanes, self.stall_links, self.flows.new
         heads, held, wake_heads, woken_heads = self._offcpu_heads, self._held, self._wake_heads, self._woken_heads
-        waker = self.tracks.waker
+        waker, templates = self.tracks.waker, self._offcpu_slices
         packets = 0
         for row in rows:
             try:
@@ -635,7 +636,15 @@ class _Run(Canvas):
                 if flows:
                     begin += pp.flow_ids(flows)
                 if not (woken and waker_tid):
-                    out += pp.framed_slice(s, e, uuid, begin)
+                    if woken or flows:  # a time or an arrow in it: framed as it is
+                        out += pp.framed_slice(s, e, uuid, begin)
+                    else:  # a wait nobody was seen ending (a preemption): the same slice on its track, kept
+                        t = templates.get((uuid, begin))
+                        if t is None:
+                            if len(templates) >= _CACHE_MAX:
+                                templates.clear()
+                            t = templates[(uuid, begin)] = pp.slice_template(uuid, begin)
+                        out += pp.framed_slice_of(s, e, t)
                     packets += 2
                     continue
                 flow = flows_new()
@@ -796,8 +805,12 @@ class _Run(Canvas):
                     s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
                     lane = (streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)).place(s, e)
                     coll = self.collectives.pop((pid, corr), None) if self.collectives else None
-                    if coll is None:
-                        key = (pid, context, rest[0], *rest[1], *rest[2]) if kernels else (pid, context, *rest)
+                    if coll is None and kernels:  # names vary (a step's number in them): looked up apart
+                        key = (pid, context, *rest[1], *rest[2])
+                        head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
+                        fields = b"".join((pp.event_name(rest[0]), _CAT_GPU, corr_enc, head[1]))
+                    elif coll is None:
+                        key = (pid, context, *rest)
                         head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
                         fields = b"".join((head[0], corr_enc, head[1]))
                     else:
@@ -835,7 +848,8 @@ class _Run(Canvas):
     def _activity_head(heads: dict[tuple[Any, ...], tuple[bytes, bytes]], key: tuple[Any, ...],
                        r: Any) -> tuple[bytes, bytes]:
         """What GPU work's slice holds around its correlation id (its name and category; its pid, context and
-        kind's own annotations), kept under ``key``: the fields of ``activity_fields(r, None)``."""
+        kind's own annotations), kept under ``key``: the fields of ``activity_fields(r, None)`` (a kernel's key
+        leaves out its name, and the name kept is not used)."""
         name, args = activity_fields(r, None)
         corr = _CORRELATION(r.correlation_id)
         if len(heads) >= _CACHE_MAX:
