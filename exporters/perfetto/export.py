@@ -608,7 +608,7 @@ class _Run(Canvas):
         for row in rows:
             try:
                 pid, tid, start, end, state, wake_ns, waker_pid, waker_tid, waker_comm, *holder = row
-                held_pid, held_tid, held_comm = holder or _NO_HOLDER
+                held_pid, held_tid, held_comm = holder if len(holder) == 3 else (*holder, *_NO_HOLDER[len(holder):])
                 s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
                 lane = (lanes.get(("tl", pid, tid, "off-CPU")) or self.thread_lanes(pid, tid, "off-CPU")).place(s, e)
                 uuid = lane.uuid
