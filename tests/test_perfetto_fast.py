@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gputrace.analysis.timefmt import size_text
-from gputrace.capture import CaptureReader
+from gputrace.capture import CaptureReader, CaptureWriter, exact_columns, host_header
 from gputrace.exporters.perfetto import export
 from gputrace.exporters.perfetto import proto as pp
 from gputrace.exporters.perfetto.args import _DIRECTION
@@ -81,8 +81,26 @@ def test_framed_events_are_the_plain_packets() -> None:
         plain_end = pp.framed(pp.track_event(pp.SLICE_END, e, uuid))
         assert pp.framed_slice(s, e, uuid, f) == plain_begin + plain_end, (s, e, uuid)
         assert pp.framed_end(e, uuid) == plain_end
+        assert pp.framed_slice_of(s, e, pp.slice_template(uuid, f)) == plain_begin + plain_end, (s, e, uuid)
         for etype in (pp.SLICE_BEGIN, pp.INSTANT, pp.COUNTER):
             assert pp.framed_event(etype, s, uuid, f) == pp.framed(pp.track_event(etype, s, uuid, extra=f))
+
+
+def test_a_wakeup_is_its_plain_packets() -> None:
+    rng = random.Random(4)
+    fields = [b"", pp.event_name("wake tid 5") + pp.category("sched") + pp.debug_args({"wakee_pid": 5}),
+              pp.debug_args({"long": "x" * 20_000})]
+    stamps = EDGE_TS + [rng.randrange(1 << 63) for _ in range(300)]
+    for _ in range(2000):
+        s, wake, e = sorted(rng.choice(stamps) for _ in range(3))
+        lane, waker = (rng.choice([1, 127, 128, 20_000, (7 << 32) + 5]) for _ in range(2))
+        begin, wake_fields, woken_fields = (rng.choice(fields) for _ in range(3))
+        flow = rng.choice([1, 300, 2**64 - 1])
+        arrow = pp.flow_id(flow)
+        plain = b"".join((pp.framed(pp.track_event(pp.INSTANT, wake, waker, extra=wake_fields, flows=[flow])),
+                          pp.framed(pp.track_event(pp.SLICE_BEGIN, s, lane, extra=begin)),
+                          pp.framed_slice(wake, e, lane, woken_fields + arrow), pp.framed_end(e, lane)))
+        assert pp.framed_wakeup(s, wake, e, lane, begin, waker, wake_fields, woken_fields, flow) == plain
 
 
 def test_event_fields_are_track_events() -> None:
@@ -97,6 +115,7 @@ def test_event_fields_are_track_events() -> None:
         ts, fields, iid = rng.choice(EDGE_TS), pp.sample_fields(rng.randrange(1 << 32), 7, rng.choice([-1, 3])), \
             rng.choice([1, 200, 70_000])
         assert pp.framed_perf_sample(ts, fields, iid) == pp.framed(pp.perf_sample(ts, fields, iid))
+        assert pp.framed_sample(ts, pp.sample_tail(fields, iid)) == pp.framed(pp.perf_sample(ts, fields, iid))
 
 
 @pytest.mark.parametrize("recurring", [False, True])
@@ -141,6 +160,7 @@ class _PlainRun(_Run):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.handlers[StackSample] = lambda r: _plain_sample(self.samples, r)
+        self.row_handlers = {}  # every record through the plain handlers above, none a frame's rows at a time
 
     def slice(self, uuid: int, s: int, e: int, name: str, cat: bytes, args: dict[str, Any],
               flows: list[int] | tuple[int, ...] = ()) -> None:
@@ -375,3 +395,31 @@ def test_fast_handlers_on_a_capture_with_its_report(tmp_path: Path, monkeypatch:
     assert fast == plain
     check = check_trace(tmp_path / "fast.pftrace")
     assert check.problems == [] and check.flows  # the stalls' arrows are drawn
+
+
+@pytest.mark.parametrize(("seed", "pending_cap", "with_report", "exact_only"),
+                         [(5, 50_000, False, True), (6, 3, True, True), (7, 50_000, True, False)])
+def test_row_handlers_write_what_the_plain_ones_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int,
+                                                      pending_cap: int, with_report: bool, exact_only: bool) -> None:
+    """A capture's frames of exactly typed rows go to the row handlers (the rest to the record handlers): the
+    same file as the plain handlers write, edge values included."""
+    def storable(r: tuple[Any, ...]) -> bool:  # msgpack holds ints up to 2**64 - 1
+        return all(not (type(v) is int and v >= 1 << 64) for v in r)
+
+    def exact(r: tuple[Any, ...]) -> bool:
+        return exact_columns(type(r).__name__, [[list(v) if type(v) is tuple else v for v in r]]) is not None
+
+    recs = [r for r in _mixed(random.Random(seed), 400) if storable(r) and (exact(r) or not exact_only)]
+    cap = tmp_path / "mixed.gputrace"
+    w = CaptureWriter(cap, host_header(["test"]))
+    for i in range(0, len(recs), 300):
+        w.write(recs[i:i + 300])
+    w.close({"complete": True})
+    report: Any = _report(recs) if with_report else None
+
+    def write(out: Path) -> Any:
+        with CaptureReader(cap) as reader:
+            return PerfettoExporter(out, report=report, pending_cap=pending_cap).write(reader)
+
+    fast, plain, _ = _both(tmp_path, monkeypatch, write)
+    assert len(fast) > 100_000 and fast == plain

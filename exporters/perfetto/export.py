@@ -31,16 +31,17 @@ device, with arrows from evidence on any host (a late rank's read, on its host, 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from gputrace.analysis.attribute import collective_object
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
-from gputrace.capture import CaptureReader
+from gputrace.capture import CaptureReader, records_of
 from gputrace.documents import Report, Stall
 from gputrace.errors import OutputError, UserError
 from gputrace.exporters import ExportResult
@@ -52,6 +53,7 @@ from gputrace.exporters.perfetto.samples import CpuSamples, StackInterner
 from gputrace.exporters.perfetto.tracks import ID_SPAN, LaneSet, PacketSink, Tracks
 from gputrace.probes.ebpf import uring
 from gputrace.records import (
+    RECORD_TYPES,
     AgentInfo,
     AgentThread,
     BlockIO,
@@ -119,6 +121,12 @@ _WAKER_PID, _WAKER_TID, _FROM_PID, _FROM_TID, _WAKEE_PID, _WAKEE_TID = (
 _WAKE_NS, _SECTOR, _LATENCY, _CORRELATION = (pp.int_arg(n) for n in ("wake_ns", "sector", "latency_ns",
                                                                     "correlation_id"))
 _CACHE_MAX = 1 << 14
+_I64_MAX = (1 << 63) - 1
+# A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_columns), or
+# the records themselves.
+Rows = Sequence[Sequence[Any]]
+_NO_HOLDER = (0, 0, "")  # an OffCpu row of a capture made before its held_* fields: their defaults
+_SHORT_ROWS = frozenset({"OffCpu"})  # kinds whose row handlers also take such older, shorter rows
 
 
 class PerfettoExporter:
@@ -137,7 +145,7 @@ class PerfettoExporter:
         def body(sink: PacketSink) -> list[str]:
             run = _Run(sink, reader.header, self.report, self.pending_cap)
             run.start()
-            run.feed(reader.records())
+            run.feed_reader(reader)
             run.finish()
             return run.notes(reader)
 
@@ -203,7 +211,8 @@ class PerfettoExporter:
                 fd = _create_new(tmp, self.out_path)
                 f = open(fd, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below, its errors named
             sink = PacketSink(_Named(f, self.out_path))
-            notes = body(sink)
+            with _gc_paused():
+                notes = body(sink)
             sink.flush()
             with _writing(self.out_path):
                 f.flush()
@@ -252,6 +261,21 @@ def _on_clock(rec: tuple[Any, ...], by: int) -> tuple[Any, ...]:
         if type(v) is int and not (zero_is_none and v == 0):
             values[i] = v + by
     return t._make(values)  # type: ignore[attr-defined, no-any-return]
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while the trace is drawn, and resumed as it was. The export makes no
+    reference cycles (what it reads and writes is freed by reference counting as it goes, so memory stays flat),
+    but the capture's rows are millions of short-lived containers, and the collections they set off took about a
+    tenth of the export's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -324,6 +348,23 @@ class _Run(Canvas):
             CpuCgroup: self.cpu_cgroup, TracingCost: self.tracing_cost, AgentThread: self.agent_thread,
             StackSample: self.samples.sample, StackFrames: self.samples.frames,
         }
+        # The kinds most records are, drawn a frame at a time from their rows as read (feed_reader): the same
+        # packets as their handlers above write, with each frame's lookups made once and what recurs kept encoded.
+        self.row_handlers: dict[str, Callable[[Rows], None]] = {
+            "Syscall": self.syscall_rows, "OffCpu": self.offcpu_rows, "BlockIO": self.block_rows,
+            "CudaApi": self.cuda_api_rows, "GpuKernel": self.activity_rows(GpuKernel),
+            "GpuMemcpy": self.activity_rows(GpuMemcpy), "GpuMemset": self.activity_rows(GpuMemset),
+            "StackSample": self.samples.sample_rows,
+        }
+        self._syscall_slices: dict[tuple[Any, ...], pp.SliceTemplate] = {}
+        self._offcpu_slices: dict[tuple[int, bytes], pp.SliceTemplate] = {}
+        self._block_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._offcpu_heads: dict[tuple[Any, ...], bytes] = {}
+        self._held: dict[tuple[Any, ...], bytes] = {}
+        self._wake_heads: dict[tuple[int, int], bytes] = {}
+        self._woken_heads: dict[tuple[Any, ...], bytes] = {}
+        self._api_parts: dict[tuple[str, str, int], tuple[bytes, bytes]] = {}  # a launch's name, api and result
+        self._kernel_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 
     # -- frame ----------------------------------------------------------------------------------------
 
@@ -336,6 +377,27 @@ class _Run(Canvas):
 
     def record(self, rec: tuple[Any, ...]) -> None:
         self.feed((rec,))
+
+    def feed_reader(self, reader: CaptureReader) -> None:
+        """Draw a capture's records: a frame of a kind in ``row_handlers`` whose rows are exactly typed
+        (``CaptureReader.batches``' ``exact``) goes to its row handler as read, any other record to ``feed``. A
+        joined capture's records, moved onto another clock, and a reader that gives no frames go to ``feed``."""
+        batches = getattr(reader, "batches", None)
+        fast = self.row_handlers
+        if batches is None or not fast or self.shift_ns:
+            self.feed(reader.records())
+            return
+        for batch in batches(exact=frozenset(fast)):
+            rows, kind = batch.records, batch.kind
+            handler = fast.get(kind) if batch.columns is not None else None
+            if handler is None:
+                self.feed(rows)
+            elif len(rows[0]) != len(RECORD_TYPES[kind]._fields) and kind not in _SHORT_ROWS:
+                # an older capture's rows: the records hold the fields they lack at their defaults
+                self.feed(records_of(kind, rows))
+            else:
+                handler(rows)
+                self.sink.spill()
 
     def feed(self, records: Iterable[tuple[Any, ...]]) -> None:
         """Draw each record (the exporter's inner loop: its lookups made once, not per record)."""
@@ -375,8 +437,9 @@ class _Run(Canvas):
             notes.append(f"capture incomplete: {reader.problem or 'records were lost'}; exported what was readable")
         notes += [f"skipped {n} {kind} record(s): not known to the Perfetto exporter"
                   for kind, n in sorted(self.skipped.items())]
-        if self.malformed:
-            notes.append(f"skipped {self.malformed} malformed record(s) (fields of the wrong type)")
+        malformed = self.malformed + self.samples.malformed
+        if malformed:
+            notes.append(f"skipped {malformed} malformed record(s) (fields of the wrong type)")
         if self.fixed:
             notes.append(f"{self.fixed} record(s) ended before they began; drawn with zero duration")
         if self.launches.unmatched:
@@ -427,6 +490,40 @@ class _Run(Canvas):
         fields = b"".join((pp.event_name(r.name), _CAT_SYSCALL, _OBJ(r.obj) if r.obj else b"", _NBYTES(r.nbytes),
                            _RET(r.ret), _FD(r.fd), _ARG(r.arg), pp.flow_ids(flows) if flows else b""))
         self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def syscall_rows(self, rows: Rows) -> None:
+        """``syscall()`` of each row: each distinct call on each thread track is encoded once
+        (``pp.slice_template``) and framed around its times; a call that is stall evidence the plain way."""
+        out, lanes, links, templates = self.sink.buf, self.lanes, self.stall_links, self._syscall_slices
+        packets = 0
+        for row in rows:
+            try:
+                pid, tid, name, start, end, ret, fd, obj, nbytes, arg = row
+                s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+                lane = (lanes.get(("tl", pid, tid, "")) or self.thread_lanes(pid, tid, "")).place(s, e)
+                flows = links.take(evidence_key("syscall", pid, tid, start)) if links.waiting else None
+                if flows:
+                    fields = self._syscall_fields(name, ret, fd, obj, nbytes, arg) + pp.flow_ids(flows)
+                    out += pp.framed_slice(s, e, lane.uuid, fields)
+                else:
+                    key = (lane.uuid, name, ret, fd, obj, nbytes, arg)
+                    t = templates.get(key)
+                    if t is None:
+                        if len(templates) >= _CACHE_MAX:
+                            templates.clear()
+                        t = templates[key] = pp.slice_template(lane.uuid,
+                                                               self._syscall_fields(name, ret, fd, obj, nbytes, arg))
+                    out += pp.framed_slice_of(s, e, t)
+                packets += 2
+            except _MALFORMED:
+                self.malformed += 1
+        self.sink.count += packets
+
+    @staticmethod
+    def _syscall_fields(name: str, ret: int, fd: int, obj: str, nbytes: int, arg: int) -> bytes:
+        """A syscall slice's name, category and annotations, encoded."""
+        return b"".join((pp.event_name(name), _CAT_SYSCALL, _OBJ(obj) if obj else b"", _NBYTES(nbytes), _RET(ret),
+                         _FD(fd), _ARG(arg)))
 
     def page_fault(self, r: PageFault) -> None:
         """On the syscall lane: the thread is in the kernel, waiting for a mapped file's page."""
@@ -501,6 +598,80 @@ class _Run(Canvas):
         lane.add(wake, e)
         self.put_framed(packets, 5)  # all encoded first: a broken record writes nothing
 
+    def offcpu_rows(self, rows: Rows) -> None:
+        """``offcpu()`` of each row, the annotations that recur (a task state and its waker, the thread that
+        held the CPU, a wakeup's two names) kept encoded."""
+        out, lanes, links, flows_new = self.sink.buf, self.lanes, self.stall_links, self.flows.new
+        heads, held, wake_heads, woken_heads = self._offcpu_heads, self._held, self._wake_heads, self._woken_heads
+        waker, templates = self.tracks.waker, self._offcpu_slices
+        packets = 0
+        for row in rows:
+            try:
+                pid, tid, start, end, state, wake_ns, waker_pid, waker_tid, waker_comm, *holder = row
+                held_pid, held_tid, held_comm = holder if len(holder) == 3 else (*holder, *_NO_HOLDER[len(holder):])
+                s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+                lane = (lanes.get(("tl", pid, tid, "off-CPU")) or self.thread_lanes(pid, tid, "off-CPU")).place(s, e)
+                uuid = lane.uuid
+                woken = bool(wake_ns and s <= wake_ns <= e)
+                key = (state, woken, waker_pid, waker_tid, waker_comm)
+                begin = heads.get(key)
+                if begin is None:
+                    begin = self._offcpu_name(state) + _STATE(state)
+                    if woken:
+                        begin += _WAKER_PID(waker_pid) + _WAKER_TID(waker_tid) + _WAKER_COMM(waker_comm)
+                    if len(heads) >= _CACHE_MAX:
+                        heads.clear()
+                    heads[key] = begin
+                if woken:
+                    begin += _WAKE_NS(wake_ns)
+                if held_tid:
+                    hkey = (held_pid, held_tid, held_comm)
+                    h = held.get(hkey)
+                    if h is None:
+                        if len(held) >= _CACHE_MAX:
+                            held.clear()
+                        h = held[hkey] = _FROM_PID(held_pid) + _FROM_TID(held_tid) + _FROM_COMM(held_comm)
+                    begin += h
+                flows = links.take(evidence_key("offcpu", pid, tid, start)) if links.waiting else None
+                if flows:
+                    begin += pp.flow_ids(flows)
+                if not (woken and waker_tid):
+                    if woken or flows:  # a time or an arrow in it: framed as it is
+                        out += pp.framed_slice(s, e, uuid, begin)
+                    else:  # a wait nobody was seen ending (a preemption): the same slice on its track, kept
+                        t = templates.get((uuid, begin))
+                        if t is None:
+                            if len(templates) >= _CACHE_MAX:
+                                templates.clear()
+                            t = templates[(uuid, begin)] = pp.slice_template(uuid, begin)
+                        out += pp.framed_slice_of(s, e, t)
+                    packets += 2
+                    continue
+                flow = flows_new()
+                wake = wake_ns
+                wuuid = waker(waker_pid, waker_tid, waker_comm)
+                wake_head = wake_heads.get((pid, tid))
+                if wake_head is None:
+                    if len(wake_heads) >= _CACHE_MAX:
+                        wake_heads.clear()
+                    wake_head = wake_heads[(pid, tid)] = b"".join((pp.event_name(f"wake tid {tid}"), _CAT_SCHED,
+                                                                  _WAKEE_PID(pid), _WAKEE_TID(tid)))
+                wkey = (waker_comm, waker_pid, waker_tid)
+                woken_head = woken_heads.get(wkey)
+                if woken_head is None:
+                    if len(woken_heads) >= _CACHE_MAX:
+                        woken_heads.clear()
+                    woken_head = woken_heads[wkey] = b"".join((
+                        pp.event_name(f"woken by {waker_comm or waker_tid}"), _CAT_SCHED, _WAKER_PID(waker_pid),
+                        _WAKER_TID(waker_tid)))
+                packets_ = pp.framed_wakeup(s, wake, e, uuid, begin, wuuid, wake_head, woken_head, flow)
+                lane.add(wake, e)
+                out += packets_
+                packets += 5
+            except _MALFORMED:
+                self.malformed += 1
+        self.sink.count += packets
+
     def _offcpu_name(self, state: str) -> bytes:
         """An off-CPU slice's encoded name and category, kept per task state."""
         enc = pp.event_name("runqueue" if state == "R" else f"off-CPU ({state})") + _CAT_SCHED
@@ -509,9 +680,7 @@ class _Run(Canvas):
         return enc
 
     def waker_track(self, r: OffCpu) -> int:
-        uuid = self.tracks.untraced_thread(r.waker_pid, r.waker_tid, r.waker_comm)
-        self.tracks.refresh_comm(r.waker_pid, r.waker_tid, r.waker_comm)
-        return uuid
+        return self.tracks.waker(r.waker_pid, r.waker_tid, r.waker_comm)
 
     def block(self, r: BlockIO) -> None:
         s, e = self.span(r.issue_ns, r.complete_ns)
@@ -523,6 +692,36 @@ class _Run(Canvas):
                            _SECTOR(r.sector), _BYTES(r.nbytes), _RWBS(r.rwbs), _LATENCY(e - s),
                            pp.flow_ids(flows) if flows else b""))
         self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def block_rows(self, rows: Rows) -> None:
+        """``block()`` of each row, the annotations that recur (the request's name, thread, size and kind) kept
+        encoded."""
+        out, lanes, links, heads = self.sink.buf, self.lanes, self.stall_links, self._block_heads
+        thread_name = self.tracks.thread_name
+        packets = 0
+        for row in rows:
+            try:
+                pid, tid, comm, dev, sector, nbytes, rwbs, issue, complete = row
+                s, e = (issue, complete) if 0 <= issue <= complete <= _I64_MAX else self.span(issue, complete)
+                dev = dev or "?"
+                if comm and thread_name.get((pid, tid)) != comm:
+                    self.tracks.refresh_comm(pid, tid, comm)
+                lane = (lanes.get(("blk", dev)) or self.block_lanes(dev)).place(s, e)
+                flows = links.take(evidence_key("block", pid, tid, issue)) if links.waiting else None
+                key = (rwbs, nbytes, pid, tid, comm)
+                h = heads.get(key)
+                if h is None:
+                    if len(heads) >= _CACHE_MAX:
+                        heads.clear()
+                    h = heads[key] = (b"".join((self.block_name(rwbs, nbytes), _CAT_BLOCK, _PID(pid), _TID(tid),
+                                                _COMM(comm))), _BYTES(nbytes) + _RWBS(rwbs))
+                fields = b"".join((h[0], _SECTOR(sector), h[1], _LATENCY(e - s),
+                                   pp.flow_ids(flows) if flows else b""))
+                out += pp.framed_slice(s, e, lane.uuid, fields)
+                packets += 2
+            except _MALFORMED:
+                self.malformed += 1
+        self.sink.count += packets
 
     def block_lanes(self, dev: str) -> LaneSet:
         ls = self.lanes.get(("blk", dev))
@@ -566,23 +765,158 @@ class _Run(Canvas):
         for rec, flow in self.launches.activity(r):
             self._write_gpu(rec, flow)
 
+    def cuda_api_rows(self, rows: Rows) -> None:
+        """``cuda_api()`` of each row."""
+        new, api, write = tuple.__new__, self.launches.api, self._write_gpu
+        for row in rows:
+            try:
+                for rec, flow in api(new(CudaApi, row)):
+                    write(rec, flow)
+            except _MALFORMED:
+                self.malformed += 1
+
+    def activity_rows(self, cls: type) -> Callable[[Rows], None]:
+        """The row handler of GPU work of kind ``cls`` (kernels, copies or memsets): ``activity()`` of each row."""
+        kernels = cls is GpuKernel
+        heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # see _activity_head
+
+        def draw(rows: Rows) -> None:
+            new, activity, write, take_api = tuple.__new__, self.launches.activity, self._write_gpu, \
+                self.launches.take_api
+            out, streams, links = self.sink.buf, self._streams, self.stall_links
+            packets = 0
+            for row in rows:
+                try:
+                    pid, device, context, stream, start, end, corr, *rest = row
+                    hit = take_api((pid, corr))
+                    if hit is None:  # no launch waits for it: activity() decides
+                        for rec, flow in activity(new(cls, row)):
+                            write(rec, flow)
+                        continue
+                    api, flow = hit
+                    corr_enc = _CORRELATION(corr)
+                    arrow = pp.flow_id(flow)
+                    launch = None if links.waiting else self._launch_slice(api, corr_enc, arrow)
+                    if launch is None:
+                        write(api, flow)
+                    else:
+                        out += launch
+                        packets += 2
+                    s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+                    lane = (streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)).place(s, e)
+                    coll = self.collectives.pop((pid, corr), None) if self.collectives else None
+                    if coll is None and kernels:  # names vary (a step's number in them): looked up apart
+                        key = (pid, context, *rest[1], *rest[2])
+                        head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
+                        fields = b"".join((pp.event_name(rest[0]), _CAT_GPU, corr_enc, head[1]))
+                    elif coll is None:
+                        key = (pid, context, *rest)
+                        head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
+                        fields = b"".join((head[0], corr_enc, head[1]))
+                    else:
+                        name, args = activity_fields(new(cls, row), coll)
+                        fields = name + _CAT_GPU + args
+                    if links.waiting:
+                        flows = [flow, *links.take(evidence_key("gpu", pid, 0, start))]
+                        fields += pp.flow_ids(flows)
+                    else:
+                        fields += arrow
+                    out += pp.framed_slice(s, e, lane.uuid, fields)
+                    packets += 2
+                except _MALFORMED:
+                    self.malformed += 1
+            self.sink.count += packets
+        return draw
+
+    def _launch_slice(self, r: CudaApi, corr: bytes, arrow: bytes) -> bytes | None:
+        """``_write_gpu(r, flow)``'s packets for a launch whose times, correlation id, name, api and result are of
+        their declared types, where no stall evidence is looked for, given its GPU work's encoded correlation id
+        (the same) and arrow (``flow``'s); None for any other launch."""
+        pid, tid, name, start, end, corr_id, api, result = r
+        if not (type(start) is type(end) is type(corr_id) is type(result) is int and type(name) is type(api) is str):
+            return None
+        s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
+        lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
+        parts = self._api_parts.get((name, api, result))
+        if parts is None:
+            parts = (pp.event_name(name) + _CAT_CUDA, _API(api) + _RESULT(result))
+            if len(self._api_parts) < _CACHE_MAX:
+                self._api_parts[(name, api, result)] = parts
+        return pp.framed_slice(s, e, lane.uuid, b"".join((parts[0], corr, parts[1], arrow)))
+
+    @staticmethod
+    def _activity_head(heads: dict[tuple[Any, ...], tuple[bytes, bytes]], key: tuple[Any, ...],
+                       r: Any) -> tuple[bytes, bytes]:
+        """What GPU work's slice holds around its correlation id (its name and category; its pid, context and
+        kind's own annotations), kept under ``key``: the fields of ``activity_fields(r, None)`` (a kernel's key
+        leaves out its name, and the name kept is not used)."""
+        name, args = activity_fields(r, None)
+        corr = _CORRELATION(r.correlation_id)
+        if len(heads) >= _CACHE_MAX:
+            heads.clear()
+        head = heads[key] = (name + _CAT_GPU, args[len(corr):])
+        return head
+
     def _write_gpu(self, r: Any, flow: int) -> None:
+        """A launch's or GPU work's slice, with the arrow ``flow`` (0: none) and any stall evidence's arrows. What
+        recurs is kept encoded: a call's api and result; a kernel's name, pid, context, grid and block (where
+        they are ints, as a capture's are)."""
         flows: list[int] = [flow] if flow else []
-        if isinstance(r, CudaApi):
-            s, e = self.span(r.start_ns, r.end_ns)
-            lane = self.thread_lanes(r.pid, r.tid, "CUDA API").place(s, e)
-            flows += self.evidence("gpu", r.pid, 0, r.start_ns)
-            fields = b"".join((pp.event_name(r.name), _CAT_CUDA, _CORRELATION(r.correlation_id), _API(r.api),
-                               _RESULT(r.result), pp.flow_ids(flows) if flows else b""))
+        links = self.stall_links
+        if type(r) is CudaApi or isinstance(r, CudaApi):
+            pid, tid, name, start, end, corr, api, result = r
+            s, e = (start, end) if type(start) is int and type(end) is int and 0 <= start <= end <= _I64_MAX \
+                else self.span(start, end)
+            lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
+            if links.waiting:
+                flows += links.take(evidence_key("gpu", pid, 0, start))
+            typed = type(name) is str and type(api) is str and type(result) is int
+            parts = self._api_parts.get((name, api, result)) if typed else None
+            if parts is None:
+                parts = (pp.event_name(name) + _CAT_CUDA, _API(api) + _RESULT(result))
+                if typed and len(self._api_parts) < _CACHE_MAX:
+                    self._api_parts[(name, api, result)] = parts
+            fields = b"".join((parts[0], _CORRELATION(corr), parts[1],
+                               (pp.flow_id(flows[0]) if len(flows) == 1 else pp.flow_ids(flows)) if flows else b""))
             self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
             return
-        s, e = self.span(r.start_ns, r.end_ns)
-        lane = self.gpu_lanes(r.pid, r.device, r.stream).place(s, e)
-        coll = self.collectives.pop((r.pid, r.correlation_id), None) if self.collectives else None
-        head = activity_fields(r, coll)
-        flows += self.evidence("gpu", r.pid, 0, r.start_ns)
+        pid, device, _, stream, start, end, corr = r[:7]
+        s, e = (start, end) if type(start) is int and type(end) is int and 0 <= start <= end <= _I64_MAX \
+            else self.span(start, end)
+        ls = self._streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)
+        lane = ls.place(s, e)
+        coll = self.collectives.pop((pid, corr), None) if self.collectives else None
+        head = (self._kernel_head(r) if coll is None and type(r) is GpuKernel else None) or activity_fields(r, coll)
+        if links.waiting:
+            flows += links.take(evidence_key("gpu", pid, 0, start))
         fields = b"".join((head[0], _CAT_GPU, head[1], pp.flow_ids(flows) if flows else b""))
         self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
+
+    def _kernel_head(self, r: GpuKernel) -> tuple[bytes, bytes] | None:
+        """``activity_fields(r, None)`` of a kernel whose name is a string and whose pid, context, grid and block
+        are ints: its name, pid, context, grid and block kept encoded (its correlation id goes between them).
+        None for any other kernel."""
+        pid, _, context, _, _, _, corr, name, grid, block = r
+        grid, block = cast(Any, grid), cast(Any, block)  # as read: lists (a record made in code may hold tuples)
+        if not (type(grid) is list and type(block) is list and len(grid) == 3 and len(block) == 3
+                and type(name) is str):
+            return None
+        g0, g1, g2 = grid
+        b0, b1, b2 = block
+        if not (type(pid) is type(context) is type(g0) is type(g1) is type(g2) is type(b0) is type(b1) is type(b2)
+                is int):
+            return None
+        key = (name, pid, context, g0, g1, g2, b0, b1, b2)
+        parts = self._kernel_heads.get(key)
+        if parts is None:
+            name_enc, args = activity_fields(r, None)
+            corr_enc = _CORRELATION(corr)
+            if not args.startswith(corr_enc):  # never: activity_fields begins with the correlation id
+                return name_enc, args
+            if len(self._kernel_heads) >= _CACHE_MAX:
+                self._kernel_heads.clear()
+            parts = self._kernel_heads[key] = (name_enc, args[len(corr_enc):])
+        return parts[0], _CORRELATION(corr) + parts[1]
 
     def gpu_lanes(self, pid: int, device: int, stream: int) -> LaneSet:
         """A stream's lanes, by the (pid, CUDA id) its records name (stream_lanes, remembered)."""

@@ -73,6 +73,20 @@ class LaunchMatcher:
         self._act[key] = rec
         return self._evict(self._act) if len(self._act) > self._cap else []
 
+    def take_api(self, key: Key) -> tuple[CudaApi, int] | None:
+        """GPU work of ``key`` arriving: the launch that waited for it and their flow id (``activity()``'s pair,
+        written launch first); None when no launch waits, and ``activity()`` then decides."""
+        api = self._api.pop(key, None)
+        if api is None:
+            return None
+        flow = self._flows.new()  # _paired()'s, inline: GPU work's rows take this way
+        self.matched += 1
+        done = self._done
+        done[key] = None
+        if len(done) > _DONE_CAP:
+            done.popitem(last=False)
+        return api, flow
+
     def drain(self) -> Iterator[tuple[tuple[Any, ...], int]]:
         """Everything still waiting, without flows (its other end never came)."""
         for pending in (self._api, self._act):
@@ -91,12 +105,17 @@ class LaunchMatcher:
         return known
 
     def _pair(self, key: Key, api: CudaApi, act: tuple[Any, ...]) -> list[tuple[Any, int]]:
+        flow = self._paired(key)
+        return [(api, flow), (act, flow)]
+
+    def _paired(self, key: Key) -> int:
+        """The flow id of a launch and its work just matched under ``key``, remembered as matched."""
         flow = self._flows.new()
         self.matched += 1
         self._done[key] = None
         if len(self._done) > _DONE_CAP:
             self._done.popitem(last=False)
-        return [(api, flow), (act, flow)]
+        return flow
 
     def _evict(self, pending: OrderedDict[Key, Any]) -> list[tuple[Any, int]]:
         out = []

@@ -203,6 +203,7 @@ _NAME_OF = (b"", *(_key(9, 0) + _SMALL[t] + _K_UUID for t in (SLICE_BEGIN, SLICE
 _SEQ_EVENT = _K_SEQ + _K_TRACK_EVENT
 _BEGIN_UUID, _END_UUID = _NAME_OF[SLICE_BEGIN], _NAME_OF[SLICE_END]
 _FIXED = len(_K_TS) + len(_SEQ_EVENT)  # a TrackEvent packet's bytes besides its timestamp, length and event
+_PRE = [_PACKET + _SMALL[n] + _K_TS for n in range(1024)]  # a packet's framing and timestamp key, by its size
 
 
 def int_arg(name: str, recurring: bool = False) -> Encode:
@@ -220,7 +221,9 @@ def int_arg(name: str, recurring: bool = False) -> Encode:
                 v = small[value]
             elif 0x4000 <= value < 0x1000_0000:
                 v = group[value & 0x3FFF] + small[value >> 14]
-            elif _I64_MIN <= value <= _I64_MAX:
+            elif 0 <= value <= _I64_MAX:  # times: their high bits looked up
+                v = ts_varint(value)
+            elif _I64_MIN <= value < 0:
                 v = varint(value)
             else:
                 return debug_arg(name, value)
@@ -344,12 +347,91 @@ def framed_slice(s: int, e: int, uuid: int, fields: bytes) -> bytes:
     hs, he = s >> 28, e >> 28
     high_s = _HIGH.get(hs) or _high(hs)
     high_e = high_s if he == hs else _HIGH.get(he) or _high(he)
-    s &= 0xFFF_FFFF
-    e &= 0xFFF_FFFF
     n = _FIXED + 4 + len(high_s) + len(le) + lev
-    return b"".join((_PACKET, _SMALL[n] if n < 0x4000 else varint(n), _K_TS, _GROUP[s & 0x3FFF], _GROUP[s >> 14],
-                     high_s, _SEQ_EVENT, le, begin, fields,
-                     heads[4 + len(high_e)], _GROUP[e & 0x3FFF], _GROUP[e >> 14], high_e, tail))
+    return b"".join((_PRE[n] if n < 1024 else _PACKET + varint(n) + _K_TS, _GROUP[s & 0x3FFF],
+                     _GROUP[(s >> 14) & 0x3FFF], high_s, _SEQ_EVENT, le, begin, fields,
+                     heads[4 + len(high_e)], _GROUP[e & 0x3FFF], _GROUP[(e >> 14) & 0x3FFF], high_e, tail))
+
+
+# A slice whose track and fields recur (the same call on the same thread, a kernel's launch on its stream): its
+# two packets but their timestamps, made once (``slice_template``) and framed around each slice's times.
+SliceTemplate = tuple[bytes, int, tuple[bytes, ...], bytes]
+
+
+def slice_template(uuid: int, fields: bytes) -> SliceTemplate:
+    """What ``framed_slice(s, e, uuid, fields)`` writes besides the two timestamps: the begin packet after its
+    timestamp, that packet's size less its timestamp's varint, and the end packet's heads (by the length of its
+    timestamp's varint) and tail."""
+    begin, heads, tail = _TRACKS.get(uuid) or _track(uuid)
+    lev = len(begin) + len(fields)
+    body = _SEQ_EVENT + (_SMALL[lev] if lev < 0x4000 else varint(lev)) + begin + fields
+    return body, len(_K_TS) + len(body), heads, tail
+
+
+def framed_slice_of(s: int, e: int, template: SliceTemplate) -> bytes:
+    """``framed_slice(s, e, uuid, fields)`` from ``slice_template(uuid, fields)`` (``s`` and ``e`` clamped)."""
+    body, base, heads, tail = template
+    if s < 0x1000_0000 or e < s:
+        vs, ve = varint(s), varint(e)
+        n = base + len(vs)
+        return b"".join((_PACKET, varint(n), _K_TS, vs, body, heads[len(ve)], ve, tail))
+    hs, he = s >> 28, e >> 28
+    high_s = _HIGH.get(hs) or _high(hs)
+    high_e = high_s if he == hs else _HIGH.get(he) or _high(he)
+    n = base + 4 + len(high_s)
+    return b"".join((_PRE[n] if n < 1024 else _PACKET + varint(n) + _K_TS, _GROUP[s & 0x3FFF],
+                     _GROUP[(s >> 14) & 0x3FFF], high_s, body, heads[4 + len(high_e)], _GROUP[e & 0x3FFF],
+                     _GROUP[(e >> 14) & 0x3FFF], high_e, tail))
+
+
+_ARROWED: dict[tuple[int, int, bytes], tuple[bytes, int]] = {}
+
+
+def _arrowed(etype: int, uuid: int, fields: bytes) -> tuple[bytes, int]:
+    """An event with one arrow after ``fields``, after its packet's timestamp: its bytes up to the flow id's
+    value, and the packet's size less its timestamp's varint."""
+    ev = _NAME_OF[etype] + varint(uuid) + fields + _K_FLOW
+    lev = len(ev) + 8
+    body = _SEQ_EVENT + (_SMALL[lev] if lev < 0x4000 else varint(lev)) + ev
+    if len(_ARROWED) >= _CACHE_MAX:
+        _ARROWED.clear()
+    t = _ARROWED[(etype, uuid, fields)] = (body, len(_K_TS) + len(body) + 8)
+    return t
+
+
+def framed_wakeup(s: int, wake: int, e: int, lane: int, begin: bytes, waker: int, wake_fields: bytes,
+                  woken_fields: bytes, flow: int) -> bytes:
+    """The five packets of a wait ended by a thread's wakeup (times clamped, ``s <= wake <= e``): the waker's
+    instant at ``wake`` on its track, the wait's slice on ``lane`` and the "woken by" slice from ``wake`` nested
+    in it, both events with wakeup's arrow ``flow``. The bytes of ``framed_event(INSTANT, wake, waker,
+    wake_fields + flow_id(flow)) + framed_event(SLICE_BEGIN, s, lane, begin) + framed_slice(wake, e, lane,
+    woken_fields + flow_id(flow)) + framed_end(e, lane)``, what recurs of the two arrowed events kept."""
+    q = _pack_q(flow & _U64)
+    if s >= 0x1000_0000:  # ts_varint's of the three times, their high bits looked up once where they share them
+        hs, hw, he = s >> 28, wake >> 28, e >> 28
+        high = _HIGH.get(hs) or _high(hs)
+        vs = _GROUP[s & 0x3FFF] + _GROUP[(s >> 14) & 0x3FFF] + high
+        if hw != hs:
+            high = _HIGH.get(hw) or _high(hw)
+        vw = _GROUP[wake & 0x3FFF] + _GROUP[(wake >> 14) & 0x3FFF] + high
+        if he != hw:
+            high = _HIGH.get(he) or _high(he)
+        ve = _GROUP[e & 0x3FFF] + _GROUP[(e >> 14) & 0x3FFF] + high
+    else:
+        vw, vs, ve = ts_varint(wake), ts_varint(s), ts_varint(e)
+    body1, n1 = _ARROWED.get((INSTANT, waker, wake_fields)) or _arrowed(INSTANT, waker, wake_fields)
+    body3, n3 = _ARROWED.get((SLICE_BEGIN, lane, woken_fields)) or _arrowed(SLICE_BEGIN, lane, woken_fields)
+    begin_uuid, heads, tail = _TRACKS.get(lane) or _track(lane)
+    lev = len(begin_uuid) + len(begin)
+    le = _SMALL[lev] if lev < 0x4000 else varint(lev)
+    n1 += len(vw)
+    n2 = _FIXED + len(vs) + len(le) + lev
+    n3 += len(vw)
+    end = heads[len(ve)]
+    return b"".join((_PRE[n1] if n1 < 1024 else _PACKET + varint(n1) + _K_TS, vw, body1, q,
+                     _PRE[n2] if n2 < 1024 else _PACKET + varint(n2) + _K_TS, vs, _SEQ_EVENT, le, begin_uuid, begin,
+                     _PRE[n3] if n3 < 1024 else _PACKET + varint(n3) + _K_TS, vw, body3, q,
+                     end, ve, tail, end, ve, tail))
 
 
 def framed_end(ts: int, uuid: int) -> bytes:
@@ -446,6 +528,20 @@ def perf_sample(ts: int, fields: bytes, callstack_iid: int, interned: bytes = b"
 
 
 _K_CALLSTACK = _key(4, 0)  # PerfSample.callstack_iid
+
+
+def sample_tail(fields: bytes, callstack_iid: int) -> bytes:
+    """A PerfSample packet after its timestamp (``fields`` from ``sample_fields()``, its stack interned before):
+    the same for every sample of a thread, CPU and stack."""
+    body = fields + _K_CALLSTACK + varint(callstack_iid)
+    return _K_SAMPLE_SEQ + _K_PERF_SAMPLE + varint(len(body)) + body
+
+
+def framed_sample(ts: int, tail: bytes) -> bytes:
+    """``framed_perf_sample(ts, fields, callstack_iid)`` from ``sample_tail(fields, callstack_iid)``."""
+    v = ts_varint(ts)
+    n = len(_K_TS) + len(v) + len(tail)
+    return b"".join((_PRE[n] if n < 1024 else _PACKET + varint(n) + _K_TS, v, tail))
 
 
 def framed_perf_sample(ts: int, fields: bytes, callstack_iid: int) -> bytes:

@@ -10,7 +10,8 @@ frames never come is drawn under a single ``[unknown]`` frame and counted.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from gputrace.exporters.perfetto import proto as pp
 from gputrace.records import StackFrames, StackSample
@@ -18,6 +19,8 @@ from gputrace.records import StackFrames, StackSample
 UNKNOWN = "[unknown]"
 _U32 = 1 << 32
 _FUNCTION_NAMES, _MAPPING_PATHS = 5, 17  # InternedData fields
+_TAILS_MAX = 1 << 14
+_I64_MAX = (1 << 63) - 1
 
 
 def split_frame(frame: str) -> tuple[str, str]:
@@ -104,6 +107,8 @@ class CpuSamples:
         self._npending = 0
         self._fields: dict[tuple[int, int, int], bytes] = {}  # (pid, tid, cpu) -> encoded PerfSample fields
         self.unsymbolized = 0  # drawn as [unknown]: their frames never came (or came too late)
+        self.malformed = 0  # rows sample_rows refused (fields of the wrong type)
+        self._tails: dict[tuple[int, int, int, int], bytes] = {}  # (pid, tid, cpu, callstack) -> pp.sample_tail
 
     def frames(self, r: StackFrames) -> None:
         if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
@@ -136,6 +141,30 @@ class CpuSamples:
         self._npending += 1
         if self._npending > self._cap:
             self._evict_oldest()
+
+    def sample_rows(self, rows: Sequence[Sequence[Any]]) -> None:
+        """``sample()`` of each row (ts, pid, tid, stack, cpu), a record made only for a sample whose stack
+        was not drawn before."""
+        stacks, fields_of, thread, put, tails = self._stacks, self._fields, self._thread, self._put_framed, self._tails
+        new, framed, clamp = tuple.__new__, pp.framed_sample, pp.clamp_ts
+        for row in rows:
+            try:
+                ts, pid, tid, stack, cpu = row
+                iid = stacks.get((pid, stack))
+                if type(iid) is not int:
+                    self.sample(new(StackSample, row))
+                    continue
+                key = (pid, tid, cpu, iid)
+                tail = tails.get(key)
+                if tail is None:
+                    fields = fields_of.get((pid, tid, cpu)) or self._ready(new(StackSample, row))[3]
+                    if len(tails) >= _TAILS_MAX:
+                        tails.clear()
+                    tail = tails[key] = pp.sample_tail(fields, iid)
+                thread(pid, tid)
+                put(framed(ts if 0 <= ts <= _I64_MAX else clamp(ts), tail), 1)
+            except (TypeError, ValueError, AttributeError, OverflowError, IndexError):
+                self.malformed += 1
 
     def finish(self) -> None:
         """Samples still waiting for frames that never came: drawn as [unknown]."""

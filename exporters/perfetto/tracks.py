@@ -31,7 +31,7 @@ class PacketSink:
 
     def __init__(self, out: BinaryIO | Writes) -> None:
         self._write = out.write
-        self.buf = bytearray()
+        self.buf = bytearray()  # the same object for the whole export: frame handlers append to it directly
         self.count = 0
 
     def put(self, packet: bytes) -> None:
@@ -45,9 +45,15 @@ class PacketSink:
         if len(buf) >= FLUSH_BYTES:
             self.flush()
 
+    def spill(self) -> None:
+        """Write the buffer once it holds ``FLUSH_BYTES`` (after packets appended to ``buf`` directly)."""
+        if len(self.buf) >= FLUSH_BYTES:
+            self.flush()
+
     def flush(self) -> None:
         if self.buf:
-            data, self.buf = bytes(self.buf), bytearray()
+            data = bytes(self.buf)
+            self.buf.clear()
             self._write(data)
 
 
@@ -125,6 +131,9 @@ def _compatible(s: int, e: int, ys: int, ye: int) -> bool:
     return s < ys and ye <= e  # around
 
 
+_SEQUENTIAL_MAX = Lane.KEEP_SEQUENTIAL + EVICT  # slices a sequential lane holds before it forgets EVICT of them
+
+
 class LaneSet:
     """Slices of one logical track; overlapping ones go to extra lanes instead of breaking the nesting.
 
@@ -142,16 +151,24 @@ class LaneSet:
     def place(self, s: int, e: int) -> Lane:
         """The first lane ``[s, e]`` fits on (``s <= e``), a new one if none does."""
         for lane in self.lanes:
-            if s >= lane.maxend and not lane.nest:  # after all of it: add()'s in-order case, without the call
-                starts = lane.starts
-                starts.append(s)
-                lane.ends.append(e)
+            if s >= lane.maxend:  # after all of it: add()'s in-order case, without the call
+                if lane.nest:
+                    recent = lane.recent
+                    recent.append((s, e))
+                    if len(recent) > Lane.KEEP:
+                        end = recent.popleft()[1]
+                        if end > lane.floor:
+                            lane.floor = end
+                else:
+                    starts = lane.starts
+                    starts.append(s)
+                    lane.ends.append(e)
+                    if len(starts) > _SEQUENTIAL_MAX:
+                        lane.evict()
                 if e > lane.maxend:
                     lane.maxend = e
-                if len(starts) > Lane.KEEP_SEQUENTIAL + EVICT:
-                    lane.evict()
                 return lane
-            if s >= lane.maxend or lane.fits(s, e):
+            if lane.fits(s, e):
                 lane.add(s, e)
                 return lane
         lane = Lane(self._make(len(self.lanes)), self._nest)
@@ -272,6 +289,18 @@ class Tracks:
                 self.proc_name[pid] = (comm, [])
                 self.untraced_pids.add(pid)
         return self.thread(pid, tid)
+
+    def waker(self, pid: int, tid: int, comm: str) -> int:
+        """``untraced_thread`` then ``refresh_comm``: the track of a thread seen waking another, by the comm its
+        wakeup names; looked up alone where that changes nothing (the thread is named so, and described)."""
+        name = self.thread_name.get((pid, tid))
+        if name is not None and (name == comm or not comm):
+            u = self._threads.get((pid, tid))
+            if u is not None:
+                return u
+        u = self.untraced_thread(pid, tid, comm)
+        self.refresh_comm(pid, tid, comm)
+        return u
 
     # -- plain and counter tracks -----------------------------------------------------------------------
 
