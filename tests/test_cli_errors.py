@@ -262,7 +262,8 @@ def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, list[str]]:
 
 @pytest.mark.slow
 def test_long_export_and_report_show_progress_on_a_terminal_only(tmp_path: Path) -> None:
-    cap = _long_capture(tmp_path / "big.gputrace", 300_000)
+    # its export takes seconds (2M syscalls: 7 s on the 2-core VM; the first progress line comes after 1 s)
+    cap = _long_capture(tmp_path / "big.gputrace", 2_000_000)
     out, lines = _on_a_terminal(["export", str(cap), "--perfetto", "a.pftrace"], tmp_path)
     assert b"Wrote a.pftrace" in out
     assert [line for line in lines if re.fullmatch(r"gputrace: writing a\.pftrace: \d+% of [\d.]+ MB", line)], lines
