@@ -10,7 +10,8 @@ once, so sessions start and end, flight directories are left behind and the scan
 forget. Every ``--sample-s`` it reads the service's resident size (/proc/PID/status: VmRSS, of it RssAnon,
 the heap) and, from `gputrace daemon status`, the jobs watched, the flight recorders' bytes and the drops,
 and prints them; at the end, the anonymous memory's growth from the end of the first ``--settle-min`` minutes
-to the end, and its least-squares slope over that time in MB per minute.
+to the end, its least-squares slope over that time in MB per minute, and its lowest and highest value in
+each minute (what a session's start or a flood takes comes back; a leak raises the lowest).
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ def main() -> int:
         print(f"# anonymous memory from minute {a['min']:.1f} to {b['min']:.1f}: {a['anon']:.1f} -> {b['anon']:.1f} MB "
               f"({b['anon'] - a['anon']:+.1f} MB); slope {per_min:+.2f} MB/min; resident {a['rss']:.0f} -> "
               f"{b['rss']:.0f} MB")
+        by_min: dict[int, list[float]] = {}
+        for r in settled:
+            by_min.setdefault(int(r["min"]), []).append(r["anon"])
+        print("# anonymous MB, lowest and highest in each minute (a session's start and a flood come and go; a "
+              "leak raises the lowest): " + ", ".join(f"{m}: {min(v):.0f}-{max(v):.0f}" for m, v in by_min.items()))
     if "Traceback" in log:
         print(log[-3000:], file=sys.stderr)
         return 1
