@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from watch_cost import JOB, UID, Service, start_jobs
+from watch_cost import UID, Service, bench_env, job_workdir, start_jobs
 
 from gputrace.analysis import analyze
 from gputrace.capture import CaptureReader, open_capture
@@ -76,11 +76,7 @@ def run(label: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -
     try:
         jobs = start_jobs(args.jobs, args.seconds, work / "job.py", env)
         pids = [p.pid for p in jobs]
-        deadline = time.monotonic() + 120
-        while len(svc.jobs(pids)) < len(pids):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"flight_segments: {label}: the jobs were not all watched: {svc.status()}")
-            time.sleep(0.2)
+        svc.wait_watched(pids, f"flight_segments: {label}")
         for p in jobs:
             p.wait()
         deadline = time.monotonic() + 60
@@ -119,11 +115,8 @@ def main() -> int:
     args = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("flight_segments: run as root (eBPF)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
-    with tempfile.TemporaryDirectory(prefix="flight-segments-") as d:
-        work = Path(d)
-        os.chmod(work, 0o755)
-        (work / "job.py").write_text(JOB)
+    env = bench_env()
+    with job_workdir("flight-segments-") as work:
         for label in ["this tree", *(["baseline"] if args.baseline_src else [])]:
             rows = run(label, args, work, env)
             print(f"flight_segments: {label} done", file=sys.stderr, flush=True)

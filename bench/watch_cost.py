@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +109,32 @@ class Service:
         by_pid = {j["pid"]: j for j in self.status()["jobs"] if j["state"] == "watching"}
         return [by_pid[p] for p in pids if p in by_pid]
 
+    def wait_watched(self, pids: list[int], what: str, timeout_s: float = 120.0) -> None:
+        """Until every one of ``pids`` is watched; exits saying ``what`` was not, after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.jobs(pids)) < len(pids):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what}: the jobs were not all watched: {self.status()}")
+            time.sleep(0.2)
+
     def stop(self) -> str:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.communicate(timeout=120)[1]
+
+
+def bench_env() -> dict[str, str]:
+    """The environment the service and the jobs start with: this one without gputrace's own settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
+
+
+@contextlib.contextmanager
+def job_workdir(prefix: str) -> Iterator[Path]:
+    """A temporary directory the jobs' user can reach, holding the simulated job's script (``job.py``)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        work = Path(d)
+        os.chmod(work, 0o755)
+        (work / "job.py").write_text(JOB)
+        yield work
 
 
 def start_jobs(n: int, seconds: float, script: Path, env: dict[str, str]) -> list[subprocess.Popen[str]]:
@@ -158,11 +182,7 @@ def run_state(label: str, args: argparse.Namespace, work: Path, env: dict[str, s
     try:
         jobs = start_jobs(args.jobs, total_s, script, env)
         pids = [p.pid for p in jobs]
-        deadline = time.monotonic() + 120
-        while len(svc.jobs(pids)) < len(pids):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"watch_cost: {label}: the jobs were not all watched: {svc.status()}")
-            time.sleep(0.2)
+        svc.wait_watched(pids, f"watch_cost: {label}")
         time.sleep(args.warmup_s)
         if profile is not None:
             svc.proc.send_signal(signal.SIGUSR2)
@@ -351,12 +371,9 @@ def main() -> int:
     args = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("watch_cost: run as root (eBPF)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
+    env = bench_env()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="watch-cost-") as d:
-        work = Path(d)
-        os.chmod(work, 0o755)
-        (work / "job.py").write_text(JOB)
+    with job_workdir("watch-cost-") as work:
         states = ([] if args.skip_untraced else ["untraced"]) + ["watched"] + (["baseline"] if args.baseline_src
                                                                                else [])
         for n in range(args.rounds):  # the states alternate: a change in the host's load hits each alike

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from watch_cost import JOB, UID, Service, rss_mb, start_jobs, stop_jobs
+from watch_cost import UID, Service, bench_env, job_workdir, rss_mb, start_jobs, stop_jobs
 
 
 def slope(points: list[tuple[float, float]]) -> float:
@@ -59,11 +59,8 @@ def main() -> int:
     args = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("watch_soak: run as root (eBPF)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTRACE_")}
-    with tempfile.TemporaryDirectory(prefix="watch-soak-") as d:
-        work = Path(d)
-        os.chmod(work, 0o755)
-        (work / "job.py").write_text(JOB)
+    env = bench_env()
+    with job_workdir("watch-soak-") as work:
         base = Path(tempfile.mkdtemp(prefix="svc-", dir=work))
         svc = Service(base, env, ["--watch-max-jobs", str(args.jobs + args.flood), "--watch-user", str(UID)], None)
         job_s = args.minutes * 60 + 120
@@ -71,11 +68,7 @@ def main() -> int:
         flood: list[subprocess.Popen[str]] = []
         rows: list[dict[str, Any]] = []
         try:
-            deadline = time.monotonic() + 120
-            while len(svc.jobs([j.pid for j in jobs])) < len(jobs):
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"watch_soak: the jobs were not all watched: {svc.status()}")
-                time.sleep(0.2)
+            svc.wait_watched([j.pid for j in jobs], "watch_soak")
             t0 = time.monotonic()
             next_churn, next_sample, end = t0 + args.churn_s, t0, t0 + args.minutes * 60
             print(f"# {args.jobs} jobs, one replaced every {args.churn_s:g} s with {args.flood} short-lived GPU "
