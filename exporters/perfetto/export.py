@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from gputrace.analysis.attribute import collective_object
 from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
@@ -122,6 +122,17 @@ _WAKE_NS, _SECTOR, _LATENCY, _CORRELATION = (pp.int_arg(n) for n in ("wake_ns", 
                                                                     "correlation_id"))
 _CACHE_MAX = 1 << 14
 _I64_MAX = (1 << 63) - 1
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _keep(cache: dict[_K, _V], key: _K, value: _V) -> _V:
+    """``value``, kept in ``cache`` under ``key``; a cache of _CACHE_MAX entries is emptied first."""
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
 # A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_columns), or
 # the records themselves.
 Rows = Sequence[Sequence[Any]]
@@ -509,10 +520,8 @@ class _Run(Canvas):
                     key = (lane.uuid, name, ret, fd, obj, nbytes, arg)
                     t = templates.get(key)
                     if t is None:
-                        if len(templates) >= _CACHE_MAX:
-                            templates.clear()
-                        t = templates[key] = pp.slice_template(lane.uuid,
-                                                               self._syscall_fields(name, ret, fd, obj, nbytes, arg))
+                        t = _keep(templates, key,
+                                  pp.slice_template(lane.uuid, self._syscall_fields(name, ret, fd, obj, nbytes, arg)))
                     out += pp.framed_slice_of(s, e, t)
                 packets += 2
             except _MALFORMED:
@@ -619,18 +628,14 @@ class _Run(Canvas):
                     begin = self._offcpu_name(state) + _STATE(state)
                     if woken:
                         begin += _WAKER_PID(waker_pid) + _WAKER_TID(waker_tid) + _WAKER_COMM(waker_comm)
-                    if len(heads) >= _CACHE_MAX:
-                        heads.clear()
-                    heads[key] = begin
+                    _keep(heads, key, begin)
                 if woken:
                     begin += _WAKE_NS(wake_ns)
                 if held_tid:
                     hkey = (held_pid, held_tid, held_comm)
                     h = held.get(hkey)
                     if h is None:
-                        if len(held) >= _CACHE_MAX:
-                            held.clear()
-                        h = held[hkey] = _FROM_PID(held_pid) + _FROM_TID(held_tid) + _FROM_COMM(held_comm)
+                        h = _keep(held, hkey, _FROM_PID(held_pid) + _FROM_TID(held_tid) + _FROM_COMM(held_comm))
                     begin += h
                 flows = links.take(evidence_key("offcpu", pid, tid, start)) if links.waiting else None
                 if flows:
@@ -641,9 +646,7 @@ class _Run(Canvas):
                     else:  # a wait nobody was seen ending (a preemption): the same slice on its track, kept
                         t = templates.get((uuid, begin))
                         if t is None:
-                            if len(templates) >= _CACHE_MAX:
-                                templates.clear()
-                            t = templates[(uuid, begin)] = pp.slice_template(uuid, begin)
+                            t = _keep(templates, (uuid, begin), pp.slice_template(uuid, begin))
                         out += pp.framed_slice_of(s, e, t)
                     packets += 2
                     continue
@@ -652,18 +655,14 @@ class _Run(Canvas):
                 wuuid = waker(waker_pid, waker_tid, waker_comm)
                 wake_head = wake_heads.get((pid, tid))
                 if wake_head is None:
-                    if len(wake_heads) >= _CACHE_MAX:
-                        wake_heads.clear()
-                    wake_head = wake_heads[(pid, tid)] = b"".join((pp.event_name(f"wake tid {tid}"), _CAT_SCHED,
-                                                                  _WAKEE_PID(pid), _WAKEE_TID(tid)))
+                    wake_head = _keep(wake_heads, (pid, tid), b"".join((pp.event_name(f"wake tid {tid}"), _CAT_SCHED,
+                                                                        _WAKEE_PID(pid), _WAKEE_TID(tid))))
                 wkey = (waker_comm, waker_pid, waker_tid)
                 woken_head = woken_heads.get(wkey)
                 if woken_head is None:
-                    if len(woken_heads) >= _CACHE_MAX:
-                        woken_heads.clear()
-                    woken_head = woken_heads[wkey] = b"".join((
+                    woken_head = _keep(woken_heads, wkey, b"".join((
                         pp.event_name(f"woken by {waker_comm or waker_tid}"), _CAT_SCHED, _WAKER_PID(waker_pid),
-                        _WAKER_TID(waker_tid)))
+                        _WAKER_TID(waker_tid))))
                 packets_ = pp.framed_wakeup(s, wake, e, uuid, begin, wuuid, wake_head, woken_head, flow)
                 lane.add(wake, e)
                 out += packets_
@@ -711,10 +710,8 @@ class _Run(Canvas):
                 key = (rwbs, nbytes, pid, tid, comm)
                 h = heads.get(key)
                 if h is None:
-                    if len(heads) >= _CACHE_MAX:
-                        heads.clear()
-                    h = heads[key] = (b"".join((self.block_name(rwbs, nbytes), _CAT_BLOCK, _PID(pid), _TID(tid),
-                                                _COMM(comm))), _BYTES(nbytes) + _RWBS(rwbs))
+                    h = _keep(heads, key, (b"".join((self.block_name(rwbs, nbytes), _CAT_BLOCK, _PID(pid), _TID(tid),
+                                                     _COMM(comm))), _BYTES(nbytes) + _RWBS(rwbs)))
                 fields = b"".join((h[0], _SECTOR(sector), h[1], _LATENCY(e - s),
                                    pp.flow_ids(flows) if flows else b""))
                 out += pp.framed_slice(s, e, lane.uuid, fields)
@@ -837,12 +834,18 @@ class _Run(Canvas):
             return None
         s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
         lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
-        parts = self._api_parts.get((name, api, result))
+        parts = self._api_head(name, api, result, typed=True)
+        return pp.framed_slice(s, e, lane.uuid, b"".join((parts[0], corr, parts[1], arrow)))
+
+    def _api_head(self, name: Any, api: Any, result: Any, *, typed: bool) -> tuple[bytes, bytes]:
+        """A launch slice's encoded name and category, and its api and result annotations; kept per (name, api,
+        result) where they are of their declared types (``typed``), until _CACHE_MAX are."""
+        parts = self._api_parts.get((name, api, result)) if typed else None
         if parts is None:
             parts = (pp.event_name(name) + _CAT_CUDA, _API(api) + _RESULT(result))
-            if len(self._api_parts) < _CACHE_MAX:
+            if typed and len(self._api_parts) < _CACHE_MAX:
                 self._api_parts[(name, api, result)] = parts
-        return pp.framed_slice(s, e, lane.uuid, b"".join((parts[0], corr, parts[1], arrow)))
+        return parts
 
     @staticmethod
     def _activity_head(heads: dict[tuple[Any, ...], tuple[bytes, bytes]], key: tuple[Any, ...],
@@ -852,10 +855,7 @@ class _Run(Canvas):
         leaves out its name, and the name kept is not used)."""
         name, args = activity_fields(r, None)
         corr = _CORRELATION(r.correlation_id)
-        if len(heads) >= _CACHE_MAX:
-            heads.clear()
-        head = heads[key] = (name + _CAT_GPU, args[len(corr):])
-        return head
+        return _keep(heads, key, (name + _CAT_GPU, args[len(corr):]))
 
     def _write_gpu(self, r: Any, flow: int) -> None:
         """A launch's or GPU work's slice, with the arrow ``flow`` (0: none) and any stall evidence's arrows. What
@@ -870,12 +870,8 @@ class _Run(Canvas):
             lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
             if links.waiting:
                 flows += links.take(evidence_key("gpu", pid, 0, start))
-            typed = type(name) is str and type(api) is str and type(result) is int
-            parts = self._api_parts.get((name, api, result)) if typed else None
-            if parts is None:
-                parts = (pp.event_name(name) + _CAT_CUDA, _API(api) + _RESULT(result))
-                if typed and len(self._api_parts) < _CACHE_MAX:
-                    self._api_parts[(name, api, result)] = parts
+            parts = self._api_head(name, api, result,
+                                   typed=type(name) is str and type(api) is str and type(result) is int)
             fields = b"".join((parts[0], _CORRELATION(corr), parts[1],
                                (pp.flow_id(flows[0]) if len(flows) == 1 else pp.flow_ids(flows)) if flows else b""))
             self.put_framed(pp.framed_slice(s, e, lane.uuid, fields), 2)
@@ -913,9 +909,7 @@ class _Run(Canvas):
             corr_enc = _CORRELATION(corr)
             if not args.startswith(corr_enc):  # never: activity_fields begins with the correlation id
                 return name_enc, args
-            if len(self._kernel_heads) >= _CACHE_MAX:
-                self._kernel_heads.clear()
-            parts = self._kernel_heads[key] = (name_enc, args[len(corr_enc):])
+            parts = _keep(self._kernel_heads, key, (name_enc, args[len(corr_enc):]))
         return parts[0], _CORRELATION(corr) + parts[1]
 
     def gpu_lanes(self, pid: int, device: int, stream: int) -> LaneSet:
