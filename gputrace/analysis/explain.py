@@ -842,25 +842,35 @@ class Explainer:
         """How long ``tid`` is known to have run or been runnable (preempted: a holder still holds) in
         [x, y): between the end of one of its off-CPU records (switched in) and the start of the next
         (switched out), and in its run-queue records. Before its first record and after its last, nothing is
-        known: not counted."""
+        known: not counted. A window's capture holds only the records that reach it: where the thread has
+        records before or after those (``offcpu_span``), they bound its time in the window as they would
+        in the whole capture's (each ends before, or starts after, every time the window is asked about)."""
         index = self.cap.offcpu.get(tid)
-        if index is None:
-            return 0
-        recs = index.records
-        i = bisect_right(index.starts, x) - 1
-        if i < 0:
-            return 0
+        span = self.cap.offcpu_span.get(tid)
 
         def within(a: int, b: int) -> int:
             return max(min(b, y) - max(a, x), 0)
 
-        total = within(recs[i].start_ns, recs[i].end_ns) if recs[i].state == "R" else 0
+        recs = index.records if index is not None else []
+        i = bisect_right(index.starts, x) - 1 if index is not None else -1
+        if i < 0:
+            if span is None or span[0] > x:
+                return 0
+            if not recs:  # switched out before the window and again after it, never within
+                return within(x, y) if span[1] > x else 0
+            i, total = 0, within(x, recs[0].start_ns)
+            if recs[0].state == "R":
+                total += within(recs[0].start_ns, recs[0].end_ns)
+        else:
+            total = within(recs[i].start_ns, recs[i].end_ns) if recs[i].state == "R" else 0
         while i < len(recs) - 1 and recs[i].end_ns < y:
             nxt = recs[i + 1]
             total += within(recs[i].end_ns, nxt.start_ns)
             if nxt.state == "R":
                 total += within(nxt.start_ns, nxt.end_ns)
             i += 1
+        if span is not None and i == len(recs) - 1 and recs[i].end_ns < y and span[1] > recs[i].start_ns:
+            total += within(recs[i].end_ns, y)  # its next record starts after the window
         return total
 
     def _next_woken_wait(self, first: Syscall, end: int) -> tuple[Syscall, OffCpu] | None:

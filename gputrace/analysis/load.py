@@ -168,6 +168,9 @@ class Capture:
     calls: list[CollectiveCall] = field(default_factory=list)  # host-side collectives (torch.distributed's)
     syscalls: Mapping[int, Intervals] = field(default_factory=dict)
     offcpu: Mapping[int, Intervals] = field(default_factory=dict)
+    # a window's (analysis/windowed.py): tid -> the first and last start of its off-CPU records in the whole
+    # capture, where the window's ``offcpu`` holds only some of them; empty for a whole capture's
+    offcpu_span: dict[int, tuple[int, int]] = field(default_factory=dict)
     blocks: Mapping[int, Intervals] = field(default_factory=dict)  # by submitting tid
     blocks_by_dev: Mapping[str, Intervals] = field(default_factory=dict)  # every submitter, by device name
     block_names: dict[str, str] = field(default_factory=dict)  # "MAJ:MIN" -> device name, from the eBPF meta

@@ -87,7 +87,7 @@ Held = tuple[list[Any], str | None, int, int, Sequence[int], Sequence[int]]
 # What a window's Capture shares with the whole capture's: long-lived records and what they say
 _SHARED = ("collectives", "calls", "in_progress", "cpu_cgroups", "cpu_throttles", "stacks", "comms", "nspids", "tgid",
            "created", "pids", "gil_pids", "agent_threads", "agent_from", "kernel_pids", "kernel_seen", "off", "nvml",
-           "drops", "block_names", "complete", "problem", "trailer", "first_ns", "last_ns", "tracing_ns")
+           "drops", "block_names", "complete", "problem", "trailer", "first_ns", "last_ns", "tracing_ns", "offcpu_span")
 
 
 class WindowedAnalysis:
@@ -121,6 +121,7 @@ class WindowedAnalysis:
         self.windows = 0  # windows explained (for the bench)
         self.unsought: set[int] = set()  # id() of ops ending a stall, their launch not found in LAUNCH_LOOKBACK_NS
         self.peak_window_records = 0
+        self.offcpu_span: dict[int, tuple[int, int]] = {}  # see _switched
 
     def add(self, r: Any) -> None:
         """One record."""
@@ -167,6 +168,8 @@ class WindowedAnalysis:
                 timed_out.add(r.tid)
         elif kind == "StackSample":
             self.sampled.setdefault(r.tid, Counter())[r.stack] += 1
+        elif kind == "OffCpu":
+            self._switched(((r.tid, r.start_ns),))
         elif kind == "GpuKernel" and not self.named_collectives:
             low = r.name.lower()
             self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
@@ -200,9 +203,22 @@ class WindowedAnalysis:
         elif kind == "StackSample":
             for (tid, stack), n in Counter(zip(columns[2], columns[3], strict=True)).items():
                 self.sampled.setdefault(tid, Counter())[stack] += n
+        elif kind == "OffCpu":
+            self._switched(zip(columns[1], columns[2], strict=True))
         elif kind == "GpuKernel" and not self.named_collectives:
             low = "\0".join(columns[7]).lower()  # no word spans two names
             self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
+
+    def _switched(self, starts: Iterable[tuple[int, int]]) -> None:
+        """The first and last start of each thread's off-CPU records (``Capture.offcpu_span``): a window asked
+        about a thread that ran through it learns from them that it was switched out before and after."""
+        span = self.offcpu_span
+        for tid, start in starts:
+            known = span.get(tid)
+            if known is None:
+                span[tid] = (start, start)
+            elif start < known[0] or start > known[1]:
+                span[tid] = (min(start, known[0]), max(start, known[1]))
 
     def _spool_past_small(self) -> None:
         """Past ``small_records`` time-local records the capture is analysed window by window: those held go to
@@ -267,6 +283,7 @@ class WindowedAnalysis:
         self._drop_local()
         self.nvml_meta = source.meta.get("nvml")
         cap = self.cap = finish_load(self.ld, source, link=False)
+        cap.offcpu_span = self.offcpu_span
         waits, colcap = self._collectives(cap, spool)
         self.colops = {(op.pid, op.correlation_id, op.start_ns, op.end_ns): op
                        for ops in colcap.ops.values() for op in ops} if colcap is not None else {}
