@@ -18,7 +18,7 @@ from typing import Any
 
 from gputrace import clock
 from gputrace.errors import PermissionDenied, UserError
-from gputrace.probes.ebpf.host import compile_bpf, forget, program_runs
+from gputrace.probes.ebpf.host import compile_bpf, program_runs, unload
 from gputrace.probes.ebpf.owner import LEFT_OUT_WHY, foreign, owner_cflags
 from gputrace.records import CudaApi, SourceStatus
 from gputrace.source import Sink
@@ -156,8 +156,7 @@ class UprobeSource:
         self._flush()
         self._final_counts = self._read_counts()
         self._final_runs = program_runs(self._bpf)
-        self._bpf.cleanup()
-        forget(self._bpf)
+        unload(self._bpf)
         self._bpf = None
         left = self._final_counts["left_out"]
         if left:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -78,3 +79,32 @@ def test_a_stopped_uprobe_source_keeps_neither_its_programs_nor_its_sink() -> No
     del src, sink
     assert not _still_kept(programs), _still_kept(programs)
     assert not _still_kept(sink_ref), _still_kept(sink_ref)
+
+
+TABLES = b"""BPF_HASH(counts, u32, u64, 16);
+BPF_RINGBUF_OUTPUT(events, 8);
+BPF_ARRAY(totals, u64, 4);
+TRACEPOINT_PROBE(sched, sched_process_exec) { u32 k = 0; u64 *v = totals.lookup(&k); return v ? 0 : 1; }"""
+
+
+def test_a_module_is_freed_only_between_compiles_and_its_tables_are_opened_at_its_compile() -> None:
+    """libbcc keeps every module's tables in one store of the process, unguarded: freeing a module while
+    another compiles or frees one crashed gputraced (two captures of one pid ending together). A module is
+    freed under the lock compiles take, and every table handle is made at the compile (under it as well), so
+    a source asking for a table later finds it made, by str or bytes name."""
+    import bcc
+
+    from gputrace.probes.ebpf import host
+
+    bpf = compile_bpf(bcc.BPF, text=TABLES)
+    made = {name: bpf.tables.get(name) for name in ("counts", b"counts", "events", b"events", "totals", b"totals")}
+    assert all(t is not None for t in made.values()), made
+    assert bpf[b"counts"] is made["counts"] and bpf["totals"] is made[b"totals"]
+    assert bpf.tracepoint_fds  # TRACEPOINT_PROBE: attached at the compile
+    with host._libbcc:  # a compile under way elsewhere
+        t = threading.Thread(target=unload, args=(bpf,))
+        t.start()
+        t.join(10)  # long enough for the unload to close its links and free the module, were it not waiting
+        assert t.is_alive() and bpf.module is not None, "the module was freed while the lock was held"
+    t.join(60)
+    assert not t.is_alive() and bpf.module is None and not bpf.tracepoint_fds

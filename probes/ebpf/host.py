@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import os
 import platform
@@ -89,14 +90,18 @@ def tracepoint_exists(category: str, name: str) -> bool:
         return bool(BPF.tracepoint_exists(category, name))
 
 
-# bcc compiles with process-wide state: two BPF() calls at once in one process crash it (a segfault in
-# libbcc). gputraced starts several captures at once, each on its own thread, so every compile takes this.
-_compiling = threading.Lock()
+# libbcc keeps every module's tables in one process-wide store (a map no lock guards): making a module (a
+# compile), freeing one (cleanup) and finding a table by name all walk it, and two of them at once crash the
+# process (a segfault in libbcc). gputraced runs several captures at once, each on threads of its own, so each of
+# those takes this lock; a table's handle is made under it once (``_open_tables``) and reads the map through its
+# fd alone from then on.
+_libbcc = threading.Lock()
 
 
 def compile_bpf(bpf_class: Any, **kwargs: Any) -> Any:
-    """``bpf_class(**kwargs)`` (bcc's BPF: compile and load), one at a time in this process."""
-    with _compiling:
+    """``bpf_class(**kwargs)`` (bcc's BPF: compile and load), one at a time in this process, with a handle
+    made for each of its tables."""
+    with _libbcc:
         # Made in two steps so a failed compile can still be forgotten: bcc registers the object with atexit
         # before it compiles, and gputraced would keep every failed attempt until it exits.
         bpf = bpf_class.__new__(bpf_class)
@@ -107,7 +112,26 @@ def compile_bpf(bpf_class: Any, **kwargs: Any) -> Any:
                 bpf.cleanup()
             forget(bpf)
             raise
+        _open_tables(bpf)
         return bpf
+
+
+def _open_tables(bpf: Any) -> None:
+    """A handle for every table of ``bpf``, under its name as str and as bytes (``bpf[name]`` then finds it
+    made whichever a source asks with). A table bcc cannot make a handle for is left to be asked for."""
+    from bcc.libbcc import lib
+
+    lib.bpf_num_tables.restype, lib.bpf_num_tables.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+    lib.bpf_table_name.restype, lib.bpf_table_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]
+    for i in range(lib.bpf_num_tables(bpf.module)):
+        name = lib.bpf_table_name(bpf.module, i)
+        if not name:
+            continue
+        try:
+            table = bpf.get_table(name)
+        except Exception:  # noqa: BLE001, S112 - a map type bcc's Python has no class for
+            continue
+        bpf.tables[name] = bpf.tables[name.decode(errors="replace")] = table
 
 
 def forget(bpf: Any) -> None:
@@ -150,8 +174,9 @@ def wait_for_unloads(timeout_s: float = _UNLOAD_WAIT_S) -> None:
 
 
 def unload(bpf: Any) -> None:
-    """Close every tracepoint link at once, then free the rest. Each close waits for an RCU grace period
-    (70 ms to seconds on a busy machine); concurrent closes share them."""
+    """Close every tracepoint link at once, detach its uprobes and perf events, then free the module (under
+    ``_libbcc``). Each close waits for an RCU grace period (70 ms to seconds on a busy machine); concurrent
+    closes share them, and none holds the lock another session's compile waits for."""
     from bcc.libbcc import lib
 
     forget(bpf)  # an exiting interpreter drops the links itself; never twice
@@ -166,7 +191,12 @@ def unload(bpf: Any) -> None:
             t.start()
         for t in closers:
             t.join()
-        bpf.cleanup()
+        for name in list(bpf.uprobe_fds):
+            bpf.detach_uprobe_event(name)
+        for ev_type, ev_config in list(bpf.open_perf_events):
+            bpf.detach_perf_event(ev_type, ev_config)
+        with _libbcc:
+            bpf.cleanup()
     except Exception:  # noqa: BLE001 - interpreter shutting down: the kernel closes what is left
         pass
 
