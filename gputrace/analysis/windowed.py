@@ -78,6 +78,7 @@ WINDOW_BUCKETS = 8  # buckets a window's stalls end in
 SMALL_RECORDS = 200_000  # time-local records up to which a capture is analysed whole
 LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked for, past a window's margin
 DROP_RECORDS = 50_000  # records indexed one by one on the first pass between two drops of the loader's indexes
+SWITCHED_ONE_BY_ONE = 24  # threads of a frame of off-CPU records up to which each is picked out in a C loop
 COLLECT_WINDOWS = 64  # windows explained between two collections of cyclic garbage while the collector is paused
 _FUTEX_NAMES = frozenset(FUTEXES)
 # What a capture that may still be analysed whole holds: records, or where a frame of rows of one kind is in the
@@ -169,7 +170,7 @@ class WindowedAnalysis:
         elif kind == "StackSample":
             self.sampled.setdefault(r.tid, Counter())[r.stack] += 1
         elif kind == "OffCpu":
-            self._switched(((r.tid, r.start_ns),))
+            self._switched((r.tid,), (r.start_ns,))
         elif kind == "GpuKernel" and not self.named_collectives:
             low = r.name.lower()
             self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
@@ -204,21 +205,29 @@ class WindowedAnalysis:
             for (tid, stack), n in Counter(zip(columns[2], columns[3], strict=True)).items():
                 self.sampled.setdefault(tid, Counter())[stack] += n
         elif kind == "OffCpu":
-            self._switched(zip(columns[1], columns[2], strict=True))
+            self._switched(columns[1], columns[2])
         elif kind == "GpuKernel" and not self.named_collectives:
             low = "\0".join(columns[7]).lower()  # no word spans two names
             self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
 
-    def _switched(self, starts: Iterable[tuple[int, int]]) -> None:
+    def _switched(self, tids: Sequence[int], starts: Sequence[int]) -> None:
         """The first and last start of each thread's off-CPU records (``Capture.offcpu_span``): a window asked
-        about a thread that ran through it learns from them that it was switched out before and after."""
+        about a thread that ran through it learns from them that it was switched out before and after. A frame's
+        few threads are taken one at a time (a C loop each over its rows)."""
+        distinct = set(tids)
+        if len(distinct) <= SWITCHED_ONE_BY_ONE:
+            pairs: Iterable[tuple[int, int, int]] = [
+                (tid, min(mine), max(mine))
+                for tid in distinct for mine in [list(compress(starts, map(tid.__eq__, tids)))]]  # fmt: skip
+        else:
+            pairs = ((tid, start, start) for tid, start in zip(tids, starts, strict=True))
         span = self.offcpu_span
-        for tid, start in starts:
+        for tid, lo, hi in pairs:
             known = span.get(tid)
             if known is None:
-                span[tid] = (start, start)
-            elif start < known[0] or start > known[1]:
-                span[tid] = (min(start, known[0]), max(start, known[1]))
+                span[tid] = (lo, hi)
+            elif lo < known[0] or hi > known[1]:
+                span[tid] = (min(lo, known[0]), max(hi, known[1]))
 
     def _spool_past_small(self) -> None:
         """Past ``small_records`` time-local records the capture is analysed window by window: those held go to
