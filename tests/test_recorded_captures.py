@@ -36,28 +36,29 @@ def step_ranges(cap: Path) -> list[tuple[int, int]]:
         return sorted((r.start_ns, r.end_ns) for r in reader.records() if type(r) is NvtxRange and r.name == "step")
 
 
-def steady_from(cap: Path, step: int) -> int:
+def steady_from(name: str, ranges: list[tuple[int, int]], step: int) -> int:
     """When NVTX range ``step`` (1-based, in time order) ended; 0 for step 0 (every stall counts)."""
     if step == 0:
         return 0
-    ends = sorted(end for _, end in step_ranges(cap))
-    assert len(ends) > step, f"{cap.name}: {len(ends)} NVTX step ranges"
+    ends = sorted(end for _, end in ranges)
+    assert len(ends) > step, f"{name}: {len(ends)} NVTX step ranges"
     return ends[step - 1]
 
 
-def per_step_share(report: dict[str, Any], cap: Path, truth: dict[str, Any], since: int) -> float:
+def per_step_share(report: dict[str, Any], name: str, ranges: list[tuple[int, int]], truth: dict[str, Any],
+                   since: int) -> float:
     """The share of the stall time after ``since`` whose culprit is that of the step it held up (the first step
     that began after the stall did; see the module's doc). The tool's own time (``tracing``) is never right."""
     batches = truth["batches"]
     workers, culprit = batches["workers"], truth["culprit_pid"]
     others = {batches["trainer"], *(w for w in workers if w != culprit)}
-    starts = [start for start, _ in step_ranges(cap)]
+    starts = [start for start, _ in ranges]
     total = right = 0
     for s in report["stalls"]:
         if s["start_ns"] < since:
             continue
         k = bisect.bisect_left(starts, s["start_ns"])
-        assert k < len(starts), f"{cap.name}: a stall after the last step began: {s}"
+        assert k < len(starts), f"{name}: a stall after the last step began: {s}"
         pid = int(s["culprit"].get("pid", 0))
         if workers[k % batches["per_epoch"] % len(workers)] == culprit:
             ok = (s["cause"], pid) == (truth["cause"], culprit)
@@ -65,7 +66,7 @@ def per_step_share(report: dict[str, Any], cap: Path, truth: dict[str, Any], sin
             ok = s["cause"] in ("cpu", "cpu.runqueue") and pid in others
         total += s["duration_ns"]
         right += s["duration_ns"] * ok
-    assert total > 0, f"{cap.name}: no stalls in the steady steps"
+    assert total > 0, f"{name}: no stalls in the steady steps"
     return right / total
 
 
@@ -97,7 +98,8 @@ def test_a_recorded_capture_names_its_true_culprit(name: str, tmp_path: Path) ->
     report = json.loads(out.stdout)
     validate(report)
     assert report["schema"] == "gputrace.report/1" and report["capture"]["complete"], report["capture"]
-    since = steady_from(cap, truth["from_step"])
+    ranges = step_ranges(cap)
+    since = steady_from(name, ranges, truth["from_step"])
     total, by = shares(report, since)
     assert total > 0, f"{name}: no stalls in the steady steps"
     right = by[(truth["cause"], truth["culprit_pid"])] / total
@@ -108,7 +110,7 @@ def test_a_recorded_capture_names_its_true_culprit(name: str, tmp_path: Path) ->
     assert all(ns < culprit_ns for _, ns in others), (name, job.most_common(4))
     assert "overhead" in report["capture"], "a capture since the cost meter says what tracing cost"
     if "batches" in truth:
-        step_right = per_step_share(report, cap, truth, since)
+        step_right = per_step_share(report, name, ranges, truth, since)
         assert step_right >= 0.9, (name, step_right)
 
 

@@ -170,7 +170,7 @@ class WindowedAnalysis:
         elif kind == "StackSample":
             self.sampled.setdefault(r.tid, Counter())[r.stack] += 1
         elif kind == "OffCpu":
-            self._switched((r.tid,), (r.start_ns,))
+            self._span(r.tid, r.start_ns, r.start_ns)
         elif kind == "GpuKernel" and not self.named_collectives:
             low = r.name.lower()
             self.named_collectives = any(w in low for w in _COLLECTIVE_WORDS)
@@ -215,19 +215,21 @@ class WindowedAnalysis:
         about a thread that ran through it learns from them that it was switched out before and after. A frame's
         few threads are taken one at a time (a C loop each over its rows)."""
         distinct = set(tids)
-        if len(distinct) <= SWITCHED_ONE_BY_ONE:
-            pairs: Iterable[tuple[int, int, int]] = [
-                (tid, min(mine), max(mine))
-                for tid in distinct for mine in [list(compress(starts, map(tid.__eq__, tids)))]]  # fmt: skip
-        else:
-            pairs = ((tid, start, start) for tid, start in zip(tids, starts, strict=True))
-        span = self.offcpu_span
-        for tid, lo, hi in pairs:
-            known = span.get(tid)
-            if known is None:
-                span[tid] = (lo, hi)
-            elif lo < known[0] or hi > known[1]:
-                span[tid] = (min(lo, known[0]), max(hi, known[1]))
+        if len(distinct) > SWITCHED_ONE_BY_ONE:
+            for tid, start in zip(tids, starts, strict=True):
+                self._span(tid, start, start)
+            return
+        for tid in distinct:
+            mine = list(compress(starts, map(tid.__eq__, tids)))
+            self._span(tid, min(mine), max(mine))
+
+    def _span(self, tid: int, lo: int, hi: int) -> None:
+        """``offcpu_span[tid]`` widened to [lo, hi]."""
+        known = self.offcpu_span.get(tid)
+        if known is None:
+            self.offcpu_span[tid] = (lo, hi)
+        elif lo < known[0] or hi > known[1]:
+            self.offcpu_span[tid] = (min(lo, known[0]), max(hi, known[1]))
 
     def _spool_past_small(self) -> None:
         """Past ``small_records`` time-local records the capture is analysed window by window: those held go to

@@ -119,10 +119,7 @@ def compile_bpf(bpf_class: Any, **kwargs: Any) -> Any:
 def _open_tables(bpf: Any) -> None:
     """A handle for every table of ``bpf``, under its name as str and as bytes (``bpf[name]`` then finds it
     made whichever a source asks with). A table bcc cannot make a handle for is left to be asked for."""
-    from bcc.libbcc import lib
-
-    lib.bpf_num_tables.restype, lib.bpf_num_tables.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
-    lib.bpf_table_name.restype, lib.bpf_table_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]
+    lib = _table_names()
     for i in range(lib.bpf_num_tables(bpf.module)):
         name = lib.bpf_table_name(bpf.module, i)
         if not name:
@@ -132,6 +129,16 @@ def _open_tables(bpf: Any) -> None:
         except Exception:  # noqa: BLE001, S112 - a map type bcc's Python has no class for
             continue
         bpf.tables[name] = bpf.tables[name.decode(errors="replace")] = table
+
+
+@functools.cache
+def _table_names() -> Any:
+    """libbcc, its table-listing calls declared (bcc's Python leaves them out)."""
+    from bcc.libbcc import lib
+
+    lib.bpf_num_tables.restype, lib.bpf_num_tables.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+    lib.bpf_table_name.restype, lib.bpf_table_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 def forget(bpf: Any) -> None:
