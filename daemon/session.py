@@ -55,10 +55,11 @@ class Pacing:
     uprobe_rescan_s: float = 0.5  # processes without libcuda yet: their maps read again
     cgroup_tick_s: float = 0.02  # the cpu cgroups' counters (a throttle's end is placed within this)
     agent_flush_ms: int = 100  # agents send their records this often
+    nvml_period_s: float = 0.1  # NVML's counters read (its utilization samples are the driver's own, timestamped)
 
 
 WATCH_PACING = Pacing(wait_s=1.0, ring_poll_ms=250, uprobe_poll_ms=1000, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
-                      agent_flush_ms=1000)
+                      agent_flush_ms=1000, nvml_period_s=1.0)
 
 
 @dataclass
@@ -272,7 +273,8 @@ class _Session:
             for pid in pids if not self.opts.command else []:
                 self._attach(pid)
         if "nvml" not in off:
-            self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource"))
+            self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource",
+                                                  period_s=self.opts.pacing.nvml_period_s))
         if "sampler" not in off:
             self._start_sampler()
         if "cgroups" not in off:

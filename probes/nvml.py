@@ -26,7 +26,7 @@ from gputrace.source import Sink
 
 UINT_MAX = 0xFFFFFFFF  # NVML scope id: all NVLink links together
 KIB = 1024
-PCIE_EVERY = 10  # ticks between PCIe throughput reads (1 s at the default 100 ms)
+PCIE_EVERY_S = 1.0  # PCIe throughput is read about this often (NVML measures it over 20 ms per call)
 
 # NVML value types (nvmlValueType_t) → the union member holding the value
 VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -88,13 +88,13 @@ class _Device:
         self.cpu_ns: dict[str, int] = {}  # metric group → CPU time its reads took, summed
         self.reads: dict[str, int] = {}
 
-    def sample(self, to_mono: ToMonotonic, tick: int = 0) -> list[NvmlSample]:
+    def sample(self, to_mono: ToMonotonic, tick: int = 0, pcie_every: int = 1) -> list[NvmlSample]:
         """This tick's records; a group of metrics whose read fails costs that group's sample only. PCIe
-        throughput is read every ``PCIE_EVERY`` ticks: NVML measures it over a 20 ms window per call."""
+        throughput is read every ``pcie_every`` ticks: NVML measures it over a 20 ms window per call."""
         out: list[NvmlSample] = []
         for metric, read in (("util", self._utilization), ("scalars", self._scalars), ("pcie", self._pcie),
                              ("nvlink", self._nvlink), ("gpm_sm_util_pct", self._gpm)):  # fmt: skip
-            if metric in self.unsupported or (metric == "pcie" and tick % PCIE_EVERY):
+            if metric in self.unsupported or (metric == "pcie" and tick % pcie_every):
                 continue
             cpu = time.thread_time_ns()
             out += self._guard(metric, read, to_mono)
@@ -222,6 +222,7 @@ class NvmlSource:
 
     def __init__(self, *, period_s: float = 0.1) -> None:
         self.period_s = period_s
+        self.pcie_every = max(1, round(PCIE_EVERY_S / period_s))  # ticks between PCIe throughput reads
         self.devices: list[_Device] = []
         self.errors = 0
         self._nv: Any = None
@@ -297,7 +298,7 @@ class NvmlSource:
         records: list[NvmlSample] = []
         self._ticks += 1
         for d in self.devices:
-            records += d.sample(self._clock.to_monotonic, self._ticks)
+            records += d.sample(self._clock.to_monotonic, self._ticks, self.pcie_every)
         self.errors = sum(n for d in self.devices for n, _ in d.failures.values())
         if records:
             self._sink.emit(records)

@@ -43,6 +43,14 @@ SYMBOLS = (
 )  # fmt: skip
 
 
+# How bcc says a library lacks a symbol (any other failure to attach is the kernel refusing the probe).
+BCC_NO_SYMBOL = "could not determine address of symbol"
+
+
+class UprobeRefused(Exception):
+    """The kernel refused a uprobe (its symbol is the argument)."""
+
+
 class UprobeEvent(ctypes.Structure):
     """Mirrors struct cu_event in bpf/libcuda.h."""
 
@@ -114,6 +122,8 @@ class UprobeSource:
         self.watching: set[int] = set()
         self.owner_uid = owner_uid
         self.left_out: set[int] = set()  # pids not probed: privileged for their owner when found
+        self.refused: dict[str, list[str]] = {}  # library path -> the symbols whose probes the kernel refused
+        self.unprobed: set[str] = set()  # libraries whose first probe was refused: none is tried again
         self._bpf: Any = None
         self._sink: Sink | None = None
         self._batch: list[tuple[Any, ...]] = []
@@ -209,26 +219,50 @@ class UprobeSource:
             self.watching.add(pid)
             return
         self.watching.discard(pid)
-        done = [sym for i, sym in enumerate(self.symbols) if self._attach_one(path, sym, i, pid)]
+        if path in self.unprobed:  # tried again, it would be refused again (and libbcc say so again)
+            self.attached[pid] = (path, [])
+            self._status("degraded", f"pid {pid}: not probed: the kernel refused uprobes on {path}")
+            return
+        done: list[str] = []
+        refused: list[str] = []
+        for i, sym in enumerate(self.symbols):
+            try:
+                if self._attach_one(path, sym, i, pid):
+                    done.append(sym)
+            except UprobeRefused:
+                refused.append(sym)
+                if not done:  # the kernel probes none of this library (no uprobe support, its filesystem)
+                    self.unprobed.add(path)
+                    break
         self.attached[pid] = (path, done)
-        if done:
-            self._status("started", f"pid {pid}: {len(done)} probes on {path} (host-side, enqueue-only timing)")
+        if refused:
+            self.refused[path] = sorted({*self.refused.get(path, []), *refused})
+        if path in self.unprobed:
+            self._status("degraded", f"pid {pid}: the kernel refused a uprobe on {path} ({refused[0]}; libbcc "
+                                     "says why on the tracer's stderr): its CUDA calls are not probed")  # fmt: skip
+        elif done:
+            extra = f"; refused by the kernel: {', '.join(refused)}" if refused else ""
+            self._status("started", f"pid {pid}: {len(done)} probes on {path} (host-side, enqueue-only timing){extra}")
         else:
             self._status("degraded", f"pid {pid}: {path} exports none of the traced CUDA symbols")
 
     def _attach_one(self, path: str, sym: str, index: int, pid: int) -> bool:
+        """Whether ``sym`` was probed; False where the library lacks it. Raises UprobeRefused where the kernel
+        refused the probe (no uprobe support, an instruction it cannot probe)."""
         assert self._bpf is not None
         try:
             self._bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=f"enter_{index}".encode(), pid=pid)
-        except Exception:  # noqa: BLE001 - bcc raises a bare Exception for a symbol the library lacks
-            return False
+        except Exception as e:  # noqa: BLE001 - bcc raises bare Exceptions
+            if str(e).startswith(BCC_NO_SYMBOL):
+                return False
+            raise UprobeRefused(sym) from None
         try:
             self._bpf.attach_uretprobe(
                 name=path.encode(), sym=sym.encode(), fn_name=f"leave_{index}".encode(), pid=pid
             )
         except Exception:  # noqa: BLE001
             self._bpf.detach_uprobe(name=path.encode(), sym=sym.encode(), pid=pid)
-            return False
+            raise UprobeRefused(sym) from None
         return True
 
     def _run(self) -> None:

@@ -194,6 +194,7 @@ def test_no_new_samples_is_not_an_error_and_a_failed_read_costs_its_group_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     src, sink = started(monkeypatch, FlakyH100())
+    src.pcie_every = 10  # as at the default 100 ms a tick (the long period here keeps the thread from ticking)
     for _ in range(4):
         src._tick()
     src.stop()  # a fifth tick
@@ -201,11 +202,17 @@ def test_no_new_samples_is_not_an_error_and_a_failed_read_costs_its_group_only(
     util = [r for r in samples if r.metric == "gpu_util_pct"]
     assert len(util) == 2 * 3  # ticks 1, 3 and 5 had new samples, two new ones each
     assert len([r for r in samples if r.metric == "mem_used_bytes"]) == 5  # every tick, the failed clock read's too
-    assert len([r for r in samples if r.metric == "pcie_rx_bps"]) == 1  # the first tick, then every PCIE_EVERY
+    assert len([r for r in samples if r.metric == "pcie_rx_bps"]) == 1  # the first tick, then every 10th
     assert len([r for r in samples if r.metric == "sm_clock_mhz"]) == 4
     assert src.drops() == {"errors": 1}  # the one failed clock read; "nothing new" is not a loss
     (status,) = [r for r in sink.records if type(r) is SourceStatus and r.detail.startswith("read errors")]
     assert status.detail == "read errors: gpu0: sm_clock_mhz 1 failed reads (last: NVMLError_Unknown: Unknown Error)"
+
+
+def test_pcie_is_read_about_once_a_second_at_any_period() -> None:
+    """PCIe throughput costs a 20 ms window of NVML's per read: once a second at a capture's 100 ms ticks,
+    every tick at watch mode's 1 s."""
+    assert [NvmlSource(period_s=p).pcie_every for p in (0.1, 0.25, 1.0, 5.0)] == [10, 4, 1, 1]
 
 
 def test_a_failing_group_is_counted_and_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,9 @@ NAME.gputrace.gz through `gputrace report --json`, scored against NAME.truth.jso
 
 The truth names the process whose work the job waited for (``culprit_pid``) and its cause; the score is its
 share of the stall time of the steady steps (stalls that begin after the end of NVTX range ``step`` number
-``from_step``: before that the job is starting up, and its own start-up is the honest answer there). What
+``from_step``: before that the job is starting up, and its own start-up is the honest answer there; a job
+found already running has no NVTX ranges, and ``from_workers`` names its loader's workers instead: its
+steady steps begin when the first of them started, as their agents' hello says). What
 the tool itself took from the job is ``tracing``, never the job's: it may hold the rest, as may the trainer's
 own CPU time between steps, but no other process may come out ahead of the culprit.
 
@@ -100,6 +102,9 @@ def test_a_recorded_capture_names_its_true_culprit(name: str, tmp_path: Path) ->
     assert report["schema"] == "gputrace.report/1" and report["capture"]["complete"], report["capture"]
     ranges = step_ranges(cap)
     since = steady_from(name, ranges, truth["from_step"])
+    if "from_workers" in truth:  # no NVTX steps (a job found running): steady once its loader's workers started
+        began = {d["pid"]: d["ns"] for d in report["capture"]["device_timing_from"]}
+        since = min(began[pid] for pid in truth["from_workers"])
     total, by = shares(report, since)
     assert total > 0, f"{name}: no stalls in the steady steps"
     right = by[(truth["cause"], truth["culprit_pid"])] / total

@@ -20,11 +20,11 @@ from gputrace import clock
 from gputrace.analysis import analyze
 from gputrace.analysis.explain import BEFORE_HOST_RECORDS
 from gputrace.analysis.windowed import analyze_records
-from gputrace.capture import CaptureReader, host_header, open_capture
+from gputrace.capture import CaptureReader, CaptureWriter, host_header, open_capture
 from gputrace.daemon.session import WATCH_PACING
 from gputrace.daemon.watch import flight
 from gputrace.daemon.watch.flight import CONTROL, FlightLimits, FlightRecorder, dump_capture
-from gputrace.records import CudaApi, GpuDevice, GpuKernel, ProcInfo, ThreadInfo
+from gputrace.records import CudaApi, GpuDevice, GpuKernel, ProcInfo, ThreadInfo, TracingCost
 from gputrace.testing import synth
 from gputrace.testing.synth import Builder, ns
 
@@ -234,6 +234,31 @@ def test_a_dump_holds_every_kernel_event_once(tmp_path: Path, fake_clock: Callab
         calls = [r for r in reader.records() if type(r).__name__ == "Syscall"]
     assert len(calls) == len(set(calls)) == 150, (len(calls), len(set(calls)))
     assert Counter(s["cause"] for s in report(dump)["stalls"]) == Counter({"sleep": 149})
+
+
+def test_a_dump_says_what_tracing_cost_over_its_window(tmp_path: Path) -> None:
+    """The cost meter's counters (CPU time since the session began) over the dump's first and last tick: a
+    counter present at the first tick counts from there, an agent that connected later counts whole."""
+    s = 1_000_000_000
+    ticks = [[TracingCost(1 * s, "session", 100_000_000), TracingCost(1 * s, "agent", 50_000_000, 0, 7)],
+             [TracingCost(2 * s, "session", 150_000_000), TracingCost(2 * s, "agent", 60_000_000, 0, 7)],
+             [TracingCost(3 * s, "session", 220_000_000), TracingCost(3 * s, "agent", 80_000_000, 0, 7),
+              TracingCost(3 * s, "agent", 30_000_000, 0, 9), TracingCost(3 * s, "ebpf", 9, 1, 0)]]
+    segments = []
+    for n, seg in enumerate([ticks[:2], ticks[2:]]):
+        w = CaptureWriter(tmp_path / f"seg{n}.gputrace", host_header(["test"]))
+        for rows in seg:
+            w.write(rows)
+        segments.append(w.close({"end_ns": (n + 2) * s, "drops": {}}))
+    dump = dump_capture(segments, tmp_path / "dump.gputrace", host_header(["test"]), {"kind": "request"},
+                        host_cpus=4)
+    with CaptureReader(dump) as reader:
+        list(reader.records())
+        overhead = reader.trailer["overhead"]
+    assert overhead["by_source"] == {"session": 120_000_000, "agent": 60_000_000, "ebpf": 9}
+    assert overhead["window_ns"] == 2 * s and overhead["host_cpus"] == 4
+    assert overhead["cpu_share"] == round(180_000_009 / (2 * s * 4), 6)
+    assert report(dump)["capture"]["overhead"]["cpu_share"] == overhead["cpu_share"]
 
 
 def test_a_dump_asks_the_segment_to_close_after_a_kernel_blob_then_at_once(

@@ -179,6 +179,61 @@ def test_gone_process_is_reported_and_capture_goes_on(libcuda: Path) -> None:
     assert [s.detail for s in sink.of(SourceStatus)] == [f"pid {pid} is gone"]
 
 
+def unprobeable_lib(d: Path, refused: str) -> Path:
+    """libcuda.so.1 exporting FUNCS and ``refused``, whose first instruction is int3: the kernel refuses a
+    uprobe there (arch_uprobe_analyze_insn), as a kernel without uprobe support refuses every one."""
+    d.mkdir()
+    bodies = [f"int {n}(void) {{ pause_us({us}); return {rc}; }}" for n, (us, rc) in FUNCS.items() if n != refused]
+    trap = f'__asm__(".text\\n.globl {refused}\\n.type {refused},@function\\n{refused}:\\n int3\\n ret\\n");'
+    (d / "libcuda.c").write_text(LIB_C + "\n".join(bodies) + "\n" + trap + "\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"), str(d / "libcuda.c")], check=True)
+    return d / "libcuda.so.1"
+
+
+def test_a_library_whose_first_probe_is_refused_is_not_tried_again(tmp_path: Path) -> None:
+    """The kernel refusing the first probe (a GPU host's kernel without uprobes refused every one with EINVAL,
+    libbcc printing a line for each): the source says so once per process, tries nothing after it, and a
+    second process mapping the same library is not probed at all."""
+    lib = unprobeable_lib(tmp_path / "lib", SYMBOLS[0])
+    first, second = Child(lib), Child(lib)
+    sink = ListSink()
+    src = UprobeSource([first.proc.pid, second.proc.pid])
+    src.start(sink)
+    try:
+        first.run(["cuLaunchKernelEx", "cuMemcpyHtoD_v2"])
+    finally:
+        src.stop()
+        first.close()
+        second.close()
+    assert src.attached == {first.proc.pid: (str(lib), []), second.proc.pid: (str(lib), [])}
+    assert src.unprobed == {str(lib)} and src.refused == {str(lib): [SYMBOLS[0]]}
+    details = sorted(s.detail for s in sink.of(SourceStatus) if s.status == "degraded")
+    assert details == sorted([f"pid {first.proc.pid}: the kernel refused a uprobe on {lib} ({SYMBOLS[0]}; libbcc says "
+                              "why on the tracer's stderr): its CUDA calls are not probed",
+                              f"pid {second.proc.pid}: not probed: the kernel refused uprobes on {lib}"]), details
+    assert not sink.of(CudaApi)
+
+
+def test_a_refused_probe_after_others_leaves_the_rest_probed(tmp_path: Path) -> None:
+    """One symbol the kernel cannot probe, after others it could: the others are probed and recorded."""
+    lib = unprobeable_lib(tmp_path / "lib", "cuMemcpyHtoD_v2")
+    child = Child(lib)
+    sink = ListSink()
+    src = UprobeSource([child.proc.pid])
+    src.start(sink)
+    try:
+        child.run(["cuLaunchKernel", "cuMemcpyDtoH_v2"])
+    finally:
+        src.stop()
+        child.close()
+    assert src.refused == {str(lib): ["cuMemcpyHtoD_v2"]} and not src.unprobed
+    assert set(src.attached[child.proc.pid][1]) == set(FUNCS) - {"cuMemcpyHtoD_v2"}
+    names = [c.name for c in sink.of(CudaApi)]
+    assert names.count("cuLaunchKernel") == 3 and names.count("cuMemcpyDtoH_v2") == 3, names
+    [started] = [s for s in sink.of(SourceStatus) if s.status == "started"]
+    assert started.detail.endswith("; refused by the kernel: cuMemcpyHtoD_v2"), started.detail
+
+
 def test_event_mirror_and_symbol_table() -> None:
     assert ctypes.sizeof(UprobeEvent) == 32
     assert "struct cu_event" in program_text()

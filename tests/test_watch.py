@@ -334,6 +334,11 @@ def test_a_job_that_starts_reading_a_slow_file_is_dumped_naming_it(loopfs: LoopF
         with contextlib.suppress(OSError):
             group.rmdir()
     assert report.returncode == 0, report.stderr
+    capture = json.loads(report.stdout)["capture"]
+    # what tracing cost over the dump's window, from the cost meter's records in it: the service's part
+    # for the job, its kernel programs' and its agent's
+    overhead = capture["overhead"]
+    assert overhead["cpu_share"] > 0 and {"session", "ebpf", "agent"} <= overhead["by_source"].keys(), overhead
     stalls = json.loads(report.stdout)["stalls"]
     storage = [s for s in stalls if s["cause"] == "storage"]
     assert storage and {s["culprit"]["object"] for s in storage} == {str(slow)}, stalls[-3:]

@@ -11,7 +11,7 @@ or over the byte bound, are deleted oldest first. A crash leaves only the open s
 partial capture file that ``salvage`` names as a cut-off segment (readable up to the cut).
 
 ``dump_capture`` joins segments into one ordinary capture (header, the segments' frames in order, a trailer
-with their drops summed and the trigger that asked for it).
+with their drops summed, what tracing cost over the dump's window and the trigger that asked for it).
 """
 
 from __future__ import annotations
@@ -361,13 +361,15 @@ def frames(path: Path) -> Iterator[list[Any]]:
             return
 
 
-def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], trigger: dict[str, Any]) -> Path:
+def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], trigger: dict[str, Any],
+                 host_cpus: int | None = None) -> Path:
     """Join ``segments`` (oldest first) into one capture at ``out``: ``header`` with the trigger, their frames
     in order, a trailer with their drops summed (a segment without a trailer makes the dump incomplete). A
     segment's copies of the kernel blobs that came before it (``CARRIED``) are left out but in the first: the
     others' are in the dump already. The dump's host-side records begin where the first segment's did
-    (``host_from_ns``)."""
+    (``host_from_ns``). ``host_cpus``: the CPUs of the host the segments were written on (default: this one's)."""
     writer = CaptureWriter(out, {**header, "flight": {"trigger": trigger, "segments": len(segments)}})
+    cost = WindowCost()
     drops: dict[str, int] = {}
     complete, first_ns = True, 0
     first: dict[str, Any] = {}
@@ -384,6 +386,8 @@ def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], tr
                     writer.write_meta(frame[1], frame[2])
                 elif tag == "R" and len(frame) == 3:
                     writer.write_rows(frame[1], frame[2])
+                    if frame[1] == "TracingCost":
+                        cost.add(frame[2])
                 elif tag == "K" and len(frame) == 2 and skip > 0:
                     skip -= 1
                 elif tag == "K" and len(frame) == 2:
@@ -407,7 +411,50 @@ def dump_capture(segments: Sequence[Path], out: Path, header: dict[str, Any], tr
              "trigger": trigger}
     if "host_from_ns" in first:
         final["host_from_ns"] = int(first["host_from_ns"])
+    overhead = cost.overhead(host_cpus or os.cpu_count() or 1)
+    if overhead is not None:
+        final["overhead"] = overhead
     return writer.close(final)
+
+
+class WindowCost:
+    """What tracing cost over a dump's window, from the cost meter's ``TracingCost`` rows in it (daemon/cost.py:
+    each a source's CPU time since the session began, every second). A counter present at the window's first
+    tick counts from its value there; one that appears later (an agent that connected within the window)
+    counts whole. The trailer's ``overhead`` has the share of the host's CPU and its parts by source; the
+    per-program and per-event figures of a capture's own trailer are not in the rows, so not in a dump's."""
+
+    def __init__(self) -> None:
+        self.first_ts = self.last_ts = 0
+        self.base: dict[tuple[str, int], int] = {}
+        self.now: dict[tuple[str, int], int] = {}
+
+    def add(self, rows: Iterable[Any]) -> None:
+        for row in rows:
+            if not isinstance(row, (list, tuple)) or len(row) < 3:
+                continue
+            ts, source, ns = row[0], row[1], row[2]
+            pid = row[4] if len(row) > 4 else 0
+            if type(ts) is not int or type(source) is not str or type(ns) is not int or type(pid) is not int:
+                continue
+            if not self.first_ts or ts < self.first_ts:
+                self.first_ts = ts
+                self.base.clear()
+            self.last_ts = max(self.last_ts, ts)
+            key = (source[:64], pid)
+            if ts == self.first_ts:
+                self.base[key] = ns
+            self.now[key] = max(self.now.get(key, 0), ns)
+
+    def overhead(self, cpus: int) -> dict[str, Any] | None:
+        window = self.last_ts - self.first_ts
+        if window <= 0:
+            return None
+        by_source: dict[str, int] = {}
+        for key, ns in self.now.items():
+            by_source[key[0]] = by_source.get(key[0], 0) + max(0, ns - self.base.get(key, 0))
+        return {"cpu_share": round(sum(by_source.values()) / (window * cpus), 6), "window_ns": window,
+                "host_cpus": cpus, "by_source": by_source, "events": {}, "events_per_s": {}, "wakeups": {}}
 
 
 def dump_name(comm: str, pid: int, kind: str, n: int) -> str:
