@@ -32,10 +32,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from gputrace.analysis.overhead import cost_text, read_overhead
 from gputrace.capture import CaptureReader
+from gputrace.documents import Overhead
 from gputrace.families import FAMILIES, parse_off
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,15 +46,15 @@ DEFAULT_OFF = "syscalls,sched,block,faults,sampler,agent,cgroups,nvml"
 def steady_step_ms(step_log: Path, since_ns: int = 0) -> float:
     """Mean time per step over the steady steps (after the first fifth, or those that end after ``since_ns``),
     from train_torch's --step-log."""
-    ends = json.loads(step_log.read_text())["step_end_ns"]
+    ends: list[int] = json.loads(step_log.read_text())["step_end_ns"]
     after = (i for i, t in enumerate(ends) if t >= since_ns)
     first = next(after, len(ends)) if since_ns else max(1, len(ends) // 5)
     if len(ends) - first < 2:
         raise SystemExit(f"job_overhead: {step_log}: too few steps ({len(ends)}) for a steady-state time")
-    return (ends[-1] - ends[first]) / (len(ends) - 1 - first) / 1e6
+    return float((ends[-1] - ends[first]) / (len(ends) - 1 - first) / 1e6)
 
 
-def run_watched(job: list[str], work: Path, n: int) -> tuple[float, dict[str, Any] | None]:
+def run_watched(job: list[str], work: Path, n: int) -> tuple[float, Overhead | None]:
     """One fresh run of the job, plainly started, while a watch service runs: (step ms after it was watched,
     the job's cost as the service's status gave it last)."""
     from watch_cost import Service, bench_env
@@ -85,14 +85,14 @@ def run_watched(job: list[str], work: Path, n: int) -> tuple[float, dict[str, An
         raise SystemExit(f"job_overhead: watch: the job failed ({proc.returncode}):\n{out[-2000:]}")
     if not since:
         raise SystemExit("job_overhead: watch: the service never watched the job: raise --steps")
-    cost = None
+    cost: Overhead | None = None
     if last is not None:
         cost = {"cpu_share": float(last["tracing_cpu_share"]), "by_source": {}, "events": {}, "wakeups": {},
                 "events_per_s": {}}
     return steady_step_ms(log, since), cost
 
 
-def run_state(state: str, job: list[str], work: Path, n: int) -> tuple[float, dict[str, Any] | None]:
+def run_state(state: str, job: list[str], work: Path, n: int) -> tuple[float, Overhead | None]:
     """One fresh run of the job in ``state`` ("untraced", "all", "watch" or "off:FAMILY"): (step ms, overhead)."""
     if state == "watch":
         return run_watched(job, work, n)
@@ -110,7 +110,7 @@ def run_state(state: str, job: list[str], work: Path, n: int) -> tuple[float, di
         with CaptureReader(cap) as reader:
             for _ in reader.records():
                 pass
-            overhead = read_overhead(reader.trailer.get("overhead"))
+            overhead = read_overhead((reader.trailer or {}).get("overhead"))
         cap.unlink()
     return steady_step_ms(log), overhead
 
@@ -136,7 +136,7 @@ def main() -> int:
           f"{os.cpu_count()} CPUs", flush=True)
     ms: dict[str, list[float]] = {s: [] for s in states}
     ratios: dict[str, list[float]] = {s: [] for s in states}
-    costs: dict[str, list[dict[str, Any]]] = {s: [] for s in states}
+    costs: dict[str, list[Overhead]] = {s: [] for s in states}
     with tempfile.TemporaryDirectory(prefix="gputrace-job-overhead-") as tmp:
         n = 0
         for r in range(args.rounds):

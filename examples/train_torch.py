@@ -149,8 +149,9 @@ def make_loader(args: argparse.Namespace, files: list[Path]) -> Any:
             x = torch.frombuffer(raw, dtype=torch.uint8).view(len(indices), SAMPLE_BYTES).float().div_(255.0)
             y = x[:, 0].mul(9.99).long()
             if info is not None and info.id == args.slow_worker:
-                while time.thread_time() - started < args.slow_ms / 1e3:  # CPU, as a heavy decode is
-                    pass
+                # CPU, as a heavy decode is; the clock read (a system call on some VMs) every ~0.1 ms of it
+                while time.thread_time() - started < args.slow_ms / 1e3:
+                    sum(range(5000))
             return {"x": x, "y": y}
 
     def hello(worker: int) -> None:
