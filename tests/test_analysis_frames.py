@@ -13,7 +13,7 @@ import pytest
 from recorded import CAPTURES, unpacked
 
 from gputrace.analysis import analyze
-from gputrace.analysis.frames import DEVICE_KINDS, FIELDS, LONG_BUCKETS, Spool
+from gputrace.analysis.frames import DEVICE_KINDS, FIELDS, FLUSH_BUCKETS, FLUSH_CHECK, LONG_BUCKETS, Spool
 from gputrace.analysis.load import COLUMN_KINDS, Lazy, _Loader, load
 from gputrace.analysis.report import assemble
 from gputrace.analysis.windowed import analyze_capture, analyze_records
@@ -340,6 +340,21 @@ def test_the_spool_reads_records_in_the_order_of_a_file_per_bucket(seed: int) ->
         spool.close()
     starts = {r[FIELDS[type(r).__name__][0]] for r in came}
     assert starts <= spool.buckets
+
+
+def test_a_sparse_captures_spooled_records_are_not_one_frame_every_window_reads_whole() -> None:
+    """Records given one by one to a sparse capture's spool (a real job's watch-mode dump: 2k records a second,
+    50 ms buckets) are written in frames that each reach a few buckets: one frame reaching the whole capture
+    would be read through, record by record, by every window (the recorded dump's windowed analysis took 30 s
+    against the whole capture's 1 s). A bucket's read gives its records, each once, as before."""
+    spool = Spool(1_000)
+    for n in range(20_000):  # 50 ns apart: 1000 buckets
+        spool.add("Syscall", Syscall(1, 1, "read", 50 * n, 50 * n + 10, 0, 3, "f", 0, 0))
+    spool.flush()
+    span = max(f.hi - f.lo for f in spool.frames)
+    assert len(spool.frames) > 10 and span <= FLUSH_BUCKETS + FLUSH_CHECK * 50 // 1_000 + 1, (len(spool.frames), span)
+    assert [r.start_ns for r in spool.read(500, 500)] == list(range(500_000, 501_000, 50))
+    spool.close()
 
 
 def test_a_row_is_its_record() -> None:

@@ -37,6 +37,11 @@ CACHED_READS = 4  # reads whose frames' records are kept for the next reads
 LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than read with every window it reaches
 WIDE_BUCKETS = 256  # a frame reaching more buckets (records flushed long after others) is looked at by every read
 FLUSH_RECORDS = 50_000  # records given one by one, buffered before they are written as one frame
+# ... or once they reach this many buckets, looked at every FLUSH_CHECK records: every read that reaches a frame of
+# the spool's own goes through all its records, so a frame spanning the whole of a sparse capture would be read
+# whole by every window (quadratic in the capture's length)
+FLUSH_BUCKETS = 8
+FLUSH_CHECK = 1024
 # Where a time-local record's time span is: (start field, end field)
 EXTENT: dict[str, tuple[str, str]] = {
     "GpuKernel": ("start_ns", "end_ns"), "GpuMemcpy": ("start_ns", "end_ns"), "GpuMemset": ("start_ns", "end_ns"),
@@ -115,9 +120,18 @@ class Spool:
 
     def add(self, kind: str, r: Any) -> None:
         """One record, as it came."""
-        self._pending.append([_KIND_ID[kind], r])
-        if len(self._pending) >= FLUSH_RECORDS:
+        pending = self._pending
+        pending.append([_KIND_ID[kind], r])
+        n = len(pending)
+        if n >= FLUSH_RECORDS or (not n % FLUSH_CHECK and self._pending_buckets() > FLUSH_BUCKETS):
             self.flush()
+
+    def _pending_buckets(self) -> int:
+        """How many buckets apart the first and the last buffered record start."""
+        (k0, r0), (k1, r1) = self._pending[0], self._pending[-1]
+        first: int = r0[FIELDS[_KINDS[k0]][0]]
+        last: int = r1[FIELDS[_KINDS[k1]][0]]
+        return abs(last - first) // self.bucket_ns
 
     def flush(self) -> None:
         """The records given one by one so far, written as one frame."""
