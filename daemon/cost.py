@@ -4,7 +4,9 @@ Three kinds of CPU time are tracing's, and only tracing's:
 - the kernel programs' run time (each source's ``program_runs()``, timed by the kernel's BPF statistics,
   turned on for the capture through probes/ebpf/bpfstats.py and off again after it), paid by whichever task
   hit the hook, traced or not;
-- the capturing process's own CPU time (its threads drain the ring buffers, write the file, sample NVML);
+- the capturing process's own CPU time (its threads drain the ring buffers, write the file, sample NVML); in
+  watch mode the service's process serves every job, and its CPU time is split evenly between the jobs
+  present while it accrues (``CpuSplit``), as the shared kernel programs' run time is;
 - each agent's CPU time inside its traced process (its I/O thread, CUPTI flushes and conversions), as the
   agent reports it.
 Every second a ``TracingCost`` record per source goes into the capture (a counter track in Perfetto); at the
@@ -15,6 +17,7 @@ A figure that cannot be measured is left out, and ``missing`` says why.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,12 +31,53 @@ INTERVAL_NS = 1_000_000_000
 Runs = dict[str, tuple[int, int]]
 
 
+class CpuSplit:
+    """This process's CPU time, split evenly between the parties present while it accrues: watch mode runs
+    every job's session in the one service process, whose threads (drains, writers, agent servers, the scan,
+    the analysis) serve them all. Each party's part starts at 0 when it joins; the parts add up to what the
+    process used while any party was present."""
+
+    def __init__(self, clock_ns: Callable[[], int] = time.process_time_ns) -> None:
+        self.clock_ns = clock_ns
+        self.lock = threading.Lock()
+        self.seen = clock_ns()
+        self.parts: dict[object, int] = {}
+
+    def join(self, party: object) -> Callable[[], int]:
+        """Add ``party``; returns what reads its part so far."""
+        with self.lock:
+            self._split()
+            self.parts[party] = 0
+        return lambda: self.part(party)
+
+    def leave(self, party: object) -> None:
+        with self.lock:
+            self._split()
+            self.parts.pop(party, None)
+
+    def part(self, party: object) -> int:
+        with self.lock:
+            self._split()
+            return self.parts.get(party, 0)
+
+    def _split(self) -> None:
+        now = self.clock_ns()
+        spent, self.seen = max(0, now - self.seen), now
+        if self.parts:
+            share = spent // len(self.parts)
+            for party in self.parts:
+                self.parts[party] += share
+
+
 class CostMeter:
     """Started once the sources are; ``tick()`` from the session's wait loop, ``final()`` after the sources
-    stopped (they keep their programs' last figures), ``summary()`` for the trailer."""
+    stopped (they keep their programs' last figures), ``summary()`` for the trailer. ``session_cpu``: what
+    reads the session's own CPU time (default: this process's; watch mode: the job's part, CpuSplit)."""
 
-    def __init__(self, sink: Sink, sources: Callable[[], Iterable[Any]], agents: Any) -> None:
+    def __init__(self, sink: Sink, sources: Callable[[], Iterable[Any]], agents: Any,
+                 session_cpu: Callable[[], int] | None = None) -> None:
         self.sink, self.sources, self.agents = sink, sources, agents
+        self.session_cpu = session_cpu or time.process_time_ns
         self.stats = RunStats()
         self.start_ns = self.next_ns = 0
         self.cpu0 = 0
@@ -46,7 +90,7 @@ class CostMeter:
         self.stats.open()
         self.start_ns = clock.monotonic_ns()
         self.next_ns = self.start_ns + INTERVAL_NS
-        self.cpu0 = time.process_time_ns()
+        self.cpu0 = self.session_cpu()
         self.base = {s.name: s.program_runs() for s in self._kernel_sources()}
 
     def tick(self) -> None:
@@ -78,7 +122,7 @@ class CostMeter:
         return out
 
     def _record(self, now: int) -> None:
-        rows = [TracingCost(now, "session", time.process_time_ns() - self.cpu0)]
+        rows = [TracingCost(now, "session", self.session_cpu() - self.cpu0)]
         self.programs = self._programs() if self.stats.on else {}
         for source, runs in self.programs.items():
             rows.append(TracingCost(now, source, sum(ns for _, ns in runs.values()), sum(n for n, _ in runs.values())))

@@ -90,6 +90,9 @@ class CaptureOptions:
     make_ebpf: Callable[..., Any] | None = None
     analyse: bool = True  # analyse the capture at the end (and export it, with ``perfetto``)
     pacing: Pacing = field(default_factory=Pacing)
+    # What reads the session's own CPU time for its cost meter (default: this process's); watch mode passes
+    # the job's part of the service's CPU time (daemon/cost.py, CpuSplit).
+    session_cpu: Callable[[], int] | None = None
 
 
 @dataclass
@@ -199,7 +202,7 @@ class _Session:
             self.writer = make_writer(self.output, header, force=self.opts.force, budget=self.opts.budget)
         self.sink = QueueSink(self.writer)
         self._start_sources(pids)
-        self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents)
+        self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents, self.opts.session_cpu)
         self.cost.start()
         # Before the command runs and tracing is announced: from then on, Ctrl-C or SIGTERM must end the
         # capture and write it, not unwind and throw away the capture of a command already running.

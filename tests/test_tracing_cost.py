@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gputrace.capture import CaptureReader
+from gputrace.daemon.cost import CostMeter, CpuSplit
 from gputrace.probes.ebpf.bpfstats import SYSCTL, RunStats, fdinfo_fields
 from gputrace.records import TracingCost
 
@@ -128,3 +129,44 @@ def test_an_unknown_family_is_one_line_naming_them_all(tmp_path: Path) -> None:
     run = gputrace("capture", "--off", "sched,gpu", "--", "true")
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "unknown source family gpu for --off (one of: syscalls, sched, block" in run.stderr
+
+
+def test_the_services_cpu_time_is_split_between_the_jobs_present_while_it_accrues() -> None:
+    """Watch mode's jobs share one service process: each job's cost meter counts its part of the process's CPU
+    time, split evenly between the jobs present at each moment, and the parts add up to the whole."""
+    now = [1_000]
+    split = CpuSplit(lambda: now[0])
+    now[0] += 500  # no job yet: nobody's
+    a = split.join("a")
+    now[0] += 300  # a alone
+    b = split.join("b")
+    now[0] += 400  # a and b
+    assert (a(), b()) == (500, 200)
+    split.leave("a")
+    now[0] += 100  # b alone
+    assert b() == 300 and split.part("a") == 0
+    c = split.join("c")
+    now[0] += 1  # an odd nanosecond is left out, never counted twice
+    assert (b(), c()) == (300, 0)
+    assert sum(split.parts.values()) <= now[0] - 1_000 - 500
+
+
+def test_a_cost_meter_counts_its_session_cpu_from_where_it_started() -> None:
+    part = [7_000]
+    rows: list[Any] = []
+
+    class Sink:
+        def emit(self, recs: Any) -> None:
+            rows.extend(recs)
+
+        def emit_kernel(self, blob: bytes, nevents: int) -> None:
+            raise AssertionError("the meter emits records only")
+
+        def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
+            raise AssertionError("the meter emits records only")
+
+    meter = CostMeter(Sink(), lambda: [], None, session_cpu=lambda: part[0])
+    meter.start()
+    part[0] += 2_500
+    meter.final()
+    assert [(r.source, r.cpu_ns) for r in rows] == [("session", 2_500)]

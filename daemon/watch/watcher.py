@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputrace.daemon.cost import CpuSplit
 from gputrace.daemon.watch.discover import Found, Scanner, ancestors, start_time
 from gputrace.daemon.watch.flight import FlightLimits, FlightRecorder, Segment, dump_capture, dump_name, salvage
 from gputrace.daemon.watch.metrics import JobMetrics, samples, write_textfile
@@ -145,6 +146,7 @@ class Watcher:
         # One set of kernel programs for the jobs (of one owner): each syscall on the host runs it once,
         # whatever the number of jobs (probes/ebpf/shared.py).
         self.kernel = SharedEbpf()
+        self.cpu_split = CpuSplit()  # the service's CPU time, each job's part of it (its cost meter's "session")
         self._prepare()
 
     # ---------------------------------------------------------------------------------- lifecycle ---
@@ -286,7 +288,8 @@ class Watcher:
                               sample_hz=0 if "sampler" in self.config.off else 499,
                               argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
                               owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session,
-                              pacing=WATCH_PACING, make_ebpf=self.kernel.view)
+                              pacing=WATCH_PACING, make_ebpf=self.kernel.view,
+                              session_cpu=self.cpu_split.join(id(job)))
         try:
             result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
             job.state = "ended"
@@ -300,6 +303,7 @@ class Watcher:
             job.state, job.error = "failed", f"internal error: {type(e).__name__}: {e}"
             self.log("".join(traceback.format_exception(e)).rstrip())
         finally:
+            self.cpu_split.leave(id(job))
             job.ended = time.time()
             self.changed = True
 
