@@ -187,7 +187,12 @@ def test_watched_jobs_come_and_go_and_their_metrics_are_right() -> None:
             assert kernel["loaded"] == 1 and len(kernel["sets"]) == 1, kernel
             # (GPU processes other tests on the host run may be watched too: root's, they share the set)
             assert kernel["sets"][0]["jobs"] >= 3 and kernel["sets"][0]["processes"] >= 3, kernel
-            assert "watch kernel programs: 1 set(s) loaded now" in svc.client("status").stdout
+            # its busiest programs: the scheduler's and the system calls' hooks run for every such event on the host
+            busiest = kernel["sets"][0]["busiest"]
+            assert busiest and all(b["runs_per_s"] > 0 and b["ns_per_run"] > 0 for b in busiest), busiest
+            assert {b["program"] for b in busiest} & {"sys_enter", "sys_exit", "sched_switch", "sched_waking"}, busiest
+            text = svc.client("status").stdout
+            assert "watch kernel programs: 1 set(s) loaded now" in text and "busiest programs" in text, text
             assert (svc.metrics.stat().st_mode & 0o777) == 0o644
             assert not list(svc.metrics.parent.glob(".*")), "a temporary metrics file left behind"
         finally:

@@ -212,6 +212,12 @@ def _print_watch(w: dict[str, Any]) -> None:
         print(f"watch kernel programs: {len(sets)} set(s) loaded now ({kernel.get('loaded', 0)} since the start), "
               + "; ".join(f"uid {s['owner_uid'] if s['owner_uid'] is not None else 0}: {s['jobs']} jobs, "
                           f"{s['processes']} processes, {s['unrouted']} events of no job" for s in sets))
+        for s in sets:
+            busiest = s.get("busiest", [])
+            if busiest:
+                print("  busiest programs (every such event on the host runs them): " + ", ".join(
+                    f"{b['program']} {b['runs_per_s']:,.0f}/s at {b['ns_per_run']:.0f} ns ({b['host_share']:.2%})"
+                    for b in busiest))
     otlp = w.get("otlp")
     if otlp:
         print(f"watch metrics by OTLP to {otlp['target']}: {otlp['exports']} exports, {otlp['failed']} failed"

@@ -26,6 +26,7 @@ a second word, pid, tid: probes/bpf/gputrace.h), so routing reads the pid at a f
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -42,6 +43,7 @@ from gputrace.source import Sink
 
 _PID = slice(8, 12)  # the pid in every kernel event's header (type, word, pid, tid)
 _LEAVE_WAIT_S = 10.0
+BUSIEST = 4  # programs of a set named in status, the busiest first
 _SPLIT_S = 0.5  # a leaving job waits this long for the drain thread to finish its records
 
 
@@ -96,6 +98,7 @@ class _ProgramSet:
         self.unrouted = 0
         self._runs_seen: dict[str, tuple[int, int]] = {}  # the set's program figures when last split
         self._split_at = 0.0
+        self.loaded_at = 0.0  # when its programs were loaded (time.monotonic)
 
     # ------------------------------------------------------------------------ joining, leaving ---
     def join(self, view: SharedView, sink: Sink) -> bool:
@@ -107,6 +110,7 @@ class _ProgramSet:
             with self.lock:
                 self._add_view(view, sink)
             self.source = _RoutedSource(self, view.pids, self.key)
+            self.loaded_at = time.monotonic()
             try:
                 self.source.start(_Demux(self))
             except BaseException:
@@ -522,12 +526,22 @@ class SharedEbpf:
             return len(pset.views)
 
     def status(self) -> list[dict[str, Any]]:
-        """Each loaded set: whose, its jobs and processes, events routed nowhere."""
+        """Each loaded set: whose, its jobs and processes, events routed nowhere, and its busiest programs since
+        it was loaded (``busiest``: runs a second, ns a run, share of the host's CPU; what it costs is the
+        host's event rate: every system call and scheduler event on the host runs the set once)."""
         with self._lock:
             sets = list(self._sets.values())
         out = []
+        cpus = os.cpu_count() or 1
         for s in sets:
+            runs = s.split_runs(fresh=False)
             with s.lock:
+                age = max(1e-9, time.monotonic() - s.loaded_at) if s.loaded_at else 0.0
+                busiest = sorted(runs.items(), key=lambda kv: -kv[1][1])[:BUSIEST]
                 out.append({"owner_uid": s.key.owner_uid, "jobs": len(s.views), "processes": len(s.routes),
-                            "unrouted": s.unrouted})
+                            "unrouted": s.unrouted,
+                            "busiest": [{"program": prog, "runs_per_s": round(n / age, 1) if age else 0.0,
+                                         "ns_per_run": round(ns / n, 1) if n else 0.0,
+                                         "host_share": round(ns / 1e9 / (age * cpus), 6) if age else 0.0}
+                                        for prog, (n, ns) in busiest if n]})  # fmt: skip
         return out
