@@ -88,6 +88,9 @@ class CaptureOptions:
     # What follows the targets in the kernel (called as EbpfSource is); watch mode passes its shared program
     # set's views (probes/ebpf/shared.py): one set of kernel programs for all its jobs.
     make_ebpf: Callable[..., Any] | None = None
+    # What samples NVML for the session (called with no arguments; default: an NvmlSource of its own): watch mode
+    # passes a view of its one sampler for every job (probes/nvml.py, SharedNvml).
+    make_nvml: Callable[[], Any] | None = None
     analyse: bool = True  # analyse the capture at the end (and export it, with ``perfetto``)
     pacing: Pacing = field(default_factory=Pacing)
     # What reads the session's own CPU time for its cost meter (default: this process's); watch mode passes
@@ -276,8 +279,11 @@ class _Session:
             for pid in pids if not self.opts.command else []:
                 self._attach(pid)
         if "nvml" not in off:
-            self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource",
-                                                  period_s=self.opts.pacing.nvml_period_s))
+            if self.opts.make_nvml is not None:
+                self._try_start(self.opts.make_nvml())
+            else:
+                self._try_start(self._optional_source("gputrace.probes.nvml", "NvmlSource",
+                                                      period_s=self.opts.pacing.nvml_period_s))
         if "sampler" not in off:
             self._start_sampler()
         if "cgroups" not in off:

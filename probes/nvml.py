@@ -314,3 +314,116 @@ def _not_supported(nv: Any, e: Exception) -> bool:
 
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class SharedNvml:
+    """One NvmlSource for every job of the watch service: NVML is read once per device whatever the number of
+    jobs (each job's own sampler read every device: three jobs on one GPU read it three times), and its samples
+    and statuses go to every job present. A job that joins a running sampler is given the devices' metadata and
+    the sampler's start status first. The sampler starts with the first job and stops with the last."""
+
+    def __init__(self, *, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self.joins = threading.Lock()  # one job joins or leaves at a time (a sampler's start is not cut into)
+        self.lock = threading.Lock()  # the sinks, metadata and statuses the fan-out reads
+        self.sinks: list[Sink] = []
+        self.source: NvmlSource | None = None
+        self.meta: list[tuple[str, dict[str, Any]]] = []
+        self.started: list[SourceStatus] = []  # the sampler's statuses at its start, for jobs that join later
+        self.starting = False
+
+    def view(self) -> NvmlView:
+        return NvmlView(self)
+
+    def join(self, sink: Sink) -> int:
+        """Add ``sink``; returns the sampler's read errors so far (the joiner's drops count from there)."""
+        with self.joins:
+            with self.lock:
+                self.sinks.append(sink)
+                if self.source is not None:
+                    for name, meta in self.meta:
+                        sink.emit_meta(name, meta)
+                    if self.started:
+                        sink.emit(self.started)
+                    return self.source.errors
+                self.source = source = NvmlSource(period_s=self.period_s)
+                self.starting = True
+            try:
+                source.start(_Fanout(self))  # its metadata and statuses come back through the fan-out
+            finally:
+                self.starting = False
+            return 0
+
+    def leave(self, sink: Sink) -> None:
+        with self.joins:
+            with self.lock:
+                last = self.sinks == [sink]
+                source = self.source
+                if not last:
+                    with contextlib.suppress(ValueError):
+                        self.sinks.remove(sink)
+            if source is None:
+                return
+            if not last:
+                sink.emit([SourceStatus(clock.monotonic_ns(), "nvml", "stopped", "left the service's shared NVML "
+                                        "sampler; it goes on for the other watched jobs")])  # fmt: skip
+                return
+            source.stop()  # its last statuses (CPU per read, read errors) go to the last job
+            with self.lock:  # the next job starts a new sampler
+                self.sinks.clear()
+                self.source, self.meta, self.started = None, [], []
+
+
+class _Fanout:
+    """The shared sampler's sink: every record to every job's sink present."""
+
+    def __init__(self, shared: SharedNvml) -> None:
+        self.shared = shared
+
+    def emit(self, records: Sequence[tuple[Any, ...]]) -> None:
+        with self.shared.lock:
+            sinks = list(self.shared.sinks)
+            if self.shared.starting:  # what it said as it started: said again to the jobs that join later
+                self.shared.started += [r for r in records if type(r) is SourceStatus]
+        for sink in sinks:
+            sink.emit(records)
+
+    def emit_kernel(self, blob: bytes, nevents: int) -> None:
+        raise AssertionError("NVML emits no kernel events")
+
+    def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
+        with self.shared.lock:
+            self.shared.meta.append((source, meta))
+            sinks = list(self.shared.sinks)
+        for sink in sinks:
+            sink.emit_meta(source, meta)
+
+
+class NvmlView:
+    """A job's handle on the service's shared NVML sampler (a gputrace.source.Source to its session)."""
+
+    name = "nvml"
+
+    def __init__(self, shared: SharedNvml) -> None:
+        self.shared = shared
+        self.sink: Sink | None = None
+        self.base_errors = 0
+        self.final_errors: int | None = None
+
+    def start(self, sink: Sink) -> None:
+        self.sink = sink
+        self.base_errors = self.shared.join(sink)
+
+    def stop(self) -> None:
+        if self.sink is not None:
+            self.final_errors = self._errors()
+            self.shared.leave(self.sink)
+            self.sink = None
+
+    def _errors(self) -> int:
+        source = self.shared.source
+        return max(0, (source.errors if source is not None else 0) - self.base_errors)
+
+    def drops(self) -> dict[str, int]:
+        n = self.final_errors if self.final_errors is not None else self._errors()
+        return {"errors": n} if n else {}

@@ -13,7 +13,15 @@ import pynvml
 import pytest
 
 from gputrace.clock import RealtimeConverter, monotonic_ns
-from gputrace.probes.nvml import NvmlSource, _Device, counter_rate, field_reading, sample_value, util_records
+from gputrace.probes.nvml import (
+    NvmlSource,
+    SharedNvml,
+    _Device,
+    counter_rate,
+    field_reading,
+    sample_value,
+    util_records,
+)
 from gputrace.records import NvmlSample, SourceStatus
 
 
@@ -230,3 +238,36 @@ def test_a_failing_group_is_counted_and_named(monkeypatch: pytest.MonkeyPatch) -
     assert len([r for r in sink.records if type(r) is NvmlSample and r.metric == "sm_clock_mhz"]) == 3
     statuses = [r.detail for r in sink.records if type(r) is SourceStatus and r.status == "degraded"]
     assert any(d.startswith("read errors: gpu0: nvlink 3 failed reads") and "GPU is lost" in d for d in statuses)
+
+
+def test_watch_modes_one_sampler_gives_every_job_the_same_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Watch mode reads NVML once for all its jobs: a job that joins later gets the devices' metadata and the
+    start status first, every job present gets each tick's samples, a job that leaves is told the sampler goes
+    on, and the last one gets its final statuses and stops it."""
+    nv = H100()
+    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
+    monkeypatch.setattr("gputrace.probes.nvml.importlib.import_module", lambda name: nv)
+    shared = SharedNvml(period_s=3600)  # the test drives the ticks
+    a, b = ListSink(), ListSink()
+    va, vb = shared.view(), shared.view()
+    va.start(a)
+    source = shared.source
+    assert source is not None
+    source._tick()
+    vb.start(b)
+    assert shared.source is source  # one sampler
+    assert a.meta["nvml"] == b.meta["nvml"] and b.meta["nvml"]["devices"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert [r.detail for r in b.records if type(r) is SourceStatus] == ["1 device(s), every 3600000 ms"]
+    source._tick()
+    samples_a = [r for r in a.records if type(r) is NvmlSample]
+    samples_b = [r for r in b.records if type(r) is NvmlSample]
+    assert samples_b and samples_a[-len(samples_b):] == samples_b  # b has the second tick's, as a has
+    va.stop()
+    assert shared.source is source and source._thread is not None  # it goes on for b
+    assert "goes on for the other watched jobs" in [r for r in a.records if type(r) is SourceStatus][-1].detail
+    vb.stop()
+    assert shared.source is None and source._thread is None
+    assert any(r.detail.startswith("CPU per read") for r in b.records if type(r) is SourceStatus)
+    assert va.drops() == vb.drops() == {}

@@ -42,6 +42,7 @@ from gputrace.daemon.watch.tally import SegmentGpu
 from gputrace.documents import Report
 from gputrace.errors import UserError
 from gputrace.probes.ebpf.shared import SharedEbpf
+from gputrace.probes.nvml import SharedNvml
 
 FLIGHT = ".flight"
 WATCH_OFF = frozenset({"sampler"})  # stack samples: the costliest detail that no stall's cause depends on
@@ -146,6 +147,9 @@ class Watcher:
         # One set of kernel programs for the jobs (of one owner): each syscall on the host runs it once,
         # whatever the number of jobs (probes/ebpf/shared.py).
         self.kernel = SharedEbpf()
+        from gputrace.daemon.session import WATCH_PACING
+
+        self.nvml = SharedNvml(period_s=WATCH_PACING.nvml_period_s)  # one NVML sampler for every job
         self.cpu_split = CpuSplit()  # the service's CPU time, each job's part of it (its cost meter's "session")
         self._prepare()
 
@@ -288,7 +292,7 @@ class Watcher:
                               sample_hz=0 if "sampler" in self.config.off else 499,
                               argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
                               owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session,
-                              pacing=WATCH_PACING, make_ebpf=self.kernel.view,
+                              pacing=WATCH_PACING, make_ebpf=self.kernel.view, make_nvml=self.nvml.view,
                               session_cpu=self.cpu_split.join(id(job)))
         try:
             result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
