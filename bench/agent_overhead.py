@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gputrace.probes.cupti import real_gpu_missing
 
@@ -41,7 +43,7 @@ def child(args: argparse.Namespace) -> None:
 
         from gputrace.probes.cupti import CuptiBackend
 
-        def emit(records: list) -> None:
+        def emit(records: Sequence[tuple[Any, ...]]) -> None:
             counter["records"] += len(records)
             counter["kernels"] += sum(type(r).__name__ == "GpuKernel" for r in records)
             counter["bytes"] += len(msgpack.packb([list(r) for r in records], use_bin_type=True))
@@ -68,7 +70,7 @@ def child(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ parent ---
 
 
-def run_child(args: argparse.Namespace, state: str) -> dict:
+def run_child(args: argparse.Namespace, state: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "off" if state == "off" else "on", "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--size", str(args.size), "--ops", str(args.ops)]  # fmt: skip
     if args.mode == "capture" and state == "on":
@@ -78,13 +80,13 @@ def run_child(args: argparse.Namespace, state: str) -> dict:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
         sys.exit(f"agent_overhead: {state} run failed:\n{run.stderr[-2000:]}")
-    result = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
+    result: dict[str, Any] = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
     if args.mode == "capture" and state == "on":
         result.update(capture_facts(out))
     return result
 
 
-def capture_facts(path: Path) -> dict:
+def capture_facts(path: Path) -> dict[str, Any]:
     """Kernels the capture holds, what it lost (as drop_* keys) and what its sources said went wrong."""
     from gputrace.capture import CaptureReader
     from gputrace.records import GpuKernel, SourceStatus
@@ -125,7 +127,7 @@ def main() -> int:
     return 0
 
 
-def report(args: argparse.Namespace, off: list[dict], on: list[dict]) -> None:
+def report(args: argparse.Namespace, off: list[dict[str, Any]], on: list[dict[str, Any]]) -> None:
     t_off = statistics.median(statistics.median(r["step_s"]) for r in off)
     t_on = statistics.median(statistics.median(r["step_s"]) for r in on)
     traced = statistics.median(r["kernels"] for r in on) / (args.warmup + args.steps)

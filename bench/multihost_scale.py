@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -485,16 +485,22 @@ def table(rows: list[tuple[str, ...]]) -> str:
 
 def measure(spans: Spans, instances: int, rate: float, cpu: tuple[float, float, float, int]) -> str:
     """The measured table, and its extrapolation to TARGET_HOSTS x TARGET_RANKS_PER_HOST."""
-    n = lambda kinds, host=None: sum(v for (h, k), v in spans.count.items()  # noqa: E731
-                                     if k in kinds and (host is None or h == host))
-    b = lambda kinds: sum(v for (_, k), v in spans.span_bytes.items() if k in kinds)  # noqa: E731
+    def n(kinds: tuple[str, ...], host: str | None = None) -> int:
+        return sum(v for (h, k), v in spans.count.items() if k in kinds and (host is None or h == host))
+
+    def b(kinds: tuple[str, ...]) -> int:
+        return sum(v for (_, k), v in spans.span_bytes.items() if k in kinds)
+
     ranks = WORLD
     all_kinds = ("collective", "stall", "evidence", "capture")
     total_spans = n(all_kinds)
     coll_bytes = sum(v[0] for v in spans.collective_only.values())
     coll_gzip = sum(v[1] for v in spans.collective_only.values())
     req_bytes, req_gzip = sum(spans.req_bytes.values()), sum(spans.req_gzip.values())
-    per_inst = lambda x: x / instances  # noqa: E731
+
+    def per_inst(x: float) -> float:
+        return x / instances
+
     rows: list[tuple[str, ...]] = [("measured: 4 hosts x 2 ranks", "collective spans only", "all spans")]
     rows.append(("spans per collective instance (8 ranks)", f"{per_inst(n(('collective',))):.2f}",
                  f"{per_inst(total_spans):.2f}"))
@@ -528,7 +534,7 @@ def measure(spans: Spans, instances: int, rate: float, cpu: tuple[float, float, 
     ext: list[tuple[str, ...]] = [(f"extrapolated: {TARGET_HOSTS:,} hosts x {TARGET_RANKS_PER_HOST} ranks",
                                    f"measured rate ({rate:,.1f}/s)", "", f"{TARGET_RATE:,.0f}/s per rank", "")]
     ext.append(("", "collective only", "all spans", "collective only", "all spans"))
-    for label, fn in (
+    figures: tuple[tuple[str, Callable[[str, float], str]], ...] = (
         ("spans per instance (whole job)", lambda k, r: si(per_rank[k][0] * job_ranks, "")),
         ("spans/s per host", lambda k, r: si(per_rank[k][0] * host_ranks * r, "")),
         ("spans/s at the collector", lambda k, r: si(per_rank[k][0] * job_ranks * r, "")),
@@ -541,7 +547,8 @@ def measure(spans: Spans, instances: int, rate: float, cpu: tuple[float, float, 
         ("backend per day (protobuf)", lambda k, r: si(per_rank[k][0] * job_ranks * r * per_rank[k][1] * 86400,
                                                           "B")),
         ("export CPU per host (cores, warm)", lambda k, r: f"{per_rank[k][0] * host_ranks * r * warm:.3f}"),
-    ):
+    )
+    for label, fn in figures:
         ext.append((label, fn("collective", rate), fn("all", rate), fn("collective", TARGET_RATE),
                     fn("all", TARGET_RATE)))
     return "\n".join([*lines, "", table(ext)])

@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--report-file", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.export_once:
-        print(json.dumps(export_once(*args.export_once, args.report_file)))
+        once_cap, once_out = args.export_once
+        print(json.dumps(export_once(once_cap, once_out, args.report_file)))
         return
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gputrace.daemon.writer import source_capture
 from gputrace.probes.ebpf.source import EbpfSource
@@ -140,11 +140,11 @@ def main() -> None:
 def measure(data: Path, out: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     """ns/op of every round, by mode (untraced first)."""
     runs: dict[str, list[float]] = {}
-    modes: list[tuple[str, Callable[[int], Any] | None]] = [
+    modes: list[tuple[str, Callable[[int], Any] | Literal["another"] | None]] = [
         ("untraced", None),
         ("traced (gputrace eBPF)", lambda pid: gputrace_source(pid, out)),
         ("traced, classic syscall tracepoints", lambda pid: gputrace_source(pid, out, "classic")),
-        ("untraced, gputrace tracing another", "another"),  # type: ignore[list-item]
+        ("untraced, gputrace tracing another", "another"),
         ("raw_syscalls, empty programs", lambda pid: bcc_program(RAW_EMPTY, pid)),
         ("raw tracepoints, empty programs", lambda pid: bcc_program(RAW_TP_EMPTY, pid)),
         ("raw_syscalls, tgid + start-time hashes", lambda pid: bcc_program(RAW_FILTER, pid)),

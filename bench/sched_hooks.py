@@ -27,8 +27,8 @@ from pathlib import Path
 
 from gputrace.capture import CaptureReader
 from gputrace.daemon.writer import source_capture
-from gputrace.probes.ebpf.hooks import RAW_SCHED_ONLY, SCHED_TRACEPOINTS
 from gputrace.probes.ebpf.source import EbpfSource
+from gputrace.probes.ebpf.syscalls import RAW_SCHED_ONLY, SCHED_TRACEPOINTS
 from gputrace.records import OffCpu
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -178,7 +178,7 @@ def run_state(label: str, args: argparse.Namespace, work: Path, env: dict[str, s
     profile = work / "profile.txt" if args.profile and label == "watched" else None
     svc = Service(base, svc_env, ["--watch-max-jobs", str(args.jobs), "--watch-user", str(UID),
                                   *args.service_args], profile)
-    jobs: list[subprocess.Popen[str]] = []
+    jobs = []
     try:
         jobs = start_jobs(args.jobs, total_s, script, env)
         pids = [p.pid for p in jobs]
@@ -321,7 +321,7 @@ class OnCpuSampler:
                 if used <= 0:
                     continue
                 name = "".join(c for c in names.get(ident, "?") if not c.isdigit())
-                stack = []
+                stack: list[str] = []
                 f: Any = frame
                 while f is not None and len(stack) < 40:
                     code = f.f_code

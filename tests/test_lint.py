@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["gputrace"]  # daemon, probes, exporters and viewer through its links to them
+# daemon, probes, exporters and viewer through gputrace's links to them; the benchmarks, which call them as users do
+PACKAGES = ["gputrace", "bench"]
 # Caches outside the tree, one per user: the suite also runs unprivileged on a tree it cannot write.
 CACHE = Path(tempfile.gettempdir()) / f"gputrace-lint-{os.getuid()}"
 
