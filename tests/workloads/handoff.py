@@ -1,8 +1,10 @@
 """Two threads hand a semaphore back and forth: the main thread waits ROUNDS times, each wait ended by the
 releaser thread, which sleeps SLEEP_MS before each release (a timer wakes it). The releaser starts its sleep
-only once the main thread has reached that round's wait and sleeps in the kernel, so every round is a wait
-of at least SLEEP_MS however late a loaded machine runs the main thread (else two releases could meet one
-wait, and a round would not block at all).
+only once the main thread has reached that round's wait and sleeps in the kernel, and releases only if the
+main thread did not wake meanwhile (its voluntary context switches unchanged: it may have been asleep waiting
+for the GIL, not yet in the semaphore, and then the releaser sleeps again), so every round is a wait of at
+least SLEEP_MS however late a loaded machine runs the main thread (else two releases could meet one wait, and
+a round would not block at all, or be cut short by a GIL wait before it).
 
     python handoff.py [ROUNDS] [SLEEP_MS] [--gate]
 
@@ -29,9 +31,13 @@ def main(argv: list[str]) -> None:
 
     def release() -> None:
         for i in range(rounds):
-            while not (reached[0] == i and _sleeping(main_tid)):
-                time.sleep(0.001)
-            time.sleep(sleep_s)
+            while True:
+                while not (reached[0] == i and _sleeping(main_tid)):
+                    time.sleep(0.001)
+                switches = _voluntary_switches(main_tid)
+                time.sleep(sleep_s)
+                if _voluntary_switches(main_tid) == switches:  # asleep all along: in the semaphore
+                    break
             sem.release()
 
     t = threading.Thread(target=release)
@@ -47,6 +53,12 @@ def _sleeping(tid: int) -> bool:
     """Whether thread ``tid`` of this process sleeps (state S in /proc)."""
     with open(f"/proc/self/task/{tid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
+def _voluntary_switches(tid: int) -> int:
+    """How many times thread ``tid`` of this process went to sleep so far."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
 
 
 if __name__ == "__main__":
