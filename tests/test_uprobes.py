@@ -190,21 +190,27 @@ def unprobeable_lib(d: Path, refused: str) -> Path:
     return d / "libcuda.so.1"
 
 
+def probed(children: list[Child], names: list[str]) -> tuple[UprobeSource, ListSink]:
+    """A source on ``children``'s pids while the first calls ``names``; the children are closed after."""
+    sink = ListSink()
+    src = UprobeSource([c.proc.pid for c in children])
+    src.start(sink)
+    try:
+        children[0].run(names)
+    finally:
+        src.stop()
+        for c in children:
+            c.close()
+    return src, sink
+
+
 def test_a_library_whose_first_probe_is_refused_is_not_tried_again(tmp_path: Path) -> None:
     """The kernel refusing the first probe (a GPU host's kernel without uprobes refused every one with EINVAL,
     libbcc printing a line for each): the source says so once per process, tries nothing after it, and a
     second process mapping the same library is not probed at all."""
     lib = unprobeable_lib(tmp_path / "lib", SYMBOLS[0])
     first, second = Child(lib), Child(lib)
-    sink = ListSink()
-    src = UprobeSource([first.proc.pid, second.proc.pid])
-    src.start(sink)
-    try:
-        first.run(["cuLaunchKernelEx", "cuMemcpyHtoD_v2"])
-    finally:
-        src.stop()
-        first.close()
-        second.close()
+    src, sink = probed([first, second], ["cuLaunchKernelEx", "cuMemcpyHtoD_v2"])
     assert src.attached == {first.proc.pid: (str(lib), []), second.proc.pid: (str(lib), [])}
     assert src.unprobed == {str(lib)} and src.refused == {str(lib): [SYMBOLS[0]]}
     details = sorted(s.detail for s in sink.of(SourceStatus) if s.status == "degraded")
@@ -218,14 +224,7 @@ def test_a_refused_probe_after_others_leaves_the_rest_probed(tmp_path: Path) -> 
     """One symbol the kernel cannot probe, after others it could: the others are probed and recorded."""
     lib = unprobeable_lib(tmp_path / "lib", "cuMemcpyHtoD_v2")
     child = Child(lib)
-    sink = ListSink()
-    src = UprobeSource([child.proc.pid])
-    src.start(sink)
-    try:
-        child.run(["cuLaunchKernel", "cuMemcpyDtoH_v2"])
-    finally:
-        src.stop()
-        child.close()
+    src, sink = probed([child], ["cuLaunchKernel", "cuMemcpyDtoH_v2"])
     assert src.refused == {str(lib): ["cuMemcpyHtoD_v2"]} and not src.unprobed
     assert set(src.attached[child.proc.pid][1]) == set(FUNCS) - {"cuMemcpyHtoD_v2"}
     names = [c.name for c in sink.of(CudaApi)]
