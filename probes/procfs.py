@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -167,21 +168,34 @@ def _hex_addr(text: str) -> str:
     return f"[{host}]:{port_n}" if host.version == 6 else f"{host}:{port_n}"
 
 
-def socket_peers(pid: int) -> dict[int, str]:
-    """socket inode → peer ``host:port`` (listening: ``listen host:port``) or unix path, in pid's netns."""
+# /proc/PID/net's socket tables, cheapest first: a TCP table's read walks the whole connection hash, milliseconds
+# on a host sized for many connections even when it holds none; the unix table names most of a job's sockets
+_SOCKET_TABLES = ("unix", "udp", "udp6", "tcp", "tcp6")
+
+
+def socket_peers(pid: int, wanted: Collection[int] | None = None) -> dict[int, str]:
+    """socket inode → peer ``host:port`` (listening: ``listen host:port``) or unix path, in pid's netns. With
+    ``wanted`` (socket inodes), the tables are read no further once each of those is named."""
     peers: dict[int, str] = {}
-    for proto in ("tcp", "tcp6", "udp", "udp6"):
-        for line in _text(_read(PROC / str(pid) / "net" / proto, 4 << 20)).splitlines()[1:]:
+    left = set(wanted) if wanted is not None else None
+    for proto in _SOCKET_TABLES:
+        if left is not None and not left:
+            break
+        lines = _text(_read(PROC / str(pid) / "net" / proto, 4 << 20)).splitlines()[1:]
+        for line in lines:
+            if proto == "unix":
+                f = line.split(maxsplit=7)
+                if len(f) >= 7 and f[6].isdigit():
+                    peers[int(f[6])] = "unix:" + (f[7] if len(f) > 7 else "(unnamed)")
+                continue
             f = line.split()
             try:
                 local, remote, inode = _hex_addr(f[1]), _hex_addr(f[2]), int(f[9])
             except (IndexError, ValueError):
                 continue
             peers[inode] = remote if not remote.endswith(":0") else f"listen {local}"
-    for line in _text(_read(PROC / str(pid) / "net" / "unix", 4 << 20)).splitlines()[1:]:
-        f = line.split(maxsplit=7)
-        if len(f) >= 7 and f[6].isdigit():
-            peers[int(f[6])] = "unix:" + (f[7] if len(f) > 7 else "(unnamed)")
+        if left is not None:
+            left.difference_update(peers)
     return peers
 
 
@@ -212,20 +226,17 @@ def fd_snapshot(pid: int) -> list[FdInfo]:
 
 def fd_infos(ts: int, pid: int, fds: list[int]) -> list[FdInfo]:
     """fds ``fds`` of ``pid`` as FdInfo records dated ``ts``, read from /proc/PID/fd (gone ones left out);
-    the socket tables are read once, and only if one of them is a socket."""
+    the socket tables are read once, and only as far as the sockets among them need (``socket_peers``)."""
     base = PROC / str(pid) / "fd"
-    out: list[FdInfo] = []
-    peers: dict[int, str] | None = None
+    links: list[tuple[int, str]] = []
     for fd in fds:
         try:
-            link = readlink(base / str(fd))
+            links.append((fd, readlink(base / str(fd))))
         except OSError:
             continue  # closed meanwhile
-        if link.startswith("socket:") and peers is None:
-            peers = socket_peers(pid)
-        kind, obj = _classify(link, peers or {})
-        out.append(FdInfo(ts, pid, fd, kind, obj))
-    return out
+    sockets = {int(link[8:-1]) for _, link in links if link.startswith("socket:[") and link[8:-1].isdigit()}
+    peers = socket_peers(pid, sockets) if sockets else {}
+    return [FdInfo(ts, pid, fd, *_classify(link, peers)) for fd, link in links]
 
 
 _MAX_FDINFO = 4 << 20  # an epoll fd's fdinfo: about 90 bytes per registration

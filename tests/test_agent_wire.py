@@ -72,3 +72,15 @@ except ImportError:
     recs = h.finish()
     assert [k.name for k in of(recs, "GpuKernel")] == ["no_msgpack_here"]
     assert [a.name for a in of(recs, "CudaApi")] == ["cudaLaunchKernel", "cudaStreamSynchronize"]
+
+
+def test_a_frame_of_more_items_than_the_bound_is_refused_and_one_within_it_decoded() -> None:
+    """An empty array is one byte sent and ~60 bytes decoded: the session counts the items of a frame as they are
+    built (an array counts its elements and itself). A frame of at most half the bound's bytes cannot hold more
+    (each item counts at most twice and takes a byte) and is decoded without counting; both give the same."""
+    many = msgpack.packb({"type": "batch", "records": [[]] * 5000})
+    with pytest.raises(wire.FrameError, match="over 10005 items"):  # 5000 arrays twice, the list, the map
+        wire.decode_body(many, 10005)
+    assert wire.decode_body(many, 10006) == wire.decode_body(many, 2 * len(many)) == wire.decode_body(many)
+    with pytest.raises(wire.FrameError, match="over 9000 items"):
+        wire.decode_body(msgpack.packb([[]] * 4499 + [list(range(100))]), 9000)  # counted: 4500 bytes and more

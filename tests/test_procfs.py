@@ -80,3 +80,38 @@ def test_the_snapshot_has_what_each_epoll_fd_watches_with_its_whole_data_word() 
     assert entries == [(epfd, r, select.EPOLLIN, r), (epfd, w, select.EPOLLOUT, w)]
     assert snap.index(next(e for e in snap if isinstance(e, EpollEntry))) > max(
         i for i, s in enumerate(snap) if isinstance(s, FdInfo))  # the fds first: they name what is registered
+
+
+def test_socket_fds_are_named_by_their_peers_and_the_tcp_tables_read_only_for_a_tcp_socket() -> None:
+    """This process's own sockets: a listening TCP socket, a connected TCP pair and a named unix socket are
+    each named by what /proc/PID/net says; asked only for the unix socket, the tables are read no further than
+    the unix one (a TCP table's read walks the host's whole connection hash: milliseconds)."""
+    import socket
+    import tempfile
+
+    from gputrace.records import FdInfo
+
+    with tempfile.TemporaryDirectory() as d, socket.socket() as listener, \
+            socket.socket(socket.AF_UNIX) as unix:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        unix.bind(f"{d}/u.sock")
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            server, _ = listener.accept()
+            with server:
+                fds = {"listener": listener.fileno(), "unix": unix.fileno(), "client": client.fileno(),
+                       "server": server.fileno()}
+                inode = {k: os.fstat(fd).st_ino for k, fd in fds.items()}
+                client_port = client.getsockname()[1]
+                names = {i.fd: i.obj for i in procfs.fd_snapshot(os.getpid()) if isinstance(i, FdInfo)}
+                only_unix = procfs.socket_peers(os.getpid(), {inode["unix"]})
+                everything = procfs.socket_peers(os.getpid())
+    assert names[fds["listener"]] == f"listen 127.0.0.1:{port}"
+    assert names[fds["client"]] == f"127.0.0.1:{port}"
+    assert names[fds["server"]] == f"127.0.0.1:{client_port}"
+    assert names[fds["unix"]] == f"unix:{d}/u.sock"
+    assert only_unix[inode["unix"]] == f"unix:{d}/u.sock"
+    assert inode["client"] not in only_unix and inode["listener"] not in only_unix
+    assert everything[inode["client"]] == f"127.0.0.1:{port}"
+    assert everything[inode["unix"]] == f"unix:{d}/u.sock"

@@ -8,10 +8,14 @@ namespace names itself and its threads by its own ids; they are rewritten to the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from itertools import chain
+from operator import le
 from typing import Any, TypeGuard
 
 from gputrace.agent.wire import PROTOCOL, FrameError
+from gputrace.capture import exact_columns
 from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.records import (
     AgentInfo,
@@ -74,6 +78,9 @@ class Schema:
         self.pid_at = fields.index("pid") if "pid" in fields else -1
         self.tid_at = fields.index("tid") if "tid" in fields else -1
         self.span = (fields.index("start_ns"), fields.index("end_ns")) if "start_ns" in fields else None
+        self.ints = [i for i, t in enumerate(types) if t == "int"]
+        self.strs = [i for i, t in enumerate(types) if t == "str"]
+        self._make = functools.partial(tuple.__new__, cls)
 
     def build(self, row: Any, ids: PeerIds) -> tuple[Any, ...]:
         if not isinstance(row, list) or len(row) != self.arity:
@@ -95,6 +102,39 @@ class Schema:
             row = [row[0], "agent", f"pid{ids.host_pid}.{row[2]}", row[3]]
         return self.cls._make(row)  # type: ignore[no-any-return]
 
+    def build_rows(self, rows: list[Any], ids: PeerIds) -> list[tuple[Any, ...]] | None:
+        """``build`` of every row at once, checked column by column in C loops (``capture.exact_columns``: each
+        value exactly its field's type, then bounds, the pid, the spans); None where any row fails a check
+        (``build``, row by row, then names the first)."""
+        n = len(rows)
+        if not n or self.cls is Drops:
+            return None
+        columns = exact_columns(self.kind, rows)
+        if columns is None or len(rows[0]) != self.arity:
+            return None
+        for i in self.ints:
+            if min(columns[i]) < MIN_INT or max(columns[i]) > MAX_INT:
+                return None
+        for i in self.strs:
+            if max(map(len, columns[i])) > MAX_STR:
+                return None
+        for i in self.dims:
+            values = list(chain.from_iterable(columns[i]))
+            if min(values) < MIN_INT or max(values) > MAX_INT:
+                return None
+            columns[i] = tuple(map(tuple, columns[i]))
+        if self.span is not None:
+            starts, ends = columns[self.span[0]], columns[self.span[1]]
+            if min(starts) < 0 or not all(map(le, starts, ends)):
+                return None
+        if self.pid_at >= 0:
+            if set(columns[self.pid_at]) != {ids.own_pid}:
+                return None
+            columns[self.pid_at] = (ids.host_pid,) * n
+        if self.tid_at >= 0 and ids.nested:
+            columns[self.tid_at] = tuple(map(ids.tid, columns[self.tid_at]))
+        return list(map(self._make, zip(*columns, strict=True)))
+
 
 SCHEMAS = {cls.__name__: Schema(cls) for cls in ALLOWED_KINDS}
 
@@ -115,7 +155,8 @@ def batch_records(msg: dict[str, Any], ids: PeerIds) -> list[tuple[Any, ...]]:
         schema = SCHEMAS.get(group[0]) if isinstance(group[0], str) else None
         if schema is None:
             raise FrameError(f"record kind {str(group[0])[:40]!r} is not accepted from an agent")
-        out.extend(schema.build(row, ids) for row in group[1])
+        built = schema.build_rows(group[1], ids)
+        out.extend(built if built is not None else (schema.build(row, ids) for row in group[1]))
     return out
 
 
