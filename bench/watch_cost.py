@@ -15,7 +15,8 @@ and past a warm-up, then measures over ``--seconds``:
 - the jobs' tracing cost as the capture's own cost meter measures it (kernel programs and agents;
   ``tracing_cpu_s`` in `gputrace daemon status`), as a share of the host's CPU;
 - the jobs' own CPU time (their processes' utime + stime), against the untraced run;
-- the service's resident size at the end.
+- the service's resident size at the end;
+- the service's CPU by thread, from /proc/PID/task (the service names its threads: ``gt-writer``, ...).
 ``--baseline-src DIR`` runs the watched state a second time with DIR (another checkout's tree, e.g.
 `git archive main | tar -x -C DIR`) first on PYTHONPATH, so old and new code run under the same load.
 ``--profile`` runs the service under an on-CPU sampler (each thread's CPU clock read every 5 ms; the stack of
@@ -29,6 +30,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -64,6 +66,20 @@ def cpu_s(pid: int) -> float:
     """utime + stime of ``pid`` (all its threads), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each of ``pid``'s threads by OS name (gputrace names them: ``gt-writer``, ``gt-ebpf``, ...),
+    a job's pid in a name made ``N`` so that the jobs' like threads add up."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
+                name = re.sub(r"\d+", "N", comm)
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def rss_mb(pid: int) -> dict[str, float]:
@@ -187,9 +203,11 @@ def run_state(label: str, args: argparse.Namespace, work: Path, env: dict[str, s
         if profile is not None:
             svc.proc.send_signal(signal.SIGUSR2)
         s0, j0, c0, t0 = cpu_s(svc.proc.pid), sum(cpu_s(p) for p in pids), _traced(svc, pids), time.monotonic()
+        th0 = thread_cpu_s(svc.proc.pid)
         p0 = _probes(svc, pids)
         time.sleep(args.seconds)
         s1, j1, c1, t1 = cpu_s(svc.proc.pid), sum(cpu_s(p) for p in pids), _traced(svc, pids), time.monotonic()
+        th1 = thread_cpu_s(svc.proc.pid)
         p1 = _probes(svc, pids)
         status = svc.status()
         rss = rss_mb(svc.proc.pid)
@@ -200,7 +218,8 @@ def run_state(label: str, args: argparse.Namespace, work: Path, env: dict[str, s
     host = (t1 - t0) * CPUS
     out = {"state": label, "service_cpu": (s1 - s0) / host, "tracing_cpu": (c1 - c0) / host if c0 is not None
            and c1 is not None else None, "job_cpu": (j1 - j0) / host, "rss_mb": rss, "cost": status["cost"],
-           "probes_per_job": {k: (p1[k] - p0[k]) / len(pids) / (t1 - t0) for k in p0 if k in p1}}
+           "probes_per_job": {k: (p1[k] - p0[k]) / len(pids) / (t1 - t0) for k in p0 if k in p1},
+           "threads": {name: (th1[name] - th0.get(name, 0.0)) / host for name in th1}}
     if profile is not None and profile.exists():
         out["profile"] = profile.read_text()
     if "Traceback" in log:
@@ -250,6 +269,11 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         if probes:
             print(f"# {r['state']}: each job's kernel programs: {probes['runs']:.0f} runs/s, "
                   f"{probes['ns'] / 1e6:.2f} ms/s ({probes['ns'] / max(1, probes['runs']):.0f} ns a run)")
+    for r in rows:
+        threads = sorted(((v, k) for k, v in r.get("threads", {}).items() if v > 0), reverse=True)
+        if threads:
+            print(f"# {r['state']}: the service's threads (by OS name; N: each job's): "
+                  + ", ".join(f"{k} {v:.2%}" for v, k in threads))
     for r in rows:
         if "log" in r:
             print(f"\n# {r['state']}: the service's log ends\n{r['log']}")

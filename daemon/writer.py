@@ -7,13 +7,13 @@ Sources call emit*() from their own threads. When the queue is full, a batch wai
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from gputrace.capture import CaptureWriter, host_header
+from gputrace.threads import Thread
 
 _STOP = object()
 
@@ -26,7 +26,7 @@ class QueueSink:
         self.dropped_batches = 0
         self.dropped_records = 0
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, name="gputrace-writer", daemon=True)
+        self._thread = Thread(target=self._drain, name="gputrace-writer", daemon=True)
         self._thread.start()
 
     def emit(self, records: Sequence[tuple[Any, ...]]) -> None:

@@ -28,6 +28,7 @@ from gputrace import clock
 from gputrace.errors import UserError
 from gputrace.records import CpuCgroup, CpuThrottle, SourceStatus
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 PROC = Path("/proc")
 TICK_S = 0.02  # a fifth of the usual 100 ms period: a throttle's end is placed within 20 ms
@@ -234,7 +235,7 @@ class CgroupSampler:
         detail = f"cpu cgroups: v1 at {h.v1 or '-'}, v2 at {h.v2 or '-'}, every {self.tick_s * 1000:g} ms"
         sink.emit([SourceStatus(clock.monotonic_ns(), self.name, "started", detail)])
         self.sample()  # at start: the state the first stall is compared with
-        self._thread = threading.Thread(target=self._run, name="gputrace-cgroups", daemon=True)
+        self._thread = Thread(target=self._run, name="gputrace-cgroups", daemon=True)
         self._thread.start()
 
     def add_target(self, pid: int) -> None:

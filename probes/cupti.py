@@ -44,6 +44,7 @@ from gputrace.probes.cupti_convert import (
     quiet_api,
 )
 from gputrace.records import AgentThread
+from gputrace.threads import Thread
 
 Emit = Callable[[Sequence[tuple[Any, ...]]], None]
 
@@ -319,7 +320,7 @@ class CuptiBackend:
         self._flush_all = (self.native_flush and native_flush_all()) or cupti.activity_flush_all
         if self not in _STARTED:  # a dormant service's backend starts again at each capture
             _STARTED.append(self)
-        self._thread = threading.Thread(target=self._flush_loop, name="gputrace-cupti-flush", daemon=True)
+        self._thread = Thread(target=self._flush_loop, name="gputrace-cupti-flush", daemon=True)
         self._thread.start()
 
     def _enable(self, cupti: Any) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from gputrace import clock
 from gputrace.records import NvmlSample, SourceStatus
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 UINT_MAX = 0xFFFFFFFF  # NVML scope id: all NVLink links together
 KIB = 1024
@@ -241,7 +242,7 @@ class NvmlSource:
         sink.emit_meta(self.name, {"devices": [{"index": d.index, "name": d.name, "uuid": d.uuid}
                                                 for d in self.devices]})  # fmt: skip
         self._status("started", f"{len(self.devices)} device(s), every {self.period_s * 1000:.0f} ms")
-        self._thread = threading.Thread(target=self._run, name="gputrace-nvml", daemon=True)
+        self._thread = Thread(target=self._run, name="gputrace-nvml", daemon=True)
         self._thread.start()
 
     def _open(self) -> str:

@@ -34,6 +34,7 @@ from gputrace.probes.ebpf.host import (
 from gputrace.probes.ebpf.owner import foreign, owner_cflags
 from gputrace.records import Drops, SourceStatus, StackFrames, StackSample
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 PROGRAM = BPF_DIR / "sampler.bpf.c"
 HEADER = BPF_DIR / "sampler.h"
@@ -165,7 +166,7 @@ class StackSampler:
         sink.emit_meta(self.name, {"hz": self.hz, "stack": "user", "max_frames": MAX_FRAMES})
         detail = f"{self.hz} Hz CPU-clock samples of user stacks"
         sink.emit([SourceStatus(clock.monotonic_ns(), self.name, "started", detail)])
-        self._thread = threading.Thread(target=self._run, name="gputrace-sampler", daemon=True)
+        self._thread = Thread(target=self._run, name="gputrace-sampler", daemon=True)
         self._thread.start()
 
     def add_target(self, pid: int) -> None:

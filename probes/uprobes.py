@@ -22,6 +22,7 @@ from gputrace.probes.ebpf.host import compile_bpf, program_runs, unload
 from gputrace.probes.ebpf.owner import LEFT_OUT_WHY, foreign, owner_cflags
 from gputrace.records import CudaApi, SourceStatus
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
 PROGRAM = BPF_DIR / "libcuda.bpf.c"
@@ -144,7 +145,7 @@ class UprobeSource:
         sink.emit_meta(self.name, {"api": API, "symbols": list(self.symbols), "library": self.library})
         for pid in self.pids:
             self._try_attach(pid)
-        self._thread = threading.Thread(target=self._run, name="gputrace-uprobe", daemon=True)
+        self._thread = Thread(target=self._run, name="gputrace-uprobe", daemon=True)
         self._thread.start()
 
     def add_pid(self, pid: int) -> None:

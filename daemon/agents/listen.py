@@ -17,6 +17,7 @@ from typing import Any
 from gputrace.daemon.attach import nsexec
 from gputrace.errors import UserError
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 
 class Forwarder:
@@ -30,7 +31,7 @@ class Forwarder:
         self._queued_bytes = 0
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="gputrace-agents-fwd", daemon=True)
+        self._thread = Thread(target=self._run, name="gputrace-agents-fwd", daemon=True)
         self._thread.start()
 
     def put(self, records: Sequence[tuple[Any, ...]], nbytes: int = 0) -> None:

@@ -46,6 +46,7 @@ from gputrace.daemon.agents.pidns import PeerIds
 from gputrace.pidfds import peer_credentials, peer_pidfd
 from gputrace.records import AgentInfo, AgentThread, SourceStatus
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 if TYPE_CHECKING:
     from gputrace.daemon.attach.inject import Injection
@@ -154,7 +155,7 @@ class AgentServer:
         self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._serve, name="gputrace-agents", daemon=True)
+        self._thread = Thread(target=self._serve, name="gputrace-agents", daemon=True)
         self._thread.start()
 
     def offer(self, pid: int) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from gputrace.errors import UserError
 from gputrace.pidfds import close_pidfds, pidfd_exited
+from gputrace.threads import Thread
 
 STAGING = ".staging"
 KEEP_FINISHED = 100
@@ -133,7 +134,7 @@ class JobTable:
                       pidfds=dict(pidfds or {}), off=frozenset(req.get("off", ())))
             self._jobs[job_id] = job
             self._forget_old()
-            thread = threading.Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
+            thread = Thread(target=self._run, args=(job,), name=f"gputraced-job-{job_id}", daemon=True)
             self._threads[job_id] = thread  # under the lock: stop_all waits for every job it stopped
             thread.start()
         return job

@@ -45,6 +45,7 @@ from gputrace.daemon.watch.flight import FlightLimits
 from gputrace.daemon.watch.watcher import WATCH_OFF, WatchConfig, Watcher
 from gputrace.errors import UserError
 from gputrace.pidfds import close_pidfds, peer_credentials, pidfd_support
+from gputrace.threads import Thread
 
 DEFAULT_SOCKET = Path("/run/gputrace/gputraced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/gputrace")
@@ -119,7 +120,7 @@ class Service:
         if busy:
             _reply_and_close(conn, {"ok": False, "error": f"busy: {busy}"})
             return
-        threading.Thread(target=self._handle, args=(conn, uid), name="gputraced-conn", daemon=True).start()
+        Thread(target=self._handle, args=(conn, uid), name="gputraced-conn", daemon=True).start()
 
     def _take_slot(self, uid: int) -> str:
         """A connection slot for ``uid``, or why there is none."""

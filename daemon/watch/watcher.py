@@ -43,6 +43,7 @@ from gputrace.documents import Report
 from gputrace.errors import UserError
 from gputrace.probes.ebpf.shared import SharedEbpf
 from gputrace.probes.nvml import SharedNvml
+from gputrace.threads import Thread
 
 FLIGHT = ".flight"
 WATCH_OFF = frozenset({"sampler"})  # stack samples: the costliest detail that no stall's cause depends on
@@ -183,7 +184,7 @@ class Watcher:
                                     interval_s=self.config.otlp_interval_s)
         loops = ((self._scan_loop, "scan"), (self._analysis_loop, "analysis"))
         for target, name in loops:
-            t = threading.Thread(target=target, name=f"gputraced-watch-{name}", daemon=True)
+            t = Thread(target=target, name=f"gputraced-watch-{name}", daemon=True)
             t.start()
             self._threads.append(t)
         self.log(f"watch: watching GPU jobs (at most {self.config.max_jobs}; flight recorder "
@@ -255,7 +256,7 @@ class Watcher:
         directory.mkdir(mode=0o700, exist_ok=True)
         (directory / "job.json").write_text(json.dumps({"pid": found.pid, "start": found.start, "uid": found.uid,
                                                         "gid": job.gid, "comm": found.comm}))
-        t = threading.Thread(target=self._run_job, args=(job,), name=f"gputraced-watch-{found.pid}", daemon=True)
+        t = Thread(target=self._run_job, args=(job,), name=f"gputraced-watch-{found.pid}", daemon=True)
         job.thread = t
         t.start()
 

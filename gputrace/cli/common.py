@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from gputrace.errors import UserError
 from gputrace.signals import on_signals
+from gputrace.threads import Thread
 
 if TYPE_CHECKING:
     from gputrace.capture import CaptureReader
@@ -136,7 +137,7 @@ def _progress_line(what: str, state: Callable[[], str]) -> Iterator[None]:
         if shown:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
 
-    thread = threading.Thread(target=show, name="gputrace-progress", daemon=True)
+    thread = Thread(target=show, name="gputrace-progress", daemon=True)
     thread.start()
     try:
         yield

@@ -21,6 +21,7 @@ from gputrace.errors import PermissionDenied, UserError
 from gputrace.probes.ebpf import bpfstats
 from gputrace.probes.ebpf.btf import VMLINUX
 from gputrace.records import SourceStatus
+from gputrace.threads import Thread
 
 TRACEFS = Path("/sys/kernel/tracing")
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
@@ -159,7 +160,7 @@ _UNLOAD_WAIT_S = 30.0
 def unload_in_background(bpf: Any) -> None:
     """unload() on a thread of its own, so stopping a source does not wait for it. The interpreter waits
     for it at exit: bcc freeing its modules while Python tears down crashes the process."""
-    t = threading.Thread(target=unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True)
+    t = Thread(target=unload, args=(bpf,), name="gputrace-ebpf-unload", daemon=True)
     with _unloading_lock:
         if not _unloading:
             atexit.register(wait_for_unloads)

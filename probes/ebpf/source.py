@@ -46,6 +46,7 @@ from gputrace.records import (
     SourceStatus,
 )
 from gputrace.source import Sink
+from gputrace.threads import Thread
 
 __all__ = ["EbpfSource", "wanted_tracepoints", "check_host", "program_text", "BPF_DIR"]
 
@@ -167,7 +168,7 @@ class EbpfSource:
                 else:
                     self.sched, self.sched_note = "classic", note
         sink.emit([SourceStatus(clock.monotonic_ns(), self.name, *self._start_status())])
-        self._thread = threading.Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
+        self._thread = Thread(target=self._poll, name="gputrace-ebpf", daemon=True)
         self._thread.start()
 
     def _load(self, bcc: Any, sink: Sink) -> None:
