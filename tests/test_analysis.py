@@ -373,9 +373,12 @@ def test_a_wait_for_the_cpu_the_capturing_process_had_is_the_tracings(tmp_path: 
     tracer_pid) had the CPU is `tracing`; the rest, with a hog on the CPU, stays `cpu.runqueue`."""
     tracer, hog = 4242, 700
     b = trainer()
-    b.offcpu(TRAINER, TRAINER, 11.0, 30.0, "R", held=(tracer, tracer + 1, "gputrace"))
+    b.offcpu(TRAINER, TRAINER, 11.0, 30.0, "R", held=(tracer, tracer + 1, "gt-agents"))  # one of its threads
     b.offcpu(TRAINER, TRAINER, 30.5, 38.0, "R", held=(hog, hog, "hog"))
-    s = only_stall(run(b, tmp_path, header={"tracer_pid": tracer}))
+    r = run(b, tmp_path, header={"tracer_pid": tracer})
+    s = only_stall(r)
+    # the process is gputrace, whatever its thread that held the CPU is called
+    assert {p["pid"]: p["comm"] for p in r["top_processes"]}[tracer] == "gputrace"
     parts = {p["cause"]: p for p in s["breakdown"]}
     assert s["cause"] == "tracing" and s["culprit"]["pid"] == tracer, s
     assert parts["tracing"]["ns"] == ns(30) - ns(11) and parts["cpu.runqueue"]["ns"] == ns(38) - ns(30.5), parts

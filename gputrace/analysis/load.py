@@ -449,6 +449,9 @@ class _Loader:
             self._finish_eager(faults)
         for made in cap.created.values():
             made.sort()
+        tracer = cap.header.get("tracer_pid")
+        if type(tracer) is int and tracer > 0:  # gputrace's own process, named so whatever its threads are called
+            cap.comms[tracer] = "gputrace"  # (each carries a name of its own: gt-writer, gt-agents, ...)
         self._merge_shared_devices(nvml_meta)
         for ops in cap.ops.values():
             ops.sort(key=_BY_TIMES)
