@@ -64,7 +64,12 @@ while time.monotonic() - t < secs:
 
 def cpu_s(pid: int) -> float:
     """utime + stime of ``pid`` (all its threads), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return _stat_cpu_s(f"/proc/{pid}/stat")
+
+
+def _stat_cpu_s(path: str) -> float:
+    """utime + stime, in seconds, of the process or thread whose stat file is ``path``."""
+    fields = Path(path).read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -76,9 +81,8 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
                 name = re.sub(r"\d+", "N", comm)
-                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+                out[name] = out.get(name, 0.0) + _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
     return out
 
 
