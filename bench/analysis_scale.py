@@ -1,7 +1,7 @@
 """How analysis time and memory grow with capture size: from 100k to 10M records, side by side.
 
     .venv/bin/python bench/analysis_scale.py [--sizes 100000,1000000,10000000] [--waits pipe,relay] [--stall-every 2]
-        [--baseline-src DIR] [--repeat 3]
+        [--mounts 400] [--baseline-src DIR] [--repeat 3]
 
 The captures (gputrace/testing/scale.py, written as generated) mimic a DataLoader training loop: a trainer
 launching kernels and copies, four workers reading shards (block requests, off-CPU waits, wakeups), noise
@@ -18,7 +18,8 @@ grows with the stall count, as the report lists every stall (35k per 1M records 
 ``--baseline-src DIR``: also analyse each capture with the gputrace in DIR (a checkout of another version, e.g.
 ``git archive main | tar -x -C DIR``), run first on PYTHONPATH in its own process, old and new taking turns;
 each line then gives the medians of ``--repeat`` runs of both, the ratio of their times, and whether both made
-the same report.
+the same report. ``--mounts N`` adds N rows to the captures' mount tables, as a container host's (each pod's
+volumes, each container's root): the analysis names each stalled read's filesystem and block device from it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="100000,1000000,3000000,10000000", help="record counts, comma separated")
     ap.add_argument("--waits", default="pipe,relay", help="which trainer waits to generate: pipe, relay or both")
     ap.add_argument("--stall-every", type=int, default=2, help="steps per GPU stall (the report lists every stall)")
+    ap.add_argument("--mounts", type=int, default=0,
+                    help="mount-table rows to add, as a container host's (a Kubernetes node has hundreds)")
     ap.add_argument("--baseline-src", help="a checkout of another gputrace to run side by side (its root)")
     ap.add_argument("--repeat", type=int, default=1, help="analyses of each capture by each version (medians)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -108,7 +111,7 @@ def main() -> int:
         for n in sizes:
             for relay in relays:
                 path = Path(tmp) / f"scale-{n}-{relay}.gputrace"
-                written = generate(path, n, relay, args.stall_every)
+                written = generate(path, n, relay, args.stall_every, args.mounts)
                 new_runs, old_runs = [], []
                 for _ in range(args.repeat):  # taking turns: a busy spell of the machine falls on both
                     new_runs.append(run_one(path, None))

@@ -5,6 +5,7 @@ while a traced task waits in D; analysis ties them to the read on the path's dev
 from __future__ import annotations
 
 import contextlib
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
 from gputrace.analysis import analyze
-from gputrace.analysis.objects import block_device_of
+from gputrace.analysis.objects import MountTable, block_device_of
 from gputrace.capture import open_capture
 from gputrace.exporters.perfetto.export import PerfettoExporter
 from gputrace.records import BlockIO, Syscall
@@ -233,13 +234,53 @@ def test_without_the_mount_source_nothing_is_tied(tmp_path: Path) -> None:
 
 
 def test_block_device_names_of_a_path() -> None:
-    mounts = [
+    mounts = MountTable([
         ["/", "ext4", "/dev/vda", "254:0"],
         ["/data", "xfs", "/dev/mapper/vg-data", "253:0"],
         ["/mnt/fuse", "fuse.x", "x", "0:52"],
         ["/old", "ext4"],
-    ]
+    ])
     assert block_device_of("/data/a", mounts, {"253:0": "dm-0"}) == ["mapper/vg-data", "dm-0", "253:0"]
     assert block_device_of("/etc/passwd", mounts, {}) == ["vda", "254:0"]
     assert block_device_of("/mnt/fuse/a", mounts, {}) == []
     assert block_device_of("/old/a", mounts, {}) == []
+
+
+def _scan(path: str, rows: list[object]) -> list[str]:
+    """The mount row holding ``path`` by a scan of every row: the longest mount point that is the path or
+    begins it followed by "/" (a point's trailing "/" aside), the first of equal ones."""
+    best: list[str] = []
+    best_len = -1
+    for entry in rows:
+        if not (isinstance(entry, (list, tuple)) and len(entry) >= 2):
+            continue
+        point = str(entry[0])
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > best_len:
+            best, best_len = [str(x) for x in entry], len(point)
+    return best
+
+
+def test_mount_table_finds_the_row_a_scan_finds() -> None:
+    """Looked up by a path's ancestors, the row is the one a scan of every row picks: nested and overmounted
+    points, points with trailing slashes, "/" and "//", a point that only begins another's name, malformed
+    rows; and a path no row holds."""
+    rng = random.Random(7)
+    parts = ["data", "database", "d", "mnt", "fuse", "x", ""]
+    points = ["/", "//", "/data", "/data/", "/database", "/data/x", "/mnt/fuse", "/mnt/fuse/", "data", "/d//x"]
+    paths = ["/", "//", "", "data", "/data", "/data/", "/data/x", "/data/xy", "/database/a", "/mnt", "/mnt/fuse",
+             "/mnt/fuse/a/b", "/d//x/y", "/d/x", "no-slash", "/data//x"]
+    paths += ["/" + "/".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) for _ in range(200)]
+    for trial in range(300):
+        rows: list[object] = []
+        for k in range(rng.randint(0, 12)):
+            point = rng.choice(points)
+            rows.append(rng.choice([[point, f"fs{k}"], [point, f"fs{k}", f"/dev/sd{k}", f"8:{k}"], (point, k),
+                                    [point], "junk", None, {point: 1}]))
+        table = MountTable(rows)
+        for path in paths:
+            assert table.row(path) == _scan(path, rows), (trial, path, rows)
+    assert MountTable([]).row("/data") == []
+    # each answer is the caller's own list
+    table = MountTable([["/", "ext4"]])
+    table.row("/a").append("x")
+    assert table.row("/a") == ["/", "ext4"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from gputrace.analysis import uring
 from gputrace.analysis.load import Capture
-from gputrace.analysis.objects import block_device_of, classify
+from gputrace.analysis.objects import MountTable, block_device_of, classify
 from gputrace.records import BlockIO, Syscall
 
 WRITE_OPS = frozenset({
@@ -54,7 +54,7 @@ class _Calls:
 
 
 class BlockTies:
-    def __init__(self, cap: Capture, mounts: list[object]) -> None:
+    def __init__(self, cap: Capture, mounts: MountTable) -> None:
         self.cap = cap
         self.mounts = mounts
         self._device: dict[str, str] = {}

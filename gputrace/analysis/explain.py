@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import DIRTY_OP, FAULT_OP, Capture
-from gputrace.analysis.objects import POLLS, classify, filesystem_of, is_kernel_task, is_remote_fs
+from gputrace.analysis.objects import POLLS, MountTable, classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.analysis.throttle import Throttles, runnable_wait
 from gputrace.analysis.timefmt import size_text
 from gputrace.analysis.timeline import HostWait
@@ -218,7 +218,7 @@ def interpreted(samples: Counter[int], frames_of: Callable[[int], list[str]]) ->
 class Explainer:
     def __init__(self, cap: Capture, facts: CaptureFacts | None = None) -> None:
         self.cap = cap
-        self.mounts: list[Any] = list(cap.header.get("mounts") or [])
+        self.mounts = MountTable(cap.header.get("mounts") or [])
         self._fstypes: dict[str, str] = {}  # path -> its filesystem's type
         self.ties = BlockTies(cap, self.mounts)
         self.throttles = Throttles(cap)
@@ -590,7 +590,7 @@ class Explainer:
 
     def _in_gpu_sync(self, tid: int, x: int, y: int) -> bool:
         index = self.cap.syncs.get(tid)
-        return index is not None and any(True for _ in index.overlapping(x, y))
+        return index is not None and bool(index.overlapping(x, y))
 
     def _direct(self, kind: str, sc: Syscall, ns: int, blocked: list[OffCpu]) -> Part:
         ev = [evidence_syscall(sc)]

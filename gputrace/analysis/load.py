@@ -10,8 +10,8 @@ import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress
-from operator import and_, attrgetter, le, mul
+from itertools import chain, compress, repeat
+from operator import and_, attrgetter, le, lt, mul
 from typing import Any, Protocol, TypeVar
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
@@ -65,17 +65,16 @@ class Intervals:
         by_start = attrgetter(start)
         records.sort(key=by_start)
         self.records = records
-        self._end = end
         self.starts = list(map(by_start, records))
+        self.ends = list(map(attrgetter(end), records))
 
-    def overlapping(self, a: int, b: int) -> Iterator[Any]:
-        """Records that intersect [a, b)."""
-        i = max(bisect_right(self.starts, a) - 1, 0)
-        recs, starts, end = self.records, self.starts, self._end
-        while i < len(recs) and starts[i] < b:
-            if getattr(recs[i], end) > a:
-                yield recs[i]
-            i += 1
+    def overlapping(self, a: int, b: int) -> list[Any]:
+        """Records that intersect [a, b): from the last to start at or before ``a`` (none earlier can reach
+        past it) to the last to start before ``b``, those ending after ``a``."""
+        starts = self.starts
+        i = max(bisect_right(starts, a) - 1, 0)
+        j = bisect_left(starts, b, i)
+        return list(compress(self.records[i:j], map(lt, repeat(a), self.ends[i:j])))
 
     def starting_in(self, a: int, b: int) -> list[Any]:
         """Records whose start lies in [a, b]."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 SLEEP = frozenset({"nanosleep", "clock_nanosleep"})
@@ -75,31 +76,51 @@ def is_kernel_task(pid: int, comm: str) -> bool:
     return pid <= 0 or comm.startswith(_KERNEL_COMMS)
 
 
-def mount_of(path: str, mounts: list[Any]) -> list[str]:
-    """The capture's mount-table row holding ``path`` (longest matching mount point) as strings, or []."""
-    best: list[str] = []
-    best_len = -1
-    for entry in mounts:
-        if not (isinstance(entry, (list, tuple)) and len(entry) >= 2):
-            continue
-        point = str(entry[0])
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best_len:
-            best, best_len = [str(x) for x in entry], len(point)
-    return best
+class MountTable:
+    """A capture's mount table (rows of mount point, filesystem type, source, MAJ:MIN; older captures' rows have
+    the first two), asked which row holds a path: the longest mount point that is the path or one of its
+    ancestors, the first row of equal ones. Looked up by the path's ancestors, a dictionary probe each, rather
+    than by a scan of every row: a container host's table has hundreds."""
+
+    def __init__(self, rows: Iterable[Any]) -> None:
+        self._rows: list[list[str]] = []
+        self._exact: dict[str, tuple[int, int]] = {}  # mount point -> (-its length, its row)
+        self._under: dict[str, tuple[int, int]] = {}  # mount point less trailing "/" -> best (-length, row)
+        for entry in rows:
+            if not (isinstance(entry, (list, tuple)) and len(entry) >= 2):
+                continue
+            point = str(entry[0])
+            rank = (-len(point), len(self._rows))
+            self._rows.append([str(x) for x in entry])
+            self._exact.setdefault(point, rank)
+            key = point.rstrip("/")
+            if key not in self._under or rank < self._under[key]:
+                self._under[key] = rank
+
+    def row(self, path: str) -> list[str]:
+        """The row holding ``path`` (a fresh list of strings), or [] where none does."""
+        best = self._exact.get(path)
+        under = self._under
+        i = path.find("/")
+        while i >= 0:  # each ancestor: path[:i] + "/" begins the path
+            rank = under.get(path[:i])
+            if rank is not None and (best is None or rank < best):
+                best = rank
+            i = path.find("/", i + 1)
+        return list(self._rows[best[1]]) if best is not None else []
 
 
-def filesystem_of(path: str, mounts: list[Any]) -> str:
+def filesystem_of(path: str, mounts: MountTable) -> str:
     """The filesystem type of ``path`` from the capture's mount table."""
-    entry = mount_of(path, mounts)
+    entry = mounts.row(path)
     return entry[1] if entry else ""
 
 
-def block_device_of(path: str, mounts: list[Any], names: dict[str, str]) -> list[str]:
+def block_device_of(path: str, mounts: MountTable, names: dict[str, str]) -> list[str]:
     """Names a BlockIO record may give the device under ``path``: the mount source's name (/dev/loop3 ->
     loop3), the eBPF source's name for the mount's MAJ:MIN, and MAJ:MIN itself (a device it could not
     name). Rows from captures that predate the source and MAJ:MIN columns give none."""
-    entry = mount_of(path, mounts)
+    entry = mounts.row(path)
     if len(entry) < 4:
         return []
     source, majmin = entry[2], entry[3]

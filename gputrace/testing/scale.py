@@ -61,11 +61,29 @@ def step_rows(k: int, t: int, rng: random.Random, rows: dict[str, list[list[Any]
     rows["SyscallAgg"].append([TRAINER, TRAINER, "ioctl", 12, 48_000])
 
 
-def generate(path: Path, n_records: int, relay: bool, stall_every: int = 2) -> int:
-    """Write a capture of at least ``n_records`` records to ``path``, a stall every ``stall_every`` steps; the
-    number written."""
+def container_mounts(n: int) -> list[list[str]]:
+    """``n`` mount-table rows like a Kubernetes node's: each pod's service-account tmpfs and each container's
+    overlay root (a node running tens of pods has hundreds)."""
+    rows = []
+    for i in range(n):
+        uid = f"{i:08x}-5d1c-4c1e-9a7b-{i * 7919:012x}"
+        if i % 2:
+            rows.append([f"/var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~projected/kube-api-access-{i:05x}",
+                         "tmpfs", "tmpfs", f"0:{200 + i}"])
+        else:
+            rows.append([f"/run/containerd/io.containerd.runtime.v2.task/k8s.io/{uid}/rootfs", "overlay", "overlay",
+                         f"0:{200 + i}"])
+    return rows
+
+
+def generate(path: Path, n_records: int, relay: bool, stall_every: int = 2, mounts: int = 0) -> int:
+    """Write a capture of at least ``n_records`` records to ``path``, a stall every ``stall_every`` steps, its
+    mount table this host's and ``mounts`` rows of a container host's (``container_mounts``); the number
+    written."""
     rng = random.Random(42)
-    w = CaptureWriter(path, {**host_header(["bench"]), "start_ns": 0}, force=True)
+    header = host_header(["bench"])
+    header["mounts"] = [*header.get("mounts", []), *container_mounts(mounts)]
+    w = CaptureWriter(path, {**header, "start_ns": 0}, force=True)
     w.write_rows("ProcInfo", [[0, p, 1, "python", ["python"], "/usr/bin/python3"] for p in (TRAINER, *WORKERS)])
     w.write_rows("GpuDevice", [[0, "bench GPU", True, "uuid", TRAINER]])
     written, k, t = 0, 0, 1_000 * MS
