@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
