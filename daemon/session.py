@@ -26,6 +26,7 @@ from gputrace.daemon.agents.sockdir import make_socket_dir, remove_stale_socket_
 from gputrace.daemon.cost import CostMeter
 from gputrace.daemon.launch import HeldChild
 from gputrace.daemon.targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
+from gputrace.daemon.ticker import Ticker
 from gputrace.daemon.writer import QueueSink
 from gputrace.documents import Report
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
@@ -96,6 +97,10 @@ class CaptureOptions:
     # What reads the session's own CPU time for its cost meter (default: this process's); watch mode passes
     # the job's part of the service's CPU time (daemon/cost.py, CpuSplit).
     session_cpu: Callable[[], int] | None = None
+    # What runs the session's periodic checks (stop conditions, the cost meter's tick) instead of the session's
+    # own thread waking for them: watch mode's one Ticker for all its jobs (daemon/ticker.py). Not with a
+    # duration or a launched command.
+    ticker: Ticker | None = None
 
 
 @dataclass
@@ -397,6 +402,11 @@ class _Session:
             if setup_s > self.opts.duration_s:
                 self.log(f"gputrace: starting every source took {setup_s:.1f} s, longer than -d "
                          f"{self.opts.duration_s:g}: the capture ends now")
+        if self.opts.ticker is not None and deadline is None and self.child is None:
+            try:
+                return self._wait_ticked(self.opts.ticker)
+            finally:
+                self._restore_signals()
         progress = _Progress(self.log if self.opts.progress and sys.stderr.isatty() else None)
         try:
             while True:
@@ -410,6 +420,36 @@ class _Session:
         finally:
             progress.done()
             self._restore_signals()
+
+    def _wait_ticked(self, ticker: Ticker) -> str:
+        """``_wait`` with the checks run by ``ticker``'s thread: this thread sleeps until they find a reason to
+        stop (then set ``stop``) or someone else sets it. A check that raises wakes this thread to raise it."""
+        reason = self._should_stop(None)  # as the loop asks first: the targets may be gone already
+        if reason:
+            return reason
+        found: list[str | Exception] = []
+
+        def check() -> bool:
+            try:
+                reason = self._should_stop(None)
+                if not reason:
+                    if self.cost is not None:
+                        self.cost.tick()
+                    return True
+                found.append(reason)
+            except Exception as e:  # noqa: BLE001 - raised in the session's thread, below
+                found.append(e)
+            self.stop.set()
+            return False
+
+        ticker.add(check)
+        try:
+            self.stop.wait()
+        finally:
+            ticker.remove(check)  # not run again, nor running
+        if found and isinstance(found[0], Exception):
+            raise found[0]
+        return found[0] if found and isinstance(found[0], str) else "stopped"
 
     def _restore_signals(self) -> None:
         self._uncatch()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.daemon.cost import CpuSplit
+from gputrace.daemon.ticker import Ticker
 from gputrace.daemon.watch.discover import Found, Scanner, ancestors, start_time
 from gputrace.daemon.watch.flight import FlightLimits, FlightRecorder, Segment, dump_capture, dump_name, salvage
 from gputrace.daemon.watch.metrics import JobMetrics, samples, write_textfile
@@ -151,6 +152,8 @@ class Watcher:
         from gputrace.daemon.session import WATCH_PACING
 
         self.nvml = SharedNvml(period_s=WATCH_PACING.nvml_period_s)  # one NVML sampler for every job
+        # One thread for every job's session checks (targets gone, the cost meter's tick), not one waking per job
+        self.ticker = Ticker(WATCH_PACING.wait_s, name="gputraced-watch-tick")
         self.cpu_split = CpuSplit()  # the service's CPU time, each job's part of it (its cost meter's "session")
         self._prepare()
 
@@ -203,6 +206,7 @@ class Watcher:
         for job in self._all():
             if job.thread is not None:
                 job.thread.join(max(0.0, deadline - time.monotonic()))
+        self.ticker.close()  # after the jobs' sessions: each has taken its checks out
         if self._threads:
             self._queue.put(None)  # after every segment queued: the analysis thread ends there
         for t in self._threads:
@@ -294,7 +298,7 @@ class Watcher:
                               argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
                               owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session,
                               pacing=WATCH_PACING, make_ebpf=self.kernel.view, make_nvml=self.nvml.view,
-                              session_cpu=self.cpu_split.join(id(job)))
+                              session_cpu=self.cpu_split.join(id(job)), ticker=self.ticker)
         try:
             result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
             job.state = "ended"

@@ -93,6 +93,16 @@ def fdinfo_fields(text: str) -> dict[str, int]:
     return out
 
 
+def _fdinfo(fd: int) -> str:
+    """/proc/self/fdinfo/FD's text (a few hundred bytes for a program), in one read: a job's cost meter reads
+    every program's each second (a quarter of what pathlib's read_text costs)."""
+    f = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(f, 8192).decode("ascii", "replace")
+    finally:
+        os.close(f)
+
+
 def program_runs(bpf: Any, short_name: Any) -> dict[str, tuple[int, int]]:
     """(run count, run time ns) of each program bcc loaded into ``bpf``, by ``short_name(name)``; a program
     whose fdinfo has no statistics (kernels before 5.1) is left out."""
@@ -101,7 +111,7 @@ def program_runs(bpf: Any, short_name: Any) -> dict[str, tuple[int, int]]:
         return out
     for name, fn in list(bpf.funcs.items()):
         try:
-            fields = fdinfo_fields(Path(f"/proc/self/fdinfo/{fn.fd}").read_text())
+            fields = fdinfo_fields(_fdinfo(fn.fd))
         except OSError:
             continue
         if "run_time_ns" in fields:

@@ -44,7 +44,9 @@ from gputrace.source import Sink
 _PID = slice(8, 12)  # the pid in every kernel event's header (type, word, pid, tid)
 _LEAVE_WAIT_S = 10.0
 BUSIEST = 4  # programs of a set named in status, the busiest first
-_SPLIT_S = 0.5  # a leaving job waits this long for the drain thread to finish its records
+# The set's program figures are read at most this often for the jobs' cost meters, which each ask once a second
+# (a file read per program): every job's meter then shares one read a second, its part at most this old.
+_SPLIT_S = 1.0
 
 
 @dataclass(frozen=True)
