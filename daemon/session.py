@@ -27,7 +27,7 @@ from gputrace.daemon.cost import CostMeter
 from gputrace.daemon.launch import HeldChild
 from gputrace.daemon.targets import ProcTargets, comm_of, default_output, perfetto_path_for, require_privileges
 from gputrace.daemon.ticker import Ticker
-from gputrace.daemon.writer import QueueSink
+from gputrace.daemon.writer import QueueSink, SharedWriter
 from gputrace.documents import Report
 from gputrace.errors import CaptureCutOff, PermissionDenied, UserError
 from gputrace.records import SourceStatus
@@ -101,6 +101,8 @@ class CaptureOptions:
     # own thread waking for them: watch mode's one Ticker for all its jobs (daemon/ticker.py). Not with a
     # duration or a launched command.
     ticker: Ticker | None = None
+    # The thread that writes the capture (default: one of the session's own): watch mode's one for all its jobs
+    writer_thread: SharedWriter | None = None
 
 
 @dataclass
@@ -208,7 +210,7 @@ class _Session:
         make_writer = self.opts.make_writer or CaptureWriter
         with held():  # a stop signal lands once self.writer names the partial file, so the abort removes it
             self.writer = make_writer(self.output, header, force=self.opts.force, budget=self.opts.budget)
-        self.sink = QueueSink(self.writer)
+        self.sink = QueueSink(self.writer, shared=self.opts.writer_thread)
         self._start_sources(pids)
         self.cost = CostMeter(self.sink, lambda: self.sources + self.stopped, self.agents, self.opts.session_cpu)
         self.cost.start()

@@ -40,6 +40,7 @@ from gputrace.daemon.watch.discover import Found, Scanner, ancestors, start_time
 from gputrace.daemon.watch.flight import FlightLimits, FlightRecorder, Segment, dump_capture, dump_name, salvage
 from gputrace.daemon.watch.metrics import JobMetrics, samples, write_textfile
 from gputrace.daemon.watch.tally import SegmentGpu
+from gputrace.daemon.writer import SharedWriter
 from gputrace.documents import Report
 from gputrace.errors import UserError
 from gputrace.probes.ebpf.shared import SharedEbpf
@@ -154,6 +155,7 @@ class Watcher:
         self.nvml = SharedNvml(period_s=WATCH_PACING.nvml_period_s)  # one NVML sampler for every job
         # One thread for every job's session checks (targets gone, the cost meter's tick), not one waking per job
         self.ticker = Ticker(WATCH_PACING.wait_s, name="gputraced-watch-tick")
+        self.writer = SharedWriter()  # and one writer thread for every job's flight segments (daemon/writer.py)
         self.cpu_split = CpuSplit()  # the service's CPU time, each job's part of it (its cost meter's "session")
         self._prepare()
 
@@ -298,7 +300,8 @@ class Watcher:
                               argv=["gputraced", "watch", f"uid={f.uid}", str(f.pid)],
                               owner_uid=f.uid or None, make_writer=make_writer, on_session=on_session,
                               pacing=WATCH_PACING, make_ebpf=self.kernel.view, make_nvml=self.nvml.view,
-                              session_cpu=self.cpu_split.join(id(job)), ticker=self.ticker)
+                              session_cpu=self.cpu_split.join(id(job)), ticker=self.ticker,
+                              writer_thread=self.writer)
         try:
             result = run_capture(opts, stop=job.stop, log=lambda msg: self._job_log(job, msg))
             job.state = "ended"
