@@ -28,6 +28,7 @@ from gputrace.capture import CaptureReader
 from gputrace.daemon.finish import analyse
 from gputrace.daemon.service.protocol import recv_frame, send_frame
 from gputrace.daemon.watch.tally import GPU_OPS, GpuTally
+from gputrace.records import TracingCost
 
 pytestmark = pytest.mark.kernel  # gputraced watching real jobs: eBPF captures, loop devices, setpriv, as root
 
@@ -337,6 +338,9 @@ def test_a_job_that_starts_reading_a_slow_file_is_dumped_naming_it(loopfs: LoopF
             assert "dumped" in log and "cause_change" in log and "-> storage" in log, log[-2000:]
             report = subprocess.run([sys.executable, "-m", "gputrace", "report", dump[0]["path"], "--json"],
                                     capture_output=True, text=True, timeout=120)
+            with CaptureReader(dump[0]["path"]) as reader:  # the cost meter's ticks in it, for a failure to show
+                ticks = (sorted({(r.ts, r.source) for r in reader.records() if isinstance(r, TracingCost)})[:12],
+                         reader.trailer)
     finally:
         with contextlib.suppress(OSError):
             group.rmdir()
@@ -344,6 +348,7 @@ def test_a_job_that_starts_reading_a_slow_file_is_dumped_naming_it(loopfs: LoopF
     capture = json.loads(report.stdout)["capture"]
     # what tracing cost over the dump's window, from the cost meter's records in it: the service's part
     # for the job, its kernel programs' and its agent's
+    assert "overhead" in capture, ticks
     overhead = capture["overhead"]
     assert overhead["cpu_share"] > 0 and {"session", "ebpf", "agent"} <= overhead["by_source"].keys(), overhead
     stalls = json.loads(report.stdout)["stalls"]
