@@ -92,6 +92,9 @@ class CostMeter:
         self.next_ns = self.start_ns + INTERVAL_NS
         self.cpu0 = self.session_cpu()
         self.base = {s.name: s.program_runs() for s in self._kernel_sources()}
+        # Each counter's zero, as the first row: a window of the capture that holds the start and one tick (a
+        # flight recorder's dump of a job's first seconds) has its cost from there.
+        self._record(self.start_ns)
 
     def tick(self) -> None:
         now = clock.monotonic_ns()

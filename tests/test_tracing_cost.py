@@ -169,4 +169,6 @@ def test_a_cost_meter_counts_its_session_cpu_from_where_it_started() -> None:
     meter.start()
     part[0] += 2_500
     meter.final()
-    assert [(r.source, r.cpu_ns) for r in rows] == [("session", 2_500)]
+    # its zero at the start, then what it used since
+    assert [(r.source, r.cpu_ns) for r in rows] == [("session", 0), ("session", 2_500)]
+    assert rows[0].ts == meter.start_ns < rows[1].ts
