@@ -34,7 +34,6 @@ class SharedWriter:
         self._ready: deque[QueueSink] = deque()  # sinks with batches queued, each once
         self._thread = Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self.wakeups = 0
 
     def notify(self, sink: QueueSink) -> None:
         """``sink`` has a batch queued."""
@@ -51,7 +50,6 @@ class SharedWriter:
                     self._cond.wait()
                 sink = self._ready.popleft()
                 sink._flagged = False  # a batch queued from here on flags it again
-                self.wakeups += 1
             sink._write_queued()
 
 
