@@ -139,13 +139,22 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
             assert any(e["kind"] == "block" and e["what"].startswith("W") for e in s["evidence"]), s["evidence"]
     elif name == "dirty_writes":
         # the trainer's own write()s of a save, paused by the kernel for dirty pages on the loop device: the
-        # pauses are the stall (the first save is always paused; later ones as the kernel's estimates go)
+        # pauses are the stall (the first save is always paused; later ones as the kernel's estimates go). A
+        # save the kernel did not pause is a few ms of creating the file and copying into the page cache,
+        # which the report may name by the file's calls when they hold most of the stall: then it claims no
+        # pause
         saves = [s for s in stalls if s["cause"] == "storage"]
-        assert saves, [s["culprit"] for s in stalls]
+        paused = [s for s in saves if "dirty_pauses" in s["culprit"]]
+        assert paused, [s["culprit"] for s in stalls]
         for s in saves:
             c = s["culprit"]
-            assert c["op"] == "write" and c["pid"] == s["device_pid"] and not s["via"], c
-            assert c["dirty_pauses"] >= 1 and c["dirty_device"].startswith("loop"), c
+            assert c["pid"] == s["device_pid"] and not s["via"] and "/state-" in c["object"], c
+            if s not in paused:
+                assert c["op"] in ("openat", "write", "close"), c
+                assert s["duration_ns"] < 20_000_000 and "dirty_device" not in c, (c, s["duration_ns"])
+                assert not any(e["kind"] == "dirty" for e in s["evidence"]), s["evidence"]
+                continue
+            assert c["op"] == "write" and c["dirty_pauses"] >= 1 and c["dirty_device"].startswith("loop"), c
             assert c["dirty_paused_ns"] >= 0.8 * s["duration_ns"], (c, s["duration_ns"])
             assert any(e["kind"] == "dirty" for e in s["evidence"]), s["evidence"]
     elif name == "cpu_throttled":
