@@ -114,6 +114,24 @@ def _child(user: list[str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*(user or []), sys.executable, "-c", code])
 
 
+def _switches(pid: int, tid: int) -> int:
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+def test_an_idle_service_sleeps_until_a_request_or_a_signal(svc: Svc) -> None:
+    # its accept loop waits for a connection or a signal (the interpreter's wakeup fd), not looking every
+    # 0.2 s: its main thread does not run at all while nothing comes (a thread asleep is not made to run by
+    # the host's load)
+    pid = svc.proc.pid
+    assert svc.client("status").returncode == 0  # its startup's connections (the tests' probes) served
+    before = _switches(pid, pid)
+    time.sleep(1.5)
+    woken = _switches(pid, pid) - before
+    assert svc.client("status").returncode == 0  # and a request is still answered at once
+    assert woken <= 1, woken
+
+
 def test_root_captures_a_child_through_the_client(svc: Svc) -> None:
     child = _child()
     try:

@@ -50,6 +50,7 @@ from gputrace.threads import Thread
 DEFAULT_SOCKET = Path("/run/gputrace/gputraced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/gputrace")
 REQUEST_TIMEOUT_S = 5.0
+WAKE_S = 0.2  # the accept loop's look at `stopping` where no signal wakes it (a Service made without ``wake``)
 MAX_CONNECTIONS = 32  # all users but root together
 MAX_CONNECTIONS_PER_USER = 8  # no one user can take every slot and leave the others "busy"
 MAX_CONNECTIONS_ROOT = 8  # root's own, beside the others': four users at their limit cannot lock root out
@@ -61,7 +62,10 @@ MAX_CONNECTIONS_ROOT = 8  # root's own, beside the others': four users at their 
 class Service:
     def __init__(self, socket_path: Path, state_dir: Path, limits: Limits, *, otlp: str | None = None,
                  otlp_protocol: str = "grpc", log: Any = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 stopping: threading.Event | None = None, watch: WatchConfig | None = None) -> None:
+                 stopping: threading.Event | None = None, watch: WatchConfig | None = None,
+                 wake: socket.socket | None = None) -> None:
+        """``wake``: readable when ``stopping`` may have been set (the read end of the signals' wakeup fd,
+        ``serve_from_args``); without it the accept loop looks at ``stopping`` every WAKE_S."""
         self.socket_path = socket_path
         self.request_timeout_s = request_timeout_s
         self.state_dir = state_dir
@@ -69,6 +73,7 @@ class Service:
         self.jobs = JobTable(state_dir, limits, self.log, otlp=otlp, otlp_protocol=otlp_protocol)
         self.started = time.time()
         self.stopping = stopping or threading.Event()
+        self.wake = wake
         self._open: dict[int, int] = {}  # uid -> connections being served
         self._open_lock = threading.Lock()
         self.pin_callers, self.pin_targets = pidfd_support()
@@ -96,9 +101,14 @@ class Service:
         if self.watcher is not None:
             self.watcher.start()
         try:
+            watched = [self.listener] if self.wake is None else [self.listener, self.wake]
+            timeout = WAKE_S if self.wake is None else None  # a signal wakes the select: no polling
             while not self.stopping.is_set():
-                ready, _, _ = select.select([self.listener], [], [], 0.2)
-                if ready:
+                ready, _, _ = select.select(watched, [], [], timeout)
+                if self.wake is not None and self.wake in ready:
+                    with contextlib.suppress(OSError):
+                        self.wake.recv(4096)
+                if self.listener in ready:
                     self._accept()
         finally:
             self.listener.close()
@@ -331,11 +341,17 @@ def serve_from_args(args: argparse.Namespace) -> int:
     prepare_state_dir(args.state_dir)
     salvage_staging(args.state_dir, _log)
     stopping = threading.Event()  # before the socket exists: a stop sent once it appears is never lost
+    # a signal's number is written to ``wake_w`` as it arrives (the interpreter's wakeup fd): the service's
+    # accept loop sleeps until a connection or a signal, never polling
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     watch = watch_config(args) if args.watch else None
     service = Service(args.socket, args.state_dir, limits, otlp=args.otlp, otlp_protocol=args.otlp_protocol,
-                      request_timeout_s=args.request_timeout_s, stopping=stopping, watch=watch)
+                      request_timeout_s=args.request_timeout_s, stopping=stopping, watch=watch, wake=wake_r)
     if watch is not None:  # the watched jobs' cost meters time their programs: needs CAP_SYS_ADMIN, dropped next
         from gputrace.probes.ebpf.bpfstats import hold_for_process
 
