@@ -57,11 +57,10 @@ class Pacing:
     cgroup_tick_s: float = 0.02  # the cpu cgroups' counters (a throttle's end is placed within this)
     agent_flush_ms: int = 100  # agents send their records this often
     nvml_period_s: float = 0.1  # NVML's counters read (its utilization samples are the driver's own, timestamped)
-    write_s: float = 0.0  # a shared writer's rounds (daemon/writer.py; 0: each batch written as it comes)
 
 
 WATCH_PACING = Pacing(wait_s=1.0, ring_poll_ms=250, uprobe_poll_ms=1000, uprobe_rescan_s=5.0, cgroup_tick_s=0.1,
-                      agent_flush_ms=1000, nvml_period_s=1.0, write_s=1.0)
+                      agent_flush_ms=1000, nvml_period_s=1.0)
 
 
 @dataclass

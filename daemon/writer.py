@@ -4,18 +4,15 @@ Sources call emit*() from their own threads. When the queue is full, a batch wai
 (the kernel ring buffer absorbs the pause) and is then dropped and counted, never lost silently.
 
 Watch mode's sessions share one writer thread (``SharedWriter``): each job keeps its own bounded queue and file,
-and the one thread writes whichever queues have batches. With a pace (watch mode's ``Pacing.write_s``) it
-writes in rounds at most that often: the batches that came meanwhile (the shared kernel ring's drains, the
-shared NVML sampler's, the agents', the cost meters', for every job) wait for the round instead of each waking
-the thread. What must not wait goes at once: a session's control record (a segment's rotation for a dump), a
-sink's close, a queue filling up (a quarter of its batches, or KERNEL_BYTES_URGENT of kernel events).
+and the one thread writes whichever queues have batches. The service's sources hand every job its batches at
+the same moments (the shared kernel ring's drain, the shared NVML sampler), so one wakeup writes them all where
+a thread per job woke once each.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,56 +24,33 @@ from gputrace.threads import Thread
 
 _STOP = object()
 TURN_BATCHES = 256  # batches a shared writer writes of one sink before it turns to the next
-KERNEL_BYTES_URGENT = 8 << 20  # kernel events a sink holds before a paced writer writes them without waiting
 
 
 class SharedWriter:
-    """One thread writing the batches of many QueueSinks (watch mode's jobs), each sink's in its order.
+    """One thread writing the batches of many QueueSinks (watch mode's jobs), each sink's in its order."""
 
-    ``pace_s``: after a round of writes, batches that are not urgent wait up to that long for the next round
-    (0: each is written as it comes). The thread sleeps without a timeout while nothing is queued."""
-
-    def __init__(self, name: str = "gputrace-writer", pace_s: float = 0.0) -> None:
-        self.pace_s = pace_s
-        self.rounds = 0
+    def __init__(self, name: str = "gputrace-writer") -> None:
         self._cond = threading.Condition()
         self._ready: deque[QueueSink] = deque()  # sinks with batches queued, each once
-        self._gathering = False  # (the lock) between a round and the next: only urgent batches wake the thread
-        self._urgent = False  # (the lock) a batch that must not wait for the pace
         self._thread = Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def notify(self, sink: QueueSink, urgent: bool = False) -> None:
-        """``sink`` has a batch queued; ``urgent``: written without waiting for the pace."""
+    def notify(self, sink: QueueSink) -> None:
+        """``sink`` has a batch queued."""
         with self._cond:
-            if urgent:
-                self._urgent = True
             if not sink._flagged:
                 sink._flagged = True
                 self._ready.append(sink)
-            if urgent or not self._gathering:
                 self._cond.notify()
 
     def _run(self) -> None:
-        last = 0.0
         while True:
             with self._cond:
-                if self.pace_s > 0:
-                    self._gathering = True
-                    deadline = last + self.pace_s
-                    while not self._urgent and (left := deadline - time.monotonic()) > 0:
-                        self._cond.wait(left)
-                    self._gathering = False
                 while not self._ready:
                     self._cond.wait()
-                self._urgent = False
-                ready, self._ready = self._ready, deque()
-                for sink in ready:
-                    sink._flagged = False  # a batch queued from here on flags it again
-            for sink in ready:
-                sink._write_queued()
-            self.rounds += 1
-            last = time.monotonic()
+                sink = self._ready.popleft()
+                sink._flagged = False  # a batch queued from here on flags it again
+            sink._write_queued()
 
 
 class QueueSink:
@@ -90,10 +64,6 @@ class QueueSink:
         self.error: BaseException | None = None
         self._shared = shared
         self._flagged = False  # (the shared writer's lock) in its ready list
-        # kernel events queued, in bytes, as what producers put less what the writer took (each side counts its
-        # own, without a lock: producers racing may undercount; a queue's length bounds it too)
-        self._kernel_in = self._kernel_out = 0
-        self._urgent_batches = max(1, max_batches // 4)
         self._closed = threading.Event()  # (shared) the stop marker was reached
         self._thread: Thread | None = None
         if shared is None:
@@ -106,12 +76,12 @@ class QueueSink:
 
     def emit_kernel(self, blob: bytes, nevents: int) -> None:
         if blob:
-            self._put(("K", blob, nevents), nevents, len(blob))
+            self._put(("K", blob, nevents), nevents)
 
     def emit_meta(self, source: str, meta: dict[str, Any]) -> None:
-        self._put(("M", source, meta), 0, urgent=True)  # a control record (a rotation) is waited for
+        self._put(("M", source, meta), 0)
 
-    def _put(self, item: tuple[Any, ...], n: int, kernel_bytes: int = 0, urgent: bool = False) -> None:
+    def _put(self, item: tuple[Any, ...], n: int) -> None:
         try:
             self._q.put(item, timeout=self._timeout)
         except queue.Full:
@@ -119,10 +89,7 @@ class QueueSink:
             self.dropped_records += n
             return
         if self._shared is not None:
-            self._kernel_in += kernel_bytes
-            urgent = (urgent or self._kernel_in - self._kernel_out >= KERNEL_BYTES_URGENT
-                      or self._q.qsize() >= self._urgent_batches)
-            self._shared.notify(self, urgent)
+            self._shared.notify(self)
 
     def _drain(self) -> None:
         while self._write(self._q.get()):
@@ -136,14 +103,12 @@ class QueueSink:
                 item = self._q.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP and item[0] == "K":
-                self._kernel_out += len(item[1])
             if not self._write(item):
                 self._closed.set()
                 return
-        if not self._q.empty():  # a backlog: its next turn comes after the others', in this round
+        if not self._q.empty():
             assert self._shared is not None
-            self._shared.notify(self, urgent=True)
+            self._shared.notify(self)
 
     def _write(self, item: Any) -> bool:
         """Write one queued batch; False at the stop marker."""
@@ -171,7 +136,7 @@ class QueueSink:
             self._thread.join()
         else:
             assert self._shared is not None
-            self._shared.notify(self, urgent=True)
+            self._shared.notify(self)
             self._closed.wait()
         if self.error is not None:
             raise self.error

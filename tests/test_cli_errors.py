@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from signals import with_default
 from test_capture_cli import capture_until_exit
 from waiting import wait_for
 
@@ -235,12 +236,9 @@ def _long_capture(path: Path, n: int = 200_000) -> Path:
 def test_export_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
     # SIGHUP: the ssh session running it closed. The partial trace (tens of MB on a real capture) must go.
     cap = _long_capture(tmp_path / "big.gputrace", 1_000_000)  # seconds of writing: the signal lands in them
-    # the signal's default action in the export, whatever this run inherited (nohup ignores SIGHUP), set
-    # before its exec
-    reset = ("import os, signal, sys; signal.signal(int(sys.argv[1]), signal.SIG_DFL); "
-             "os.execv(sys.argv[2], sys.argv[2:])")
-    proc = subprocess.Popen([sys.executable, "-c", reset, str(int(sig)), *GPUTRACE, "export", str(cap), "--perfetto",
-                             "out.pftrace"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the signal's default action in the export, whatever this run inherited (nohup ignores SIGHUP)
+    proc = subprocess.Popen(with_default(sig, [*GPUTRACE, "export", str(cap), "--perfetto", "out.pftrace"]),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: list(tmp_path.glob(".out.pftrace.*.partial")), 60, "the export to start writing")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from otlp_receiver import Receiver, grpc_receiver
+from signals import with_default
 
 from gputrace.capture import open_capture
 from gputrace.testing.synth import Builder, ns
@@ -78,10 +79,6 @@ def test_export_cli_unreachable_is_one_clear_line(tmp_path: Path) -> None:
     assert "spans not delivered" in line and "Traceback" not in r.stderr
 
 
-_SIGINT_DEFAULT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                        "os.execv(sys.argv[1], sys.argv[1:])")
-
-
 class _Stalling(Receiver):
     """Takes the first request, then holds every later one until released."""
 
@@ -108,11 +105,10 @@ def test_ctrl_c_during_a_send_says_how_many_spans_were_delivered(tmp_path: Path)
     server.start()
     try:
         # Ctrl-C's default action in the export, as a shell in a terminal gives it, not a SIG_IGN this run
-        # inherited (a job started in the background); set before the exec, as preexec_fn would, but with no
-        # code run between fork and exec beside the server's threads
+        # inherited (a job started in the background)
         argv = [sys.executable, "-m", "gputrace", "export", str(path), "--otlp", f"127.0.0.1:{port}"]
-        p = subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT_EXEC, *argv],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(with_default(signal.SIGINT, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
         assert rec.holding.wait(60), "the second request never came"
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=30)

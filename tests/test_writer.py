@@ -1,17 +1,15 @@
 """Watch mode's jobs share one writer thread (daemon/writer.py, SharedWriter): each job's capture gets exactly its
 own batches in the order they were queued, a sink's close returns once its batches are written while the others
-go on, and a job with a long queue does not hold up another's writes. Paced, it writes every job's batches in
-one round at most that often, and what must not wait (a control record, a close, a queue filling up) at once."""
+go on, and a job with a long queue does not hold up another's writes."""
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
-from gputrace.daemon.writer import KERNEL_BYTES_URGENT, TURN_BATCHES, QueueSink, SharedWriter
+from gputrace.daemon.writer import TURN_BATCHES, QueueSink, SharedWriter
 from gputrace.records import SourceStatus
 
 
@@ -109,78 +107,3 @@ def test_closing_one_sink_leaves_the_others_writing(tmp_path: Path) -> None:
     second.close({"complete": True})
     with CaptureReader(tmp_path / "b.gputrace") as reader:
         assert [r.source for r in reader.records() if isinstance(r, SourceStatus)] == ["b"]
-
-
-def _status(n: int) -> list[SourceStatus]:
-    return [SourceStatus(n, "x", "running", "")]
-
-
-def _until(what: Any, timeout_s: float = 30.0) -> None:
-    """Wait for ``what()`` to hold (another thread makes it so)."""
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "not within 30 s"
-        time.sleep(0.005)
-
-
-class _Log:
-    """A writer that notes each batch it writes, with the writer's round."""
-
-    def __init__(self, name: str, log: list[tuple[str, int]], shared: SharedWriter) -> None:
-        self.name, self.log, self.shared = name, log, shared
-
-    def write(self, records: Any) -> None:
-        self.log.append((self.name, self.shared.rounds))
-
-    def write_kernel(self, blob: bytes, n: int) -> None:
-        self.log.append((self.name + "/kernel", self.shared.rounds))
-
-    def write_meta(self, source: str, meta: dict[str, Any]) -> None:
-        self.log.append((self.name + "/meta", self.shared.rounds))
-
-
-def test_a_paced_writer_writes_every_jobs_batches_in_one_round_and_control_records_at_once() -> None:
-    shared = SharedWriter(pace_s=3600.0)  # after its first round, only what must not wait starts another
-    log: list[tuple[str, int]] = []
-    a = QueueSink(_Log("a", log, shared), shared=shared)  # type: ignore[arg-type]
-    b = QueueSink(_Log("b", log, shared), shared=shared)  # type: ignore[arg-type]
-    a.emit(_status(0))  # the first batch after a quiet while is written at once
-    _until(lambda: shared.rounds == 1)
-    for n in range(1, 4):
-        a.emit(_status(n))
-        b.emit(_status(n))
-    a.emit_meta("control", {"rotate": True})  # a rotation is waited for: it takes the others along
-    _until(lambda: shared.rounds == 2)
-    assert log == [("a", 0)] + sorted([("a", 1)] * 3 + [("a/meta", 1)] + [("b", 1)] * 3), log
-    b.emit(_status(4))
-    b.close()  # a close does not wait for the pace either
-    a.close()
-    assert log[-1] == ("b", 2) and shared.rounds >= 3, log
-
-
-def test_a_paced_writer_writes_at_its_pace_and_a_filling_queue_at_once() -> None:
-    shared = SharedWriter(pace_s=0.2)
-    log: list[tuple[str, int]] = []
-    a = QueueSink(_Log("a", log, shared), shared=shared)  # type: ignore[arg-type]
-    a.emit(_status(0))
-    _until(lambda: shared.rounds == 1)
-    a.emit(_status(1))  # nothing else comes: the next round writes it
-    _until(lambda: len(log) == 2)
-    a.close()
-
-    slow = SharedWriter(pace_s=3600.0)
-    log = []
-    small = QueueSink(_Log("s", log, slow), max_batches=8, shared=slow)  # type: ignore[arg-type]
-    kernel = QueueSink(_Log("k", log, slow), shared=slow)  # type: ignore[arg-type]
-    small.emit(_status(0))
-    _until(lambda: slow.rounds == 1)
-    small.emit(_status(1))
-    small.emit(_status(2))  # a quarter of its queue: written without waiting an hour
-    _until(lambda: slow.rounds == 2)
-    assert log == [("s", 0), ("s", 1), ("s", 1)], log
-    kernel.emit_kernel(b"\0" * (KERNEL_BYTES_URGENT // 2), 1)
-    kernel.emit_kernel(b"\0" * (KERNEL_BYTES_URGENT // 2), 1)  # KERNEL_BYTES_URGENT of kernel events held
-    _until(lambda: slow.rounds == 3)
-    assert log[3:] == [("k/kernel", 2)] * 2, log
-    small.close()
-    kernel.close()

@@ -155,8 +155,7 @@ class Watcher:
         self.nvml = SharedNvml(period_s=WATCH_PACING.nvml_period_s)  # one NVML sampler for every job
         # One thread for every job's session checks (targets gone, the cost meter's tick), not one waking per job
         self.ticker = Ticker(WATCH_PACING.wait_s, name="gputraced-watch-tick")
-        # and one writer thread for every job's flight segments, writing in rounds (daemon/writer.py)
-        self.writer = SharedWriter(pace_s=WATCH_PACING.write_s)
+        self.writer = SharedWriter()  # and one writer thread for every job's flight segments (daemon/writer.py)
         self.cpu_split = CpuSplit()  # the service's CPU time, each job's part of it (its cost meter's "session")
         self._prepare()
 
