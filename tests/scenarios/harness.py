@@ -111,9 +111,13 @@ OWN_CAUSES = ["cpu", "cpu.runqueue", "tracing"]
 
 def labels_for(stall: dict[str, Any], t: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The labels a stall may rightly be scored against: its label, or the launching process's own time, or
-    both, by the share of the stall after the label's ``own_from_ns`` (see OWN_CAUSES)."""
+    both, by the share of the stall after the label's ``own_from_ns`` (see OWN_CAUSES). A label of the
+    launching process's own CPU time is its own time all along: on a CPU or, on a loaded machine, waiting for
+    one (the workload cannot label the machine's load, nor the tool's)."""
     if t is None:
         return []
+    if t["cause"] == OWN_CAUSES[0] and not t.get("object") and t.get("culprit_pid") == stall.get("device_pid"):
+        return [{**t, "causes": OWN_CAUSES}]
     own_from = t.get("own_from_ns")
     if not own_from:
         return [t]

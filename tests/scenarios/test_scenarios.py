@@ -243,6 +243,26 @@ def test_scoring_counts_a_wrong_culprit_and_unknown() -> None:
     assert (sc.correct_ns, len(sc.misses), sc.wrong_culprits) == (0, 1, [])
 
 
+def test_scoring_takes_a_wait_for_a_cpu_as_the_launching_process_own_cpu_time() -> None:
+    # gil beside a CPU hog (stalls as in a run kept): steps labelled the trainer's own CPU time, named its wait
+    # for a CPU or the tool's session holding that CPU: its own time all along, right
+    own = {7: [{"pid": 7, "launch_ns": 0, "cause": "cpu", "object": "", "culprit_pid": 7}]}
+    trainer = {"pid": 7, "tid": 7, "comm": "python", "op": "cpu", "object": "", "bytes": 0, "duration_ns": 0}
+    session = {**trainer, "pid": 4242, "tid": 0, "comm": "gputrace"}
+    for cause, culprit in (("cpu", trainer), ("cpu.runqueue", trainer), ("tracing", session)):
+        stall = {"device_pid": 7, "start_ns": 0, "end_ns": 10, "duration_ns": 3_500_000, "cause": cause,
+                 "culprit": culprit}
+        sc = harness.score("t", {"stalls": [stall]}, own)
+        assert (sc.correct_ns, sc.wrong_culprits) == (3_500_000, []), cause
+        # a worker's CPU time labelled: the trainer's wait for a CPU is a miss, another process's CPU wrong
+        worker = {7: [{**own[7][0], "culprit_pid": 8}]}
+        sc = harness.score("t", {"stalls": [stall]}, worker)
+        assert sc.correct_ns == 0 and len(sc.misses) == 1, cause
+    other = {**stall, "cause": "cpu", "culprit": {**trainer, "pid": 9}, "duration_ns": harness.WRONG_CULPRIT_MIN_NS}
+    sc = harness.score("t", {"stalls": [other]}, own)
+    assert sc.correct_ns == 0 and len(sc.wrong_culprits) == 1
+
+
 def test_scoring_takes_a_chain_through_the_labelled_process_and_beyond_it() -> None:
     # train_torch_slow under load (a 22.4 ms stall kept from a run): the fast worker's (pid 8) batch, its
     # feeder thread waiting for the shared result queue's lock, which the slow worker's (pid 9) feeder held while
