@@ -1,16 +1,17 @@
 """Finding GPU jobs as they start: a scan of /proc on a timer, and NVML's running processes where there is NVML.
 
-A process is a GPU process when it is armed for gputrace (its environment says so: what a ``gputrace env``
-service and a ``gputrace.sim`` workload under test do, announcing themselves), maps libcuda, or holds an
-/dev/nvidia* device open. Each scan lists /proc once; a process seen for the first time is read at once (its
-environment, its maps, its fds), one already judged not a GPU process is read again after RECHECK_S, then after
-twice as long each time up to MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel threads
-never. The scan's own CPU time is kept in ``cpu_ns``.
+A process is a GPU process when it is a Python interpreter armed for gputrace (its environment says so: what a
+``gputrace env`` service and a ``gputrace.sim`` workload under test do, announcing themselves), maps libcuda, or
+holds an /dev/nvidia* device open. Each scan lists /proc once; a process seen for the first time is read at once
+(its environment, its maps, its fds), one already judged not a GPU process is read again after RECHECK_S, then
+after twice as long each time up to MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel
+threads never. The scan's own CPU time is kept in ``cpu_ns``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,15 +167,19 @@ def start_time(pid: int) -> int | None:
 
 
 def gpu_evidence(pid: int) -> str:
-    """Why ``pid`` is a GPU process ("armed", "libcuda", "/dev/nvidia"), or "" when nothing says it is."""
-    if is_armed(pid):
-        return "armed"
+    """Why ``pid`` is a GPU process ("armed", "libcuda", "/dev/nvidia"), or "" when nothing says it is.
+
+    Arming is evidence only in a Python interpreter, where it loads the agent: every process an armed service
+    starts inherits its environment (a shell, ``git``, ``sleep``), and in any other program it does nothing."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
-            if b"libcuda.so" in f.read():
-                return "libcuda"
+            maps = f.read()
     except OSError:
         return ""
+    if is_armed(pid) and (b"libpython" in maps or _runs_python(pid)):
+        return "armed"
+    if b"libcuda.so" in maps:
+        return "libcuda"
     fd_dir = f"/proc/{pid}/fd"
     try:
         for fd in os.listdir(fd_dir):
@@ -186,6 +191,16 @@ def gpu_evidence(pid: int) -> str:
     except OSError:
         return ""
     return ""
+
+
+def _runs_python(pid: int) -> bool:
+    """Whether ``pid``'s executable is a Python interpreter (python, python3, python3.12, ...; one linked
+    without libpython shows only its name)."""
+    try:
+        name = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return False
+    return re.fullmatch(r"python[0-9.]*(-dbg)?( \(deleted\))?", name) is not None
 
 
 def ancestors(pid: int, depth: int = 32) -> list[int]:

@@ -1,0 +1,42 @@
+"""Watch mode's discovery (daemon/watch/discover.py) on real processes: an armed Python interpreter is a GPU
+process; the other programs an armed service starts inherit its environment (a shell, ``sleep``) and are not,
+as the arming does nothing in them; an interpreter that is not armed is not either."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from waiting import wait_for
+
+from gputrace.agent import arming
+from gputrace.daemon.watch.discover import Scanner, gpu_evidence
+
+
+@contextmanager
+def _running(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """``argv`` started with ``env``, once it runs its own program (exec done), killed afterwards."""
+    p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE)
+    try:
+        exe = os.path.realpath(shutil.which(argv[0]) or argv[0])
+        wait_for(lambda: os.path.realpath(f"/proc/{p.pid}/exe") == exe, 30, f"{argv[0]} to run")
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_arming_is_evidence_only_in_a_python_interpreter() -> None:
+    armed = {**os.environ, **arming.environment(None)}
+    python = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    with (_running(python, armed) as interpreter, _running(["sleep", "600"], armed) as sleeper,
+          _running(["sh", "-c", "read x"], armed) as shell, _running(python, dict(os.environ)) as plain):
+        assert gpu_evidence(interpreter.pid) == "armed"
+        assert [gpu_evidence(p.pid) for p in (sleeper, shell, plain)] == ["", "", ""]
+        found = {f.pid: f.how for f in Scanner().scan()}
+        assert found.get(interpreter.pid) == "armed"
+        assert not {sleeper.pid, shell.pid, plain.pid} & set(found), found
