@@ -1,15 +1,18 @@
 """Watch mode's discovery (daemon/watch/discover.py) on real processes: an armed Python interpreter is a GPU
 process; the other programs an armed service starts inherit its environment (a shell, ``sleep``) and are not,
-as the arming does nothing in them; an interpreter that is not armed is not either."""
+as the arming does nothing in them; an interpreter that is not armed is not either, nor one a capture session
+traces already."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from waiting import wait_for
 
@@ -40,3 +43,22 @@ def test_arming_is_evidence_only_in_a_python_interpreter() -> None:
         found = {f.pid: f.how for f in Scanner().scan()}
         assert found.get(interpreter.pid) == "armed"
         assert not {sleeper.pid, shell.pid, plain.pid} & set(found), found
+
+
+def test_a_process_its_capture_session_traces_is_not_a_job_until_that_session_ends(tmp_path: Path) -> None:
+    # `gputrace capture -- CMD` gives CMD its session's socket to connect its agent to: while the session
+    # listens there, CMD is traced already (watching it too would trace it twice); once it has ended, CMD is
+    # judged as any other process
+    path = tmp_path / "session.sock"
+    session = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    session.bind(str(path))
+    session.listen(8)
+    env = {**os.environ, **arming.environment(str(path))}
+    with _running([sys.executable, "-c", "import sys; sys.stdin.read()"], env) as job:
+        try:
+            assert gpu_evidence(job.pid) == ""
+            assert job.pid not in {f.pid for f in Scanner().scan()}
+        finally:
+            session.close()
+            path.unlink()
+        assert gpu_evidence(job.pid) == "armed"

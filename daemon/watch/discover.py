@@ -2,10 +2,11 @@
 
 A process is a GPU process when it is a Python interpreter armed for gputrace (its environment says so: what a
 ``gputrace env`` service and a ``gputrace.sim`` workload under test do, announcing themselves), maps libcuda, or
-holds an /dev/nvidia* device open. Each scan lists /proc once; a process seen for the first time is read at once
-(its environment, its maps, its fds), one already judged not a GPU process is read again after RECHECK_S, then
-after twice as long each time up to MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel
-threads never. The scan's own CPU time is kept in ``cpu_ns``.
+holds an /dev/nvidia* device open, and is not traced already by the capture session that started it. Each scan
+lists /proc once; a process seen for the first time is read at once (its environment, its maps, its fds), one
+already judged not a GPU process is read again after RECHECK_S, then after twice as long each time up to
+MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel threads never. The scan's own CPU time
+is kept in ``cpu_ns``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gputrace.agent import wire
 from gputrace.agent.arming import is_armed
 
 RECHECK_S = 5.0  # a process judged not a GPU process is judged again after this ...
@@ -176,6 +178,8 @@ def gpu_evidence(pid: int) -> str:
             maps = f.read()
     except OSError:
         return ""
+    if _own_session(pid):  # a `gputrace capture -- CMD` traces it, its agent connected to that session
+        return ""
     if is_armed(pid) and (b"libpython" in maps or _runs_python(pid)):
         return "armed"
     if b"libcuda.so" in maps:
@@ -189,6 +193,32 @@ def gpu_evidence(pid: int) -> str:
             except OSError:
                 continue
     except OSError:
+        return ""
+    return ""
+
+
+def _own_session(pid: int) -> str:
+    """The socket of the capture session ``pid`` was started under (``capture -- CMD`` gives its command the
+    session's socket to connect its agent to) where that session still listens on it, else "". Such a process
+    is traced already: watching it too would trace it twice, and its agent sends its GPU records to its own
+    session, not to an offer. Once the capture has ended it is judged again as any other process."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return ""
+    key = wire.ENV_SOCKET.encode() + b"="
+    path = next((e[len(key):] for e in env.split(b"\0") if e.startswith(key)), b"")
+    if not path:
+        return ""
+    try:  # the listening Unix sockets of its network namespace, by the path they were bound to
+        with open(f"/proc/{pid}/net/unix", "rb") as f:
+            for line in f:
+                fields = line.rstrip(b"\n").split(None, 7)  # the path last, spaces and all
+                # Flags 00010000: accepting connections (__SO_ACCEPTCON)
+                if len(fields) >= 8 and fields[7] == path and int(fields[3], 16) & 0x10000:
+                    return path.decode(errors="replace")
+    except (OSError, ValueError):
         return ""
     return ""
 
