@@ -299,6 +299,14 @@ def test_dump_by_pid_is_for_the_jobs_owner() -> None:
             assert not list((svc.state / "65534").glob(f"flight-*-{roots.pid}-*")), "another user's job was dumped"
             r = svc.client("dump", str(mine.pid))  # root may dump anyone's: it goes to the job's owner
             assert r.returncode == 0 and "/65534/" in r.stdout, r.stdout + r.stderr
+            # a capture of a watched job cannot have its agent (one session at a time): it says how to get the
+            # job's GPU work from the service instead
+            cap = subprocess.run([sys.executable, "-m", "gputrace", "capture", "-p", str(roots.pid), "-d", "0.5",
+                                  "--no-perfetto", "-o", str(svc.base / "beside.gputrace")],
+                                 capture_output=True, text=True, timeout=120, env=svc.env)
+            assert cap.returncode == 0, cap.stderr
+            assert f"is the gputrace service's (pid {svc.proc.pid}), which watches that process: `gputrace daemon " \
+                   f"dump {roots.pid}`" in cap.stderr, cap.stderr
         finally:
             _kill(mine, roots)
         report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(path), "--json"],

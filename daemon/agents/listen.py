@@ -66,8 +66,15 @@ class Forwarder:
 
 def listen_at(path: Path) -> tuple[socket.socket, int]:
     """A listening socket at ``path`` and the inode it got (so we only ever remove our own)."""
-    if path.is_socket() and _listening(path):
-        raise UserError(f"{path} is another gputrace session's, still live: that process is being captured "
+    inode = _listening(path) if path.is_socket() else 0
+    if inode:
+        owner = _owner(inode)
+        if owner is not None and owner[1]:
+            pid = path.stem if path.stem.isdigit() else "PID"
+            raise UserError(f"{path} is the gputrace service's (pid {owner[0]}), which watches that process: "
+                            f"`gputrace daemon dump {pid}` writes what it recorded (one session at a time)")
+        who = f" (pid {owner[0]})" if owner is not None else ""
+        raise UserError(f"{path} is another gputrace session's{who}, still live: that process is being captured "
                         "already (one session at a time; stop the other first)")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -85,19 +92,49 @@ def listen_at(path: Path) -> tuple[socket.socket, int]:
     return s, ino
 
 
-def _listening(path: Path) -> bool:
-    """Whether a socket in our network namespace listens at ``path`` (/proc/net/unix: the listening flag,
-    __SO_ACCEPTCON, and the bound path), told without connecting to it."""
+def _listening(path: Path) -> int:
+    """The inode of a socket in our network namespace that listens at ``path`` (/proc/net/unix: the listening
+    flag, __SO_ACCEPTCON, and the bound path), told without connecting to it; 0 where none does."""
     try:
         lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
     except OSError:
-        return False
+        return 0
     want = str(path)
     for line in lines:
         fields = line.split(None, 7)
         if len(fields) == 8 and fields[7] == want and int(fields[3], 16) & 0x10000:
-            return True
-    return False
+            return int(fields[6])
+    return 0
+
+
+def _owner(inode: int) -> tuple[int, bool] | None:
+    """The process holding socket ``inode`` (its /proc/PID/fd links), and whether it is the gputrace service in
+    watch mode (``gputraced --watch`` or ``gputrace daemon --watch`` on its command line); None where none is
+    found (another pid namespace, or gone). Read only to say who holds a session's socket: it walks every
+    process's descriptors."""
+    target = f"socket:[{inode}]"
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.scandir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue
+        with fds:
+            for fd in fds:
+                try:
+                    if os.readlink(fd.path) != target:
+                        continue
+                except OSError:
+                    continue
+                try:
+                    with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                        argv = f.read().split(b"\0")
+                except OSError:
+                    argv = []
+                service = any(a == b"daemon" or a.endswith(b"gputraced") for a in argv)
+                return int(entry.name), service and b"--watch" in argv
+    return None
 
 
 def unlink_if_ours(path: Path, ino: int) -> None:
