@@ -1,12 +1,11 @@
 """Watch mode's discovery (daemon/watch/discover.py) on real processes: an armed Python interpreter is a GPU
 process; the other programs an armed service starts inherit its environment (a shell, ``sleep``) and are not,
 as the arming does nothing in them; an interpreter that is not armed is not either, nor one a capture session
-traces already."""
+traces already, nor gputrace's own command line."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,11 +21,17 @@ from gputrace.daemon.watch.discover import Scanner, gpu_evidence
 
 @contextmanager
 def _running(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """``argv`` started with ``env``, once it runs its own program (exec done), killed afterwards."""
+    """``argv`` started with ``env``, once it runs its own program (exec done: its command line is ``argv``, not
+    the forking test's), killed afterwards."""
     p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE)
+    want = b"\0".join(a.encode() for a in argv) + b"\0"
+
+    def cmdline() -> bytes:
+        with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+            return f.read()
+
     try:
-        exe = os.path.realpath(shutil.which(argv[0]) or argv[0])
-        wait_for(lambda: os.path.realpath(f"/proc/{p.pid}/exe") == exe, 30, f"{argv[0]} to run")
+        wait_for(lambda: cmdline() == want, 30, f"{argv[0]} to run")
         yield p
     finally:
         p.kill()
@@ -62,3 +67,19 @@ def test_a_process_its_capture_session_traces_is_not_a_job_until_that_session_en
             session.close()
             path.unlink()
         assert gpu_evidence(job.pid) == "armed"
+
+
+def test_gputraces_own_command_line_is_not_a_job_though_armed(tmp_path: Path) -> None:
+    # run from an armed shell, `gputrace capture -- CMD` inherits the arming: as a job it would take in CMD,
+    # which its capture traces
+    armed = {**os.environ, **arming.environment(None)}
+    script = tmp_path / "gputrace"  # what the console script is called
+    script.write_text("import sys; sys.stdin.read()\n")
+    module = tmp_path / "gputrace_like"
+    module.mkdir()
+    (module / "__main__.py").write_text("import sys; sys.stdin.read()\n")
+    path = {**armed, "PYTHONPATH": f"{tmp_path}:{armed['PYTHONPATH']}"}
+    with (_running([sys.executable, str(script)], armed) as cli,
+          _running([sys.executable, "-m", "gputrace_like"], path) as other):
+        assert gpu_evidence(cli.pid) == ""
+        assert gpu_evidence(other.pid) == "armed"  # another module of a like name is a job as any

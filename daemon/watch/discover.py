@@ -2,7 +2,8 @@
 
 A process is a GPU process when it is a Python interpreter armed for gputrace (its environment says so: what a
 ``gputrace env`` service and a ``gputrace.sim`` workload under test do, announcing themselves), maps libcuda, or
-holds an /dev/nvidia* device open, and is not traced already by the capture session that started it. Each scan
+holds an /dev/nvidia* device open, and is not traced already by the capture session that started it (nor
+gputrace's own command line). Each scan
 lists /proc once; a process seen for the first time is read at once (its environment, its maps, its fds), one
 already judged not a GPU process is read again after RECHECK_S, then after twice as long each time up to
 MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel threads never. The scan's own CPU time
@@ -180,7 +181,7 @@ def gpu_evidence(pid: int) -> str:
         return ""
     if _own_session(pid):  # a `gputrace capture -- CMD` traces it, its agent connected to that session
         return ""
-    if is_armed(pid) and (b"libpython" in maps or _runs_python(pid)):
+    if is_armed(pid) and (b"libpython" in maps or _runs_python(pid)) and not _runs_gputrace(pid):
         return "armed"
     if b"libcuda.so" in maps:
         return "libcuda"
@@ -231,6 +232,20 @@ def _runs_python(pid: int) -> bool:
     except OSError:
         return False
     return re.fullmatch(r"python[0-9.]*(-dbg)?( \(deleted\))?", name) is not None
+
+
+def _runs_gputrace(pid: int) -> bool:
+    """Whether ``pid`` is gputrace's own command line (``gputrace ...``, ``gputraced``, ``python -m gputrace``):
+    run from an armed shell it inherits the arming too, and a job of its own would take in what it runs (a
+    ``capture -- CMD``'s command, traced by that capture)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return False
+    if len(argv) > 2 and argv[1] == b"-m":
+        return argv[2].split(b".")[0] == b"gputrace"
+    return len(argv) > 1 and os.path.basename(argv[1]) in (b"gputrace", b"gputraced")
 
 
 def ancestors(pid: int, depth: int = 32) -> list[int]:
