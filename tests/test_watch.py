@@ -306,7 +306,7 @@ def test_dump_by_pid_is_for_the_jobs_owner() -> None:
                                  capture_output=True, text=True, timeout=120, env=svc.env)
             assert cap.returncode == 0, cap.stderr
             assert f"is the gputrace service's (pid {svc.proc.pid}), which watches that process: `gputrace daemon " \
-                   f"dump {roots.pid}`" in cap.stderr, cap.stderr
+                   f"dump {roots.pid} --socket {svc.sock}`" in cap.stderr, cap.stderr
         finally:
             _kill(mine, roots)
         report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(path), "--json"],

@@ -69,10 +69,11 @@ def listen_at(path: Path) -> tuple[socket.socket, int]:
     inode = _listening(path) if path.is_socket() else 0
     if inode:
         owner = _owner(inode)
-        if owner is not None and owner[1]:
+        if owner is not None and owner[1] is not None:
             pid = path.stem if path.stem.isdigit() else "PID"
+            sock = f" --socket {owner[1]}" if owner[1] else ""
             raise UserError(f"{path} is the gputrace service's (pid {owner[0]}), which watches that process: "
-                            f"`gputrace daemon dump {pid}` writes what it recorded (one session at a time)")
+                            f"`gputrace daemon dump {pid}{sock}` writes what it recorded (one session at a time)")
         who = f" (pid {owner[0]})" if owner is not None else ""
         raise UserError(f"{path} is another gputrace session's{who}, still live: that process is being captured "
                         "already (one session at a time; stop the other first)")
@@ -107,9 +108,23 @@ def _listening(path: Path) -> int:
     return 0
 
 
-def _owner(inode: int) -> tuple[int, bool] | None:
-    """The process holding socket ``inode`` (its /proc/PID/fd links), and whether it is the gputrace service in
-    watch mode (``gputraced --watch`` or ``gputrace daemon --watch`` on its command line); None where none is
+def _service_socket(argv: list[bytes]) -> str:
+    """The request socket on a service's command line where it is not the default; "" otherwise."""
+    from gputrace.daemon.service.server import DEFAULT_SOCKET
+
+    sock = ""
+    for i, a in enumerate(argv):
+        if a == b"--socket" and i + 1 < len(argv):
+            sock = argv[i + 1].decode(errors="replace")
+        elif a.startswith(b"--socket="):
+            sock = a[len(b"--socket="):].decode(errors="replace")
+    return "" if not sock or sock == str(DEFAULT_SOCKET) else sock
+
+
+def _owner(inode: int) -> tuple[int, str | None] | None:
+    """The process holding socket ``inode`` (its /proc/PID/fd links), and, where it is the gputrace service in
+    watch mode (``gputraced --watch`` or ``gputrace daemon --watch`` on its command line), the socket it serves
+    requests on when not the default ("" for the default; None: not the service); None where no process is
     found (another pid namespace, or gone). Read only to say who holds a session's socket: it walks every
     process's descriptors."""
     target = f"socket:[{inode}]"
@@ -132,8 +147,8 @@ def _owner(inode: int) -> tuple[int, bool] | None:
                         argv = f.read().split(b"\0")
                 except OSError:
                     argv = []
-                service = any(a == b"daemon" or a.endswith(b"gputraced") for a in argv)
-                return int(entry.name), service and b"--watch" in argv
+                service = any(a == b"daemon" or a.endswith(b"gputraced") for a in argv) and b"--watch" in argv
+                return int(entry.name), _service_socket(argv) if service else None
     return None
 
 
