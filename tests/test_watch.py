@@ -385,6 +385,33 @@ def test_a_flood_of_short_lived_gpu_processes_stays_bounded() -> None:
         assert _metric(text, "gputrace_watched_jobs") is not None
 
 
+def test_an_armed_process_that_shows_no_gpu_work_is_let_go_and_its_place_taken() -> None:
+    # an armed service's every Python process is a job from its start: one that never uses a GPU is let go
+    # after --watch-idle-s, judged again by the other evidence only, and a GPU job takes its place at the cap
+    with watch_service("--watch-max-jobs", "1", "--watch-idle-s", "2") as svc:
+        env = {**svc.env, **arming.environment(None, base=svc.env)}
+        idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], env=env,
+                                stdin=subprocess.PIPE, text=True)
+        gpu: subprocess.Popen[str] | None = None
+        try:
+            job = wait_until("the idle process let go", lambda: (j := svc.watched(idle.pid) or {}).get("released")
+                             and j["state"] == "ended" and j, timeout=90)
+            assert job["released"].startswith("no GPU work in its first ") and job["busy_ratio"] is None, job
+            gpu = svc.job("60", "5", "5")  # the one place is free again
+            wait_until("the GPU job watched", lambda: (j := svc.watched(gpu.pid) or {}).get("busy_ratio") is not None
+                       and j["state"] == "watching", timeout=90)
+            status = svc.ask({"op": "status"})["watch"]
+            assert status["released"] == 1 and status["refused"] == 0 and status["idle_s"] == 2, status
+            assert [j["state"] for j in status["jobs"] if j["pid"] == idle.pid] == ["ended"], status["jobs"]
+            out = svc.client("status")
+            assert "1 let go (no GPU work in 2 s)" in out.stdout and "let go: no GPU work" in out.stdout, out.stdout
+        finally:
+            _kill(idle, *([gpu] if gpu is not None else []))
+        log = svc.stop()
+        assert any(line.startswith(f"gputraced: watch: pid {idle.pid} (") and "): no GPU work in its first " in line
+                   for line in log.splitlines()), log
+
+
 def test_sigterm_closes_every_segment_and_a_restart_resumes_watching() -> None:
     # A window far longer than a restart can take under load: the segments of the last run are still in it when
     # the restarted service closes its first one.

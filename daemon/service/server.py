@@ -324,6 +324,10 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                    help="share of the host's CPU the full analysis of flight segments may take on average (default "
                         "0.002); the other segments' stall time is split by cause as the last analysed one's "
                         "(1: analyse every segment)")
+    w.add_argument("--watch-idle-s", type=float, default=300.0, metavar="SEC",
+                   help="a job found by its arming alone (an armed service's Python processes) that shows no GPU "
+                        "work for this long is let go, and judged again by libcuda, /dev/nvidia or NVML only "
+                        "(default 300)")
     w.add_argument("--otlp-metrics-s", type=float, default=60.0, metavar="SEC",
                    help="with --otlp: how often the metrics are sent (default 60)")
     w.add_argument("--flight-segment-s", type=float, default=None, help=argparse.SUPPRESS)
@@ -368,7 +372,7 @@ def watch_config(args: argparse.Namespace) -> WatchConfig:
 
     for flag, value in (("--flight-seconds", args.flight_seconds), ("--flight-mib", args.flight_mib),
                         ("--watch-max-jobs", args.watch_max_jobs), ("--watch-scan-s", args.watch_scan_s),
-                        ("--otlp-metrics-s", args.otlp_metrics_s)):
+                        ("--otlp-metrics-s", args.otlp_metrics_s), ("--watch-idle-s", args.watch_idle_s)):
         if not 0 < value < float("inf"):
             raise UserError(f"{flag} must be a number > 0")
     if args.otlp:
@@ -390,7 +394,8 @@ def watch_config(args: argparse.Namespace) -> WatchConfig:
                        busy_low_s=args.trigger_busy_low_s, cooldown_s=args.trigger_cooldown_s,
                        metrics_textfile=textfile, analysis_share=args.watch_analysis_cpu,
                        uids=frozenset(args.watch_user) if args.watch_user else None, otlp=args.otlp,
-                       otlp_protocol=args.otlp_protocol, otlp_interval_s=args.otlp_metrics_s)
+                       otlp_protocol=args.otlp_protocol, otlp_interval_s=args.otlp_metrics_s,
+                       idle_s=args.watch_idle_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ class Scanner:
     judged: int = 0  # processes read (stat, environment, maps, fds), all scans together
     nvml: str = ""  # why NVML's process list is not used, or "" when it is
     _seen: dict[int, _Seen] = field(default_factory=dict)
+    _unarmed: set[tuple[int, int]] = field(default_factory=set)  # (pid, start): its arming is no evidence
     _nvml_handles: list[object] | None = None
 
     def scan(self) -> list[Found]:
@@ -87,6 +88,8 @@ class Scanner:
         if len(self._seen) > len(live):
             for pid in [p for p in self._seen if p not in live]:
                 del self._seen[pid]
+        if self._unarmed:
+            self._unarmed = {k for k in self._unarmed if k[0] in live}
         if len(self._seen) > MAX_TRACKED:
             self._seen.clear()
         self.scans += 1
@@ -112,10 +115,19 @@ class Scanner:
         if ppid == 2 or pid == 2 or (self.uids is not None and uid not in self.uids) or self.exclude(pid):
             self._seen[pid] = _Seen(start, ino, float("inf"), False)  # kernel threads, others', the service's
             return None
-        how = "nvml" if by_nvml else gpu_evidence(pid)
+        how = "nvml" if by_nvml else gpu_evidence(pid, armed=(pid, start) not in self._unarmed)
         wait_s = min(seen.wait_s * 2, self.max_recheck_s) if same and seen is not None else self.recheck_s
         self._seen[pid] = _Seen(start, ino, now + wait_s, bool(how), wait_s)
         return Found(pid, start, ppid, uid, comm, how) if how else None
+
+    def without_arming(self, pid: int, start: int) -> None:
+        """Process (``pid``, ``start``) is judged again after ``recheck_s``, its arming no longer evidence (a
+        watched job let go for showing no GPU work)."""
+        if len(self._unarmed) < MAX_TRACKED:
+            self._unarmed.add((pid, start))
+        seen = self._seen.get(pid)
+        if seen is not None and seen.start == start:
+            seen.gpu, seen.due, seen.wait_s = False, time.monotonic() + self.recheck_s, self.recheck_s
 
     def retry_later(self, pid: int) -> None:
         """Judge ``pid`` again after ``recheck_s`` (a GPU process that could not be watched now)."""
@@ -169,8 +181,9 @@ def start_time(pid: int) -> int | None:
     return None if stat is None else stat[0]
 
 
-def gpu_evidence(pid: int) -> str:
-    """Why ``pid`` is a GPU process ("armed", "libcuda", "/dev/nvidia"), or "" when nothing says it is.
+def gpu_evidence(pid: int, *, armed: bool = True) -> str:
+    """Why ``pid`` is a GPU process ("armed", "libcuda", "/dev/nvidia"), or "" when nothing says it is;
+    ``armed=False``: its arming is not asked.
 
     Arming is evidence only in a Python interpreter, where it loads the agent: every process an armed service
     starts inherits its environment (a shell, ``git``, ``sleep``), and in any other program it does nothing."""
@@ -181,7 +194,7 @@ def gpu_evidence(pid: int) -> str:
         return ""
     if _own_session(pid):  # a `gputrace capture -- CMD` traces it, its agent connected to that session
         return ""
-    if is_armed(pid) and (b"libpython" in maps or _runs_python(pid)) and not _runs_gputrace(pid):
+    if armed and is_armed(pid) and (b"libpython" in maps or _runs_python(pid)) and not _runs_gputrace(pid):
         return "armed"
     if b"libcuda.so" in maps:
         return "libcuda"

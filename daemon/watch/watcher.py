@@ -74,6 +74,7 @@ class WatchConfig:
     otlp: str | None = None  # the metrics also go to this OTLP endpoint ...
     otlp_protocol: str = "grpc"
     otlp_interval_s: float = 60.0  # ... this often
+    idle_s: float = 300.0  # a job found by its arming alone that shows no GPU work for this long is let go
 
 
 @dataclass
@@ -98,6 +99,8 @@ class WatchJob:
     suppressed: int = 0  # automatic triggers within the cooldown, not dumped
     dumps: list[dict[str, Any]] = field(default_factory=list)
     thread: threading.Thread | None = None
+    gpu_seen: bool = False  # a segment of it held GPU work
+    released: str = ""  # why it was let go while it ran (no GPU work), or ""
 
     @property
     def pid(self) -> int:
@@ -115,7 +118,8 @@ class WatchJob:
                 "busy_ratio": self.metrics.busy_ratio, "top_cause": self.top_cause,
                 "segments_analysed": self.metrics.analysed, "segments_estimated": self.metrics.estimated,
                 "tracing_cpu_share": cost, "tracing_cpu_s": cost_s, **probes, "drops": dict(self.metrics.drops),
-                "dumps": self.dumps[-5:], "triggers_suppressed": self.suppressed}
+                "dumps": self.dumps[-5:], "triggers_suppressed": self.suppressed,
+                **({"released": self.released} if self.released else {})}
 
 
 class Watcher:
@@ -132,6 +136,7 @@ class Watcher:
         self.refused = 0  # GPU processes not watched: the job cap was reached
         self.refused_keys: set[tuple[int, int]] = set()
         self.vanished = 0  # found, but gone before their session started
+        self.released = 0  # let go while they ran: found by their arming alone, no GPU work in idle_s
         self.analysis_skipped = 0
         self.changed = True  # what the metrics file shows is out of date
         self.analysis_cpu_ns = 0
@@ -351,6 +356,12 @@ class Watcher:
         if not seg.path.exists():
             return  # evicted before its turn
         gpu = seg.gpu if seg.gpu is not None else SegmentGpu()
+        if gpu.devices:
+            job.gpu_seen = True
+        elif job.found.how == "armed" and not job.gpu_seen and not job.released:
+            idle = time.time() - job.started
+            if idle >= self.config.idle_s:
+                self._release(job, idle)
         report: Report | None = None
         if self._wants_analysis(job, gpu):
             report = analyse(seg.path, self.config.min_gap_ms)
@@ -366,6 +377,20 @@ class Watcher:
         self._busy_trigger(job, bool(gpu.devices), seg)
         if report is not None:
             self._cause_trigger(job, report)
+
+    def _release(self, job: WatchJob, idle_s: float) -> None:
+        """Stop watching ``job``, found by its arming alone (an armed service's every Python process is), that
+        has shown no GPU work since: it would hold a place under ``max_jobs`` that a GPU job may need. The scan
+        judges it again later by the other evidence only (libcuda, /dev/nvidia, NVML)."""
+        f = job.found
+        job.released = f"no GPU work in its first {idle_s:.0f} s (found by its arming alone)"
+        with self.lock:
+            self.released += 1
+            self.changed = True
+        self.scanner.without_arming(f.pid, f.start)
+        self.log(f"watch: pid {f.pid} ({f.comm}): {job.released}: no longer watched; judged again for libcuda, "
+                 "/dev/nvidia or NVML")
+        job.stop.set()
 
     def _wants_analysis(self, job: WatchJob, gpu: SegmentGpu) -> bool:
         """Whether ``gpu``'s segment gets the full analysis: one without GPU records never (it has no stalls);
@@ -482,7 +507,8 @@ class Watcher:
         elapsed = max(1e-9, time.monotonic() - self.began)
         service_cpu = (time.process_time_ns() - self.cpu0) / 1e9 / (elapsed * (os.cpu_count() or 1))
         return {"jobs": jobs, "watching": watching, "max_jobs": self.config.max_jobs, "refused": self.refused,
-                "vanished": self.vanished, "flight_seconds": self.config.flight.seconds,
+                "vanished": self.vanished, "released": self.released, "idle_s": self.config.idle_s,
+                "flight_seconds": self.config.flight.seconds,
                 "flight_mib": self.config.flight.max_bytes / (1 << 20), "off": sorted(self.config.off),
                 "cost": {"scan_cpu_s": round(self.scanner.cpu_ns / 1e9, 3), "scans": self.scanner.scans,
                          "processes": self.scanner.processes, "processes_read": self.scanner.judged,

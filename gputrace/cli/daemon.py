@@ -197,7 +197,8 @@ def _print(reply: dict[str, Any], as_json: bool) -> None:
 def _print_watch(w: dict[str, Any]) -> None:
     cost = w.get("cost", {})
     print(f"watch: {w.get('watching', 0)} jobs watched (at most {w.get('max_jobs')}), {w.get('refused', 0)} refused "
-          f"at the cap, {w.get('vanished', 0)} gone before tracing began; flight recorder "
+          f"at the cap, {w.get('vanished', 0)} gone before tracing began, {w.get('released', 0)} let go (no GPU "
+          f"work in {w.get('idle_s', 0):g} s); flight recorder "
           f"{w.get('flight_seconds'):g} s, at most {w.get('flight_mib'):g} MiB per job; "
           f"off: {', '.join(w.get('off', [])) or 'none'}")
     print(f"watch cost: {cost.get('host_cpu_share', 0):.2%} of host CPU (jobs' probes and agents "
@@ -228,7 +229,8 @@ def _print_watch(w: dict[str, Any]) -> None:
         print(f"  pid {job['pid']} ({job['comm']}, uid {job['uid']}, {job['found_by']}): {job['state']}, GPU busy "
               f"{busy}, top stall cause {job.get('top_cause') or '-'}, {job['segments']} segments "
               f"{job['flight_bytes'] / 1048576:.1f} MiB, {drops:,} records dropped, {len(job.get('dumps', []))} dumps"
-              + (f": {job['error']}" if job.get("error") else ""))
+              + (f": {job['error']}" if job.get("error") else "")
+              + (f"; let go: {job['released']}" if job.get("released") else ""))
 
 
 def _job_line(job: dict[str, Any]) -> str:
