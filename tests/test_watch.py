@@ -405,6 +405,8 @@ def test_an_armed_process_that_shows_no_gpu_work_is_let_go_and_its_place_taken()
             assert [j["state"] for j in status["jobs"] if j["pid"] == idle.pid] == ["ended"], status["jobs"]
             out = svc.client("status")
             assert "1 let go (no GPU work in 2 s)" in out.stdout and "let go: no GPU work" in out.stdout, out.stdout
+            wait_until("the count in the metrics", lambda: svc.metrics.exists()
+                       and _metric(svc.metrics.read_text(), "gputrace_watch_released_total") == 1)
         finally:
             _kill(idle, *([gpu] if gpu is not None else []))
         log = svc.stop()

@@ -140,6 +140,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gputrace_flight_dumps_total": ("counter", "1", "flight recorder dumps, by trigger"),
     "gputrace_watched_jobs": ("gauge", "1", "GPU jobs watched now"),
     "gputrace_watch_refused_total": ("counter", "1", "GPU processes not watched: the job cap was reached"),
+    "gputrace_watch_released_total": ("counter", "1", "jobs found by their arming alone let go: no GPU work in "
+                                      "--watch-idle-s"),
     "gputrace_watch_cpu_seconds_total": ("counter", "s", "CPU time of watch mode's own scan and analysis"),
     "gputrace_watch_segments_analysed_total": ("counter", "1", "flight segments given the full analysis"),
     "gputrace_watch_segments_estimated_total": ("counter", "1", "flight segments with GPU records not analysed "
@@ -189,6 +191,7 @@ def samples(jobs: Iterable[Any], watcher: Any) -> list[Sample]:
     cost = status["cost"]
     add("gputrace_watched_jobs", status["watching"])
     add("gputrace_watch_refused_total", status["refused"])
+    add("gputrace_watch_released_total", status["released"])
     add("gputrace_watch_cpu_seconds_total", cost["scan_cpu_s"] + cost["analysis_cpu_s"])
     add("gputrace_watch_segments_analysed_total", cost["segments_analysed"])
     add("gputrace_watch_segments_estimated_total", cost["segments_estimated"])
