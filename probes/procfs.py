@@ -129,6 +129,22 @@ def blocked_syscall(pid: int, tid: int) -> tuple[int, int] | None:
         return None
 
 
+def unix_listener(path: str | bytes, pid: int | None = None) -> int:
+    """The inode of a Unix socket that listens at ``path`` in the network namespace of ``pid`` (None: ours),
+    from /proc/[PID/]net/unix (the listening flag, __SO_ACCEPTCON, and the path it was bound to), told
+    without connecting to it; 0 where none does."""
+    want = os.fsencode(path)
+    try:
+        with open(PROC / "net" / "unix" if pid is None else PROC / str(pid) / "net" / "unix", "rb") as f:
+            for line in f:
+                fields = line.rstrip(b"\n").split(None, 7)  # the path last, spaces and all
+                if len(fields) == 8 and fields[7] == want and int(fields[3], 16) & 0x10000:
+                    return int(fields[6])
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
 def thread_ids(pid: int) -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir(PROC / str(pid) / "task") if t.isdigit())

@@ -30,6 +30,7 @@ from gputrace.daemon.service.jobs import JobTable, Limits, prepare_state_dir
 from gputrace.daemon.service.protocol import ProtocolError, recv_frame, send_frame
 from gputrace.errors import UserError
 from gputrace.pidfds import close_pidfds
+from gputrace.probes.ebpf.syscalls import syscall_numbers
 from gputrace.records import SourceStatus
 
 pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
@@ -114,22 +115,21 @@ def _child(user: list[str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*(user or []), sys.executable, "-c", code])
 
 
-def _switches(pid: int, tid: int) -> int:
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-    return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+def _select_timeout(pid: int, nrs: set[int]) -> str | None:
+    """The timeout argument (a pointer, 0x0 for none) of the select the main thread of ``pid`` sleeps in, from
+    /proc/PID/task/PID/syscall; None while it is in no select."""
+    parts = Path(f"/proc/{pid}/task/{pid}/syscall").read_text().split()
+    return parts[5] if len(parts) > 5 and parts[0].isdigit() and int(parts[0]) in nrs else None
 
 
 def test_an_idle_service_sleeps_until_a_request_or_a_signal(svc: Svc) -> None:
-    # its accept loop waits for a connection or a signal (the interpreter's wakeup fd), not looking every
-    # 0.2 s: its main thread does not run at all while nothing comes (a thread asleep is not made to run by
-    # the host's load)
-    pid = svc.proc.pid
+    # its accept loop waits for a connection or a signal (the interpreter's wakeup fd) with no timeout, not
+    # looking every 0.2 s: its main thread does not run at all while nothing comes
+    nrs = {nr for name, nr in syscall_numbers().items() if name in ("select", "pselect6")}
     assert svc.client("status").returncode == 0  # its startup's connections (the tests' probes) served
-    before = _switches(pid, pid)
-    time.sleep(1.5)
-    woken = _switches(pid, pid) - before
+    timeout = wait_for(lambda: _select_timeout(svc.proc.pid, nrs), 30, "the accept loop asleep in select")
+    assert timeout == "0x0", timeout
     assert svc.client("status").returncode == 0  # and a request is still answered at once
-    assert woken <= 1, woken
 
 
 def test_root_captures_a_child_through_the_client(svc: Svc) -> None:

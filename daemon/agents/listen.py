@@ -16,6 +16,7 @@ from typing import Any
 
 from gputrace.daemon.attach import nsexec
 from gputrace.errors import UserError
+from gputrace.probes import procfs
 from gputrace.source import Sink
 from gputrace.threads import Thread
 
@@ -66,7 +67,7 @@ class Forwarder:
 
 def listen_at(path: Path) -> tuple[socket.socket, int]:
     """A listening socket at ``path`` and the inode it got (so we only ever remove our own)."""
-    inode = _listening(path) if path.is_socket() else 0
+    inode = procfs.unix_listener(str(path)) if path.is_socket() else 0
     if inode:
         owner = _owner(inode)
         if owner is not None and owner[1] is not None:
@@ -91,21 +92,6 @@ def listen_at(path: Path) -> tuple[socket.socket, int]:
         raise UserError(f"agent socket {path}: {e.strerror}") from None
     s.setblocking(False)
     return s, ino
-
-
-def _listening(path: Path) -> int:
-    """The inode of a socket in our network namespace that listens at ``path`` (/proc/net/unix: the listening
-    flag, __SO_ACCEPTCON, and the bound path), told without connecting to it; 0 where none does."""
-    try:
-        lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
-    except OSError:
-        return 0
-    want = str(path)
-    for line in lines:
-        fields = line.split(None, 7)
-        if len(fields) == 8 and fields[7] == want and int(fields[3], 16) & 0x10000:
-            return int(fields[6])
-    return 0
 
 
 def _service_socket(argv: list[bytes]) -> str:

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gputrace.agent import wire
-from gputrace.agent.arming import is_armed
+from gputrace.agent.arming import armed_by, environ_of
+from gputrace.probes import procfs
 
 RECHECK_S = 5.0  # a process judged not a GPU process is judged again after this ...
 MAX_RECHECK_S = 30.0  # ... doubled each time up to this (libcuda is loaded early in a job's life)
@@ -186,15 +187,20 @@ def gpu_evidence(pid: int, *, armed: bool = True) -> str:
     ``armed=False``: its arming is not asked.
 
     Arming is evidence only in a Python interpreter, where it loads the agent: every process an armed service
-    starts inherits its environment (a shell, ``git``, ``sleep``), and in any other program it does nothing."""
+    starts inherits its environment (a shell, ``git``, ``sleep``), and in any other program it does nothing. A
+    process that ``gputrace capture -- CMD`` started (its environment names the session's socket) is left to
+    that capture while the session listens there: watching it too would trace it twice, and its agent sends
+    its GPU records to its own session, not to an offer; once the capture has ended it is judged as any other."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
             maps = f.read()
     except OSError:
         return ""
-    if _own_session(pid):  # a `gputrace capture -- CMD` traces it, its agent connected to that session
-        return ""
-    if armed and is_armed(pid) and (b"libpython" in maps or _runs_python(pid)) and not _runs_gputrace(pid):
+    env = environ_of(pid)
+    session = env.get(wire.ENV_SOCKET.encode())
+    if session and procfs.unix_listener(session, pid):
+        return ""  # `gputrace capture -- CMD` traces it: its agent is connected to that session, which still runs
+    if armed and armed_by(env) and (b"libpython" in maps or _runs_python(pid)) and not _runs_gputrace(pid):
         return "armed"
     if b"libcuda.so" in maps:
         return "libcuda"
@@ -207,32 +213,6 @@ def gpu_evidence(pid: int, *, armed: bool = True) -> str:
             except OSError:
                 continue
     except OSError:
-        return ""
-    return ""
-
-
-def _own_session(pid: int) -> str:
-    """The socket of the capture session ``pid`` was started under (``capture -- CMD`` gives its command the
-    session's socket to connect its agent to) where that session still listens on it, else "". Such a process
-    is traced already: watching it too would trace it twice, and its agent sends its GPU records to its own
-    session, not to an offer. Once the capture has ended it is judged again as any other process."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
-    except OSError:
-        return ""
-    key = wire.ENV_SOCKET.encode() + b"="
-    path = next((e[len(key):] for e in env.split(b"\0") if e.startswith(key)), b"")
-    if not path:
-        return ""
-    try:  # the listening Unix sockets of its network namespace, by the path they were bound to
-        with open(f"/proc/{pid}/net/unix", "rb") as f:
-            for line in f:
-                fields = line.rstrip(b"\n").split(None, 7)  # the path last, spaces and all
-                # Flags 00010000: accepting connections (__SO_ACCEPTCON)
-                if len(fields) >= 8 and fields[7] == path and int(fields[3], 16) & 0x10000:
-                    return path.decode(errors="replace")
-    except (OSError, ValueError):
         return ""
     return ""
 

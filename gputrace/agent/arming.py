@@ -77,14 +77,23 @@ def attach(sock_path: str) -> Agent:
     return agent
 
 
-def is_armed(pid: int) -> bool:
-    """Whether process ``pid`` was started with arming variables (from its /proc environ)."""
+def environ_of(pid: int) -> dict[bytes, bytes]:
+    """The environment process ``pid`` was started with (/proc/PID/environ); empty where it cannot be read."""
     try:
         with open(f"/proc/{int(pid)}/environ", "rb") as f:
-            env = dict(e.partition(b"=")[::2] for e in f.read().split(b"\0") if e)
+            return dict(e.partition(b"=")[::2] for e in f.read().split(b"\0") if e)
     except OSError:
-        return False
+        return {}
+
+
+def armed_by(env: Mapping[bytes, bytes]) -> bool:
+    """Whether an environment (``environ_of``'s) holds arming variables."""
     return bool(env.get(wire.ENV_SOCKET.encode())) or env.get(wire.ENV_ARMED.encode(), b"") not in (b"", b"0")
+
+
+def is_armed(pid: int) -> bool:
+    """Whether process ``pid`` was started with arming variables (from its /proc environ)."""
+    return armed_by(environ_of(pid))
 
 
 def attach_dir(environ: Mapping[str, str] | None = None) -> str:
