@@ -93,6 +93,12 @@ def same_culprit(stall: dict[str, Any], t: dict[str, Any]) -> bool:
     pids = t.get("culprit_pids", [t["culprit_pid"]])  # where either of two processes is a right answer
     if c["pid"] in pids and c["tid"] == t.get("culprit_tid", c["tid"]):  # a thread where it says
         return True
+    # a wait for a CPU that the labelled thread held most of: that thread named, as "held the CPU" (gil: the
+    # interpreter's holder spinning on the CPU the trainer needed, on a loaded machine)
+    held = c.get("cpu_held_by") or []
+    if stall["cause"] == "cpu.runqueue" and "culprit_tid" in t and held:
+        top = max(held, key=lambda h: h.get("ns", 0))
+        return top.get("pid") in pids and top.get("tid") == t["culprit_tid"]
     # The wait chain went through the labelled process and on to what held that process up in turn: deeper than
     # the label, which cannot see it (train_torch's workers share one result queue, and a fast worker's batch
     # can wait for the queue's lock, held by the slow worker's feeder thread while it waits for its own GIL).
@@ -112,8 +118,9 @@ OWN_CAUSES = ["cpu", "cpu.runqueue", "tracing"]
 def labels_for(stall: dict[str, Any], t: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The labels a stall may rightly be scored against: its label, or the launching process's own time, or
     both, by the share of the stall after the label's ``own_from_ns`` (see OWN_CAUSES). A label of the
-    launching process's own CPU time is its own time all along: on a CPU or, on a loaded machine, waiting for
-    one (the workload cannot label the machine's load, nor the tool's)."""
+    launching process's own CPU time (a thread of it, where it says which) is its own time all along: on a
+    CPU or, on a loaded machine, waiting for one (the workload cannot label the machine's load, nor the
+    tool's); ``same_culprit`` still asks for the thread."""
     if t is None:
         return []
     if t["cause"] == OWN_CAUSES[0] and not t.get("object") and t.get("culprit_pid") == stall.get("device_pid"):

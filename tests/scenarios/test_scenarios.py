@@ -263,6 +263,23 @@ def test_scoring_takes_a_wait_for_a_cpu_as_the_launching_process_own_cpu_time() 
     assert sc.correct_ns == 0 and len(sc.wrong_culprits) == 1
 
 
+def test_scoring_takes_a_wait_for_a_cpu_the_labelled_thread_held() -> None:
+    # gil on a loaded machine (a kept run: an 8.3 ms stall): the trainer (pid 7) waited for a CPU that the
+    # interpreter's holder (tid 21, the labelled thread) held 4.3 ms of: that thread named, right
+    label = {7: [{"pid": 7, "launch_ns": 0, "cause": "cpu", "object": "", "culprit_pid": 7, "culprit_tid": 21}]}
+    held = [{"pid": 7, "tid": 21, "comm": "python", "ns": 4_345_038}, {"pid": 7, "tid": 20, "comm": "python",
+                                                                        "ns": 25_358}]
+    culprit = {"pid": 7, "tid": 7, "comm": "python", "op": "preempted", "object": "", "bytes": 0, "duration_ns": 0,
+               "cpu_held_by": held}
+    stall = {"device_pid": 7, "start_ns": 0, "end_ns": 10, "duration_ns": 8_311_610, "cause": "cpu.runqueue",
+             "culprit": culprit}
+    assert harness.score("t", {"stalls": [stall]}, label).correct_ns == 8_311_610
+    # another thread held most of it, or none is known: a miss
+    for other in ([{**held[0], "tid": 20}, {**held[1], "tid": 21}], []):
+        sc = harness.score("t", {"stalls": [{**stall, "culprit": {**culprit, "cpu_held_by": other}}]}, label)
+        assert sc.correct_ns == 0 and len(sc.misses) == 1 and not sc.wrong_culprits, other
+
+
 def test_scoring_takes_a_chain_through_the_labelled_process_and_beyond_it() -> None:
     # train_torch_slow under load (a 22.4 ms stall kept from a run): the fast worker's (pid 8) batch, its
     # feeder thread waiting for the shared result queue's lock, which the slow worker's (pid 9) feeder held while
