@@ -12,7 +12,7 @@ from rich.console import Console
 from gputrace.analysis import analyze, summary_lines
 from gputrace.capture import open_capture
 from gputrace.exporters.perfetto.args import stall_args
-from gputrace.records import CudaApi
+from gputrace.records import CudaApi, OffCpu
 from gputrace.testing.synth import Builder, ns
 from gputrace.viewer.terminal import describe, render
 
@@ -483,6 +483,38 @@ def test_a_timed_out_gil_wait_is_the_running_thread_s(tmp_path: Path) -> None:
     assert only_stall(run(_gil_wait(trainer(), TRAINER + 1, TRAINER + 2), tmp_path))["cause"] == "unknown"
 
 
+def test_a_timed_out_gil_wait_whose_wakeup_was_not_recorded_is_still_the_holder_s(tmp_path: Path) -> None:
+    """A kernel that runs no probe while certain tasks hold the CPU (a VM's guest agent) loses the wakeup of a
+    sleep its timer ended then: the off-CPU span has no waker. The call timed out, so its timer woke it."""
+    b = _gil_wait(trainer(), TRAINER + 1)
+    i = next(i for i, r in enumerate(b.records) if isinstance(r, OffCpu) and r.tid == TRAINER)
+    b.records[i] = b.records[i]._replace(wake_ns=0, waker_comm="")
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["tid"], s["via"]) == ("cpu", TRAINER + 1, [f"gil:tid {TRAINER + 1}"]), s
+    # a wait that did not time out (ret 0) with no waker says nothing about who ended it
+    b = _gil_wait(trainer(), TRAINER + 1, ret=0)
+    b.records[i] = b.records[i]._replace(wake_ns=0, waker_comm="")
+    assert only_stall(run(b, tmp_path))["cause"] == "unknown"
+
+
+def test_of_two_threads_that_could_hold_the_gil_the_one_another_waited_behind_is_the_holder(tmp_path: Path) -> None:
+    """Two other threads were not blocked through the trainer's timed-out GIL wait, but one of them spent it
+    preempted, waiting for the CPU the other had: the one that ran holds the lock (or ran without it)."""
+    b = _gil_wait(trainer(), TRAINER + 1, TRAINER + 2)
+    b.offcpu(TRAINER, TRAINER + 2, 10.8, 39.0, "R", held=(TRAINER, TRAINER + 1, "python"))
+    s = only_stall(run(b, tmp_path))
+    assert (s["culprit"]["tid"], s["via"][:1]) == (TRAINER + 1, [f"gil:tid {TRAINER + 1}"]), s
+    # preempted by a task outside the two: either may have held it
+    b = _gil_wait(trainer(), TRAINER + 1, TRAINER + 2)
+    b.offcpu(TRAINER, TRAINER + 2, 10.8, 39.0, "R", held=(77, 77, "kworker/0:1"))
+    assert only_stall(run(b, tmp_path))["cause"] == "unknown"
+    # each waited behind the other for part of it only: either may have held it
+    b = _gil_wait(trainer(), TRAINER + 1, TRAINER + 2)
+    b.offcpu(TRAINER, TRAINER + 2, 10.8, 20.0, "R", held=(TRAINER, TRAINER + 1, "python"))
+    b.offcpu(TRAINER, TRAINER + 1, 20.0, 30.0, "R", held=(TRAINER, TRAINER + 2, "python"))
+    assert only_stall(run(b, tmp_path))["cause"] == "unknown"
+
+
 def test_a_lock_several_threads_time_out_on_is_its_holder_s_before_a_later_hand_over(tmp_path: Path) -> None:
     """The trainer and another thread both time out waiting on one futex word (the GIL): the trainer's next
     wait, ended by a third thread that briefly took the lock in between, is a hand-over, not what the
@@ -841,4 +873,12 @@ def test_probes_the_kernel_skipped_are_reported_apart_from_drops(tmp_path: Path)
     line = next(x for x in summary_lines(r) if "skipped" in x)
     assert "skipped 10 probe runs" in line and "(ebpf.sched_waking=8, ebpf.hrtimer_expire_entry=2)" in line
     assert "skipped_probes" not in run(trainer(), tmp_path)["capture"]
+    # switches back the kernel did not report: their own note, not the nested runs' (whose count leaves them out)
+    skipped = {"ebpf.sched_waking": 8, "ebpf.sched_switch.unreported": 5, "ebpf.sched_switch.unreported_lost": 2}
+    lines = summary_lines(run(trainer(), tmp_path, trailer={"skipped": skipped}))
+    assert any("skipped 8 probe runs" in x and "unreported" not in x for x in lines), lines
+    line = next(x for x in lines if "did not report" in x)
+    assert "did not report 5 switches back" in line and "2 with no wakeup (preempted) are missing" in line
+    lines = summary_lines(run(trainer(), tmp_path, trailer={"skipped": {"ebpf.sched_switch.unreported": 1}}))
+    assert not any("skipped" in x or "missing" in x for x in lines) and any("did not report 1 " in x for x in lines)
 

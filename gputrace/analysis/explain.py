@@ -142,6 +142,16 @@ def _expired(sc: Syscall, o: OffCpu) -> bool:
     return _timed_out(sc) or (sc.name in FUTEXES and o.waker_comm == TIMER_WAKER)
 
 
+def _timer_woken(sc: Syscall, o: OffCpu) -> OffCpu:
+    """``o`` with its waker filled in where the capture has none but the call says who it was: a sleep inside a
+    wait that timed out (``_timed_out``) was ended by its timer. The wakeup was not recorded (a probe run the
+    kernel skipped, or one it never made while a task it hides held the CPU), so its time is unknown: taken as
+    the span's end, when the thread had the CPU again at the latest."""
+    if o.wake_ns or o.state != "S" or not _timed_out(sc):
+        return o
+    return o._replace(wake_ns=o.end_ns, waker_pid=0, waker_tid=0, waker_comm=TIMER_WAKER)
+
+
 def _on_pipe_or_socket(sc: Syscall) -> bool:
     """A wait on an fd that names a pipe or socket (poll/select/epoll on one, or a read, recv or accept)."""
     return sc.fd >= 0 and bool(sc.obj) and classify(sc) == "wait"
@@ -548,6 +558,7 @@ class Explainer:
         parts: list[Part] = []
         pid = self.cap.pid_of(sc.tid)
         for o in blocked:
+            o = _timer_woken(sc, o)
             if not o.wake_ns or o.waker_tid == sc.tid:
                 continue
             by_task = self._by_task(o)
@@ -686,6 +697,7 @@ class Explainer:
         parts: list[Part] = []
         used = 0
         for o in blocked:
+            o = _timer_woken(sc, o)
             ox, oy = max(o.start_ns, x), min(o.end_ns, y)
             woke = min(max(o.wake_ns, ox), oy) if o.wake_ns else oy  # woken before the window: from its start
             wait_ns = max(woke - ox, 0)
@@ -759,7 +771,9 @@ class Explainer:
         futex with a timeout (the switch interval, 5 ms), and the holder lets go when asked without any wait
         long enough to record. In a process running such an interpreter, the one other thread of the process
         that ran or was runnable through ``GIL_RUNNING`` of [x, y) is taken as the holder; none, or several,
-        name nobody."""
+        name nobody. Of several, one that waited through ``GIL_RUNNING`` of [x, y) for the CPU another of them
+        had (preempted, or woken and kept off its CPU, ``held_tid`` that one) is set aside: the lock's holder is
+        the thread that ran, or the one that ran runs without the lock."""
         pid = sc.pid
         if pid not in self.cap.gil_pids:
             return None
@@ -769,7 +783,20 @@ class Explainer:
                 self._threads.setdefault(owner, []).append(tid)
         running = [t for t in self._threads.get(pid, ()) if t != sc.tid and self.traced(t)
                    and self._may_hold_gil(t, sc) and self._unblocked_ns(t, x, y) >= GIL_RUNNING * (y - x)]
+        if len(running) > 1:
+            running = [t for t in running if self._behind_ns(t, set(running) - {t}, x, y) < GIL_RUNNING * (y - x)]
         return running[0] if len(running) == 1 else None
+
+    def _behind_ns(self, tid: int, others: set[int], x: int, y: int) -> int:
+        """How long in [x, y) ``tid`` waited for a CPU that one of ``others`` had: its preempted spans, and the
+        time from its wakeups on, whose ``held_tid`` is one of them."""
+        index = self.cap.offcpu.get(tid)
+        total = 0
+        for o in index.overlapping(x, y) if index is not None else ():
+            if o.held_tid in others and runnable_wait(o):
+                a = o.start_ns if o.state == "R" else o.wake_ns
+                total += max(min(o.end_ns, y) - max(a, x), 0)
+        return total
 
     def _may_hold_gil(self, tid: int, waiter: Syscall) -> bool:
         """Whether ``tid`` can be the holder of the lock ``waiter`` timed out on. Only a thread that runs Python

@@ -15,13 +15,26 @@ def no_ebpf_note(cap: CaptureInfo) -> str:
             "cause") if why else ""
 
 
+UNREPORTED = ("sched_switch.unreported", "sched_switch.unreported_lost")  # gputrace.probes.ebpf.events
+
+
 def skipped_probes_note(cap: CaptureInfo) -> str:
-    skipped = cap.get("skipped_probes") or {}
+    skipped = {k: v for k, v in (cap.get("skipped_probes") or {}).items() if not k.endswith(UNREPORTED)}
     if not skipped:
         return ""
     return (f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing program "
             f"on its CPU ({', '.join(f'{k}={v}' for k, v in skipped.items())}); their events, for any task, are "
             "missing: e.g. the waker of an off-CPU span")
+
+
+def unreported_switches_note(cap: CaptureInfo) -> str:
+    skipped = cap.get("skipped_probes") or {}
+    n, lost = (sum(v for k, v in skipped.items() if k.endswith(name)) for name in UNREPORTED)
+    if not n:
+        return ""
+    return (f"note: the kernel did not report {n} switches back to traced threads (it fires no sched_switch when "
+            "some tasks leave a CPU); those off-CPU spans end at the thread's wakeup, the wait for a CPU after it "
+            "unknown" + (f", and {lost} with no wakeup (preempted) are missing" if lost else ""))
 
 
 def malformed_note(cap: CaptureInfo) -> str:
@@ -109,7 +122,8 @@ def caveats(cap: CaptureInfo) -> list[tuple[str, str]]:
     "note", "alert" (records skipped) or "info" (what tracing cost). The threads still waiting are apart:
     waiting_lines."""
     notes = [("warn", no_ebpf_note(cap)), ("note", off_note(cap)), ("note", left_out_note(cap)),
-             ("note", skipped_probes_note(cap)), ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
+             ("note", skipped_probes_note(cap)), ("note", unreported_switches_note(cap)),
+             ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
              ("note", device_timing_note(cap)), ("alert", malformed_note(cap)), ("info", cost_note(cap))]  # fmt: skip
     return [(severity, text) for severity, text in notes if text]
 

@@ -64,7 +64,7 @@ BPF_ARRAY(tslot, u32, 1 << TARGET_BITS);
 BPF_ARRAY(inflight, struct gt_inflight, 1 << INFLIGHT_BITS);
 BPF_HASH(agg, struct gt_agg_key, struct gt_agg_val, MAX_AGG);
 BPF_ARRAY(sysinfo, struct gt_sysinfo, GT_NR_MAX);
-BPF_PERCPU_ARRAY(drops, u64, GT_DROP_MAX);
+BPF_PERCPU_ARRAY(drops, u64, GT_DROP_SLOTS);
 BPF_HASH(blk, struct gt_blk_key, struct gt_blk_val, 8192);
 BPF_HASH(offcpu, u32, struct gt_offcpu_val, MAX_OFFCPU);
 /* How many traced tasks are off CPU in uninterruptible sleep (D) right now: one per `offcpu` entry in
@@ -553,6 +553,87 @@ static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
     events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 
+#define GT_STATE_S 0x1 /* sched_switch prev_state: interruptible sleep */
+#define GT_STATE_D 0x2 /* sched_switch prev_state: uninterruptible sleep */
+
+static __always_inline void iowait_add(s64 d)
+{
+    u32 zero = 0;
+    s64 *n = iowait.lookup(&zero);
+    if (!n || (d < 0 && *n <= 0))
+        return; /* never below zero, even if an increment was missed */
+    __sync_fetch_and_add(n, d);
+}
+
+static __always_inline int iowait_any(void)
+{
+    u32 zero = 0;
+    s64 *n = iowait.lookup(&zero);
+    return n && *n > 0;
+}
+
+/* Forget a task's off-CPU entry, keeping `iowait` in step with the entries it counts. */
+static __always_inline void offcpu_forget(u32 tid, struct gt_offcpu_val *o)
+{
+    if (o->io)
+        iowait_add(-1);
+    offcpu.delete(&tid);
+}
+
+/* A reserved off-CPU event for thread `tid`'s span `o` ending at `end`, held_* empty; NULL (counted) when the ring
+ * is full. The caller fills in what else it knows and submits it. */
+static __always_inline struct gt_offcpu2_event *offcpu_event(u32 tid, struct gt_offcpu_val *o, u64 end)
+{
+    struct gt_offcpu2_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return 0;
+    }
+    e->type = GT_EV_OFFCPU2;
+    e->state = o->state;
+    e->pid = o->pid;
+    e->tid = tid;
+    e->start_ns = o->ts;
+    e->end_ns = end;
+    e->wake_ns = o->wake_ns;
+    e->waker_pid = o->waker_pid;
+    e->waker_tid = o->waker_tid;
+    __builtin_memcpy(e->waker_comm, o->waker_comm, sizeof(e->waker_comm));
+    e->held_pid = 0;
+    e->held_tid = 0;
+    __builtin_memset(e->held_comm, 0, sizeof(e->held_comm));
+    e->pad = 0;
+    return e;
+}
+
+/* Thread `tid` is on a CPU (in a syscall's exit, or leaving the CPU) while its off-CPU entry `o` is still open:
+ * the switch that gave it the CPU back fired no sched_switch. Some kernels report no event at all while certain
+ * tasks hold a CPU (seen with a VM's guest agent): a traced thread that takes the CPU from one comes back unseen,
+ * and a timer that wakes it while one runs wakes it unseen. The span ends at its wakeup when one was seen (it
+ * was off CPU at least that long; the wait for a CPU after it is unknown: GT_OFFCPU_END_WAKE); else, for a sleep
+ * (S or D) ended by a call's return at `ret_ns`, there (it was off CPU at most that long: GT_OFFCPU_END_RET);
+ * else (preempted, or found at its next switch away) its end is unknown and the span is counted lost. Either
+ * way the entry is forgotten, so it does not stay open. held_* are empty: who had the CPU is unknown. */
+static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, u64 ret_ns)
+{
+    count_drop(GT_NOTE_UNREPORTED);
+    u64 end = o->wake_ns, flag = GT_OFFCPU_END_WAKE;
+    if (!end && ret_ns && (o->state & (GT_STATE_S | GT_STATE_D))) {
+        end = ret_ns;
+        flag = GT_OFFCPU_END_RET;
+    }
+    if (!end || end < o->ts) {
+        count_drop(GT_NOTE_UNREPORTED_LOST);
+    } else if (end - o->ts >= OFFCPU_THRESHOLD_NS) {
+        struct gt_offcpu2_event *e = offcpu_event(tid, o, end);
+        if (e) {
+            e->pad = flag;
+            events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
+        }
+    }
+    offcpu_forget(tid, o);
+}
+
 int gt_sys_exit(GT_EXIT_CTX *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -584,6 +665,11 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
         add_agg(v, id >> 32, tid, nr, dur);
     if (!always && dur < THRESHOLD_NS)
         return 0;
+    if (dur >= OFFCPU_THRESHOLD_NS) { /* it may have slept: an entry still open means its return went unreported */
+        struct gt_offcpu_val *o = offcpu.lookup(&tid);
+        if (o)
+            offcpu_unreported(tid, o, now);
+    }
     if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
         emit_path(&c, id, now, ret, si);
     else
@@ -601,33 +687,6 @@ static __always_inline s32 uring_ring_fd(u32 tid)
     u32 nr = c->nr;
     struct gt_sysinfo *si = sysinfo.lookup(&nr);
     return si && (si->flags & GT_F_URING) ? (s32)c->args[0] : -1;
-}
-
-#define GT_STATE_S 0x1 /* sched_switch prev_state: interruptible sleep */
-#define GT_STATE_D 0x2 /* sched_switch prev_state: uninterruptible sleep */
-
-static __always_inline void iowait_add(s64 d)
-{
-    u32 zero = 0;
-    s64 *n = iowait.lookup(&zero);
-    if (!n || (d < 0 && *n <= 0))
-        return; /* never below zero, even if an increment was missed */
-    __sync_fetch_and_add(n, d);
-}
-
-static __always_inline int iowait_any(void)
-{
-    u32 zero = 0;
-    s64 *n = iowait.lookup(&zero);
-    return n && *n > 0;
-}
-
-/* Forget a task's off-CPU entry, keeping `iowait` in step with the entries it counts. */
-static __always_inline void offcpu_forget(u32 tid, struct gt_offcpu_val *o)
-{
-    if (o->io)
-        iowait_add(-1);
-    offcpu.delete(&tid);
 }
 
 /* ----------------------------------------------------------------------------- process tree ---- */
@@ -935,6 +994,9 @@ GT_SCHED_PROBE(sched_switch)
     }
 #endif
     if (prev != 0 && is_target(id >> 32)) {
+        struct gt_offcpu_val *old = offcpu.lookup(&prev);
+        if (old) /* leaving its CPU again: the switch that gave it the CPU was not reported */
+            offcpu_unreported(prev, old, 0);
         struct gt_offcpu_val v = {};
         v.ts = now;
         v.pid = id >> 32;
@@ -945,9 +1007,6 @@ GT_SCHED_PROBE(sched_switch)
         /* Waiting for I/O: in D, or asleep in io_uring_enter, whose reads are issued (and their requests,
          * throttled, dispatched) while it sleeps interruptibly */
         v.io = (v.state & GT_STATE_D) || ((v.state & GT_STATE_S) && uring_ring_fd(prev) >= 0);
-        struct gt_offcpu_val *old = offcpu.lookup(&prev);
-        if (old && old->io)
-            iowait_add(-1); /* its switch back in was never seen */
         if (offcpu.update(&prev, &v))
             count_drop(GT_DROP_OFFCPU);
         else if (v.io)
@@ -958,26 +1017,13 @@ GT_SCHED_PROBE(sched_switch)
     if (!o)
         return 0;
     if (now - o->ts >= OFFCPU_THRESHOLD_NS) {
-        struct gt_offcpu2_event *e = events.ringbuf_reserve(sizeof(*e));
+        struct gt_offcpu2_event *e = offcpu_event(next, o, now);
         if (e) {
-            e->type = GT_EV_OFFCPU2;
-            e->state = o->state;
-            e->pid = o->pid;
-            e->tid = next;
-            e->start_ns = o->ts;
-            e->end_ns = now;
-            e->wake_ns = o->wake_ns;
-            e->waker_pid = o->waker_pid;
-            e->waker_tid = o->waker_tid;
-            __builtin_memcpy(e->waker_comm, o->waker_comm, sizeof(e->waker_comm));
             /* `current` is prev: the task this one takes the CPU from (the idle task: tid 0) */
             e->held_pid = id >> 32;
             e->held_tid = prev;
             bpf_get_current_comm(e->held_comm, sizeof(e->held_comm));
-            e->pad = 0;
             events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
-        } else {
-            count_drop(GT_DROP_RINGBUF);
         }
     }
 #ifdef HAVE_FILEMAP_FAULT

@@ -64,6 +64,11 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_DROP_LAYOUT 8   /* a raw program read nonsense through a BTF offset (a wrong tid, no ring): skipped */
 #define GT_DROP_URING 9    /* io_uring request map full: a request's file and timing are not recorded */
 #define GT_DROP_MAX 10
+/* After them, like the probe runs the kernel skipped, what the kernel did not report (offcpu_unreported): switches
+ * back to a traced thread, and of those the off-CPU spans lost for want of a wakeup to end them at */
+#define GT_NOTE_UNREPORTED GT_DROP_MAX
+#define GT_NOTE_UNREPORTED_LOST (GT_DROP_MAX + 1)
+#define GT_DROP_SLOTS (GT_DROP_MAX + 2)
 
 /* Per-syscall flags (the `sysinfo` array, filled from probes/ebpf/syscalls.py). */
 #define GT_F_FD 0x1             /* args[0] is an fd */
@@ -185,8 +190,12 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
     u32 held_pid;
     u32 held_tid;
     char held_comm[GT_COMM_LEN];
-    u64 pad;
+    u64 pad; /* GT_OFFCPU_END_WAKE, GT_OFFCPU_END_RET, or 0 */
 };
+/* gt_offcpu2_event.pad: the kernel did not report the switch back to the thread (held_* are empty); end_ns is its
+ * wakeup (the wait for a CPU after it unknown), or, with no wakeup seen either, the return of the call it slept in */
+#define GT_OFFCPU_END_WAKE 0x1
+#define GT_OFFCPU_END_RET 0x2
 
 /* gt_uring_event.flags */
 #define GT_URING_FIXED 0x1  /* a registered (fixed) file: its fd is not known */

@@ -230,7 +230,7 @@ class EbpfSource:
         records: list[Any] = self.owner.owned_aggregates(aggs)
         self._final_left_out = self.left_out()
         self._final_drops = self.drops()
-        self._final_skips = program_skips(self._bpf)
+        self._final_skips = self.skipped()
         self._final_runs = program_runs(self._bpf)
         records += [Drops(now, self.name, what, n) for what, n in self._final_drops.items()]
         records.append(self._final_status(now))
@@ -259,8 +259,15 @@ class EbpfSource:
         return final_status(self.name, now, detail, self._poll_error)
 
     def skipped(self) -> dict[str, int]:
-        """How often the kernel skipped each of this source's programs (see host.program_skips)."""
-        return program_skips(self._bpf, final=self._final_skips)
+        """How often the kernel skipped each of this source's programs (see host.program_skips), and the
+        switches back to a traced thread it did not report (events.UNREPORTED_SWITCHES)."""
+        if self._final_skips is not None or self._bpf is None:
+            return program_skips(self._bpf, final=self._final_skips)
+        out = program_skips(self._bpf)
+        table = self._bpf[b"drops"]
+        for i, name in enumerate(events.UNREPORTED_SWITCHES, len(events.DROP_REASONS)):
+            out[name] = int(table.sum(table.Key(i)).value)
+        return out
 
     def program_runs(self) -> dict[str, tuple[int, int]]:
         """(run count, run time ns) of each of this source's kernel programs (see host.program_runs)."""

@@ -1,0 +1,119 @@
+"""A switch back to a traced thread that the kernel never reports: the thread's off-CPU span must still end, at
+its wakeup or the return of the call it slept in, and be counted. Some kernels report no event while certain tasks
+hold a CPU (this project's CI VM: its guest agent's threads), so a thread that takes the CPU from one comes back
+unseen, and one a timer wakes meanwhile is woken unseen: its off-CPU entry stays open. The test leaves such an entry
+itself: it writes one into the real program's `offcpu` map for a thread that is running, exactly what an unreported
+switch back leaves, and the real programs must close it at the thread's next long call or its next switch away."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from waiting import wait_for
+from workloads.ebpfcap import ebpf_capture, of, read_capture
+
+from gputrace.probes.ebpf import events
+from gputrace.probes.ebpf.source import EbpfSource
+from gputrace.records import OffCpu, Syscall
+
+pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
+
+UNREPORTED, LOST = events.UNREPORTED_SWITCHES
+
+# Each line on stdin starts a round: say so, spin on the CPU (short calls only) until the round's flag file exists,
+# then end the round with a long call: a sleep (the thread leaves its CPU) or a read of 16 MiB from /dev/zero (a
+# long call that need not sleep), and say so. A real-time priority keeps other work on the host (a CPU hog) from
+# preempting the spin.
+CHILD = """
+import os, sys, threading, time
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+print(threading.get_native_id(), flush=True)
+zero = os.open("/dev/zero", os.O_RDONLY)
+for line in sys.stdin:
+    flag, how = line.split()
+    print("spinning", flush=True)
+    while not os.path.exists(flag):
+        pass
+    if how == "sleep":
+        time.sleep(0.05)
+    else:
+        os.read(zero, 16 << 20)
+    print("done", flush=True)
+"""
+
+
+def _leave_open(src: EbpfSource, pid: int, tid: int, start: int, wake: int) -> None:
+    """The entry an unreported switch back leaves: the thread went off CPU at ``start``, was woken at ``wake``.
+    Written while the thread is on its CPU: not while it is preempted, when the write would take the place of the
+    preemption's own entry, which its reported switch back then ends as usual."""
+    bpf: Any = src._bpf  # noqa: SLF001 - the test plays the part of the kernel's missing event
+    table = bpf[b"offcpu"]
+    key = table.Key(tid)
+    wait_for(lambda: key not in table, what=f"tid {tid} back on its CPU")
+    leaf = table.Leaf()
+    leaf.ts, leaf.wake_ns, leaf.pid, leaf.state = start, wake, pid, 1  # S: asleep
+    leaf.waker_pid, leaf.waker_tid, leaf.waker_comm = 4242, 4243, b"test-waker"
+    table[key] = leaf
+
+
+def test_an_unreported_switch_back_ends_the_span_at_the_wakeup(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    out = tmp_path / "u.gputrace"
+    planted: dict[str, tuple[int, int]] = {}  # round -> (start, wake) of the entry left open that was found
+    written = 0  # when the "ret" round's entry was written
+    rounds = 0
+    try:
+        tid = int(child.stdout.readline())
+        with ebpf_capture(out, [child.pid], threshold_ns=100_000) as src:
+            # woken: whether the entry has a wakeup; ends: the call that finds it (a sleep's switch away, or a
+            # read's return, which a preemption may come before)
+            for how, woken, ends in [("sleep", True, "sleep"), ("read", True, "read"), ("ret", False, "read"),
+                                     ("lost", False, "sleep")]:
+                # The thread spins on its CPU. Preempted between the check and the write, the write takes the place
+                # of the preemption's own entry, which its reported switch back ends as usual; a read preempted
+                # before its return finds an entry with no wakeup at the switch away: the round is played again.
+                # (The host's own unreported switches may add to the counts.)
+                for _ in range(10):
+                    rounds += 1
+                    flag = tmp_path / f"flag{rounds}"
+                    child.stdin.write(f"{flag} {ends}\n")
+                    child.stdin.flush()
+                    assert child.stdout.readline() == "spinning\n"
+                    before = src.skipped()
+                    now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)  # off CPU 60 ms ago, woken 20 ms later
+                    start, wake = now - 60_000_000 - rounds, (now - 40_000_000 if woken else 0)
+                    _leave_open(src, child.pid, tid, start, wake)
+                    flag.touch()
+                    # found by the sleep's switch away or the read's return, both before the thread says "done"
+                    assert child.stdout.readline() == "done\n"
+                    after = src.skipped()
+                    lost = after[LOST] > before[LOST]
+                    if after[UNREPORTED] > before[UNREPORTED] and (how in ("sleep", "read") or lost == (how == "lost")):
+                        planted[how], written = (start, wake), (now if how == "ret" else written)
+                        break
+        skipped = dict(src.skipped())
+    finally:
+        child.kill()
+        child.wait()
+    assert set(planted) == {"sleep", "read", "ret", "lost"}, (planted, rounds)
+    records, reader = read_capture(out)
+    ended = {r.start_ns: r for r in of(records, OffCpu) if r.tid == tid}
+    for how in ("sleep", "read"):
+        start, wake = planted[how]
+        r = ended[start]  # ended at the wakeup, which it was off CPU until at least; who had the CPU unknown
+        assert (r.end_ns, r.wake_ns, r.waker_tid, r.waker_comm, r.state) == (wake, wake, 4243, "test-waker", "S")
+        assert (r.held_pid, r.held_tid, r.held_comm) == (0, 0, "")
+    # no wakeup seen, asleep: ended by the return of the read that found it, which it was off CPU until at most
+    r = ended[planted["ret"][0]]
+    reads = [c.end_ns for c in of(records, Syscall) if c.tid == tid and c.name == "read" and c.end_ns > written]
+    assert (r.wake_ns, r.held_tid) == (0, 0) and r.end_ns == min(reads), (r, reads)
+    assert planted["lost"][0] not in ended  # no wakeup, no call's return to end it at: no record, counted as lost
+    # a kernel omission like a skipped probe run, not a loss of the capture's own: counted apart from the drops
+    assert skipped[UNREPORTED] >= 4 and skipped[LOST] >= 1
+    assert reader.trailer is not None and not any(reader.trailer["drops"].values())
