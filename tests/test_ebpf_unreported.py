@@ -7,16 +7,19 @@ switch back leaves, and the real programs must close it at the thread's next lon
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from waiting import wait_for
+from waiting import blocked_in, wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 
+from gputrace.probes import procfs
 from gputrace.probes.ebpf import events
 from gputrace.probes.ebpf.source import EbpfSource
 from gputrace.records import OffCpu, Syscall
@@ -24,6 +27,7 @@ from gputrace.records import OffCpu, Syscall
 pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
 
 UNREPORTED, LOST = events.UNREPORTED_SWITCHES
+READ_NR = {"x86_64": 0, "aarch64": 63}[os.uname().machine]
 
 # Each line on stdin starts a round: say so, spin on the CPU (short calls only) until the round's flag file exists,
 # then end the round with a long call: a sleep (the thread leaves its CPU) or a read of 16 MiB from /dev/zero (a
@@ -47,14 +51,23 @@ for line in sys.stdin:
 """
 
 
-def _leave_open(src: EbpfSource, pid: int, tid: int, start: int, wake: int) -> None:
+def _leave_open(src: EbpfSource, pid: int, tid: int, start: int, wake: int, since: int) -> None:
     """The entry an unreported switch back leaves: the thread went off CPU at ``start``, was woken at ``wake``.
     Written while the thread is on its CPU: not while it is preempted, when the write would take the place of the
-    preemption's own entry, which its reported switch back then ends as usual."""
+    preemption's own entry, which its reported switch back then ends as usual. An entry from before ``since``
+    (the round began; the thread has spun since) is one the host itself left open, its switch back unreported:
+    written over."""
     bpf: Any = src._bpf  # noqa: SLF001 - the test plays the part of the kernel's missing event
     table = bpf[b"offcpu"]
     key = table.Key(tid)
-    wait_for(lambda: key not in table, what=f"tid {tid} back on its CPU")
+
+    def on_cpu() -> bool:
+        try:
+            return bool(table[key].ts < since)
+        except KeyError:
+            return True
+
+    wait_for(on_cpu, what=f"tid {tid} back on its CPU")
     leaf = table.Leaf()
     leaf.ts, leaf.wake_ns, leaf.pid, leaf.state = start, wake, pid, 1  # S: asleep
     leaf.waker_pid, leaf.waker_tid, leaf.waker_comm = 4242, 4243, b"test-waker"
@@ -82,13 +95,14 @@ def test_an_unreported_switch_back_ends_the_span_at_the_wakeup(tmp_path: Path) -
                 for _ in range(10):
                     rounds += 1
                     flag = tmp_path / f"flag{rounds}"
+                    since = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
                     child.stdin.write(f"{flag} {ends}\n")
                     child.stdin.flush()
                     assert child.stdout.readline() == "spinning\n"
                     before = src.skipped()
                     now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)  # off CPU 60 ms ago, woken 20 ms later
                     start, wake = now - 60_000_000 - rounds, (now - 40_000_000 if woken else 0)
-                    _leave_open(src, child.pid, tid, start, wake)
+                    _leave_open(src, child.pid, tid, start, wake, since)
                     flag.touch()
                     # found by the sleep's switch away or the read's return, both before the thread says "done"
                     assert child.stdout.readline() == "done\n"
@@ -116,4 +130,56 @@ def test_an_unreported_switch_back_ends_the_span_at_the_wakeup(tmp_path: Path) -
     assert planted["lost"][0] not in ended  # no wakeup, no call's return to end it at: no record, counted as lost
     # a kernel omission like a skipped probe run, not a loss of the capture's own: counted apart from the drops
     assert skipped[UNREPORTED] >= 4 and skipped[LOST] >= 1
+    assert reader.trailer is not None and not any(reader.trailer["drops"].values())
+
+
+READER = """
+import os, threading
+print(threading.get_native_id(), flush=True)
+os.read(0, 1)  # once traced: the read that follows is the one the test wakes
+print("reading", flush=True)
+os.read(0, 1)
+print("done", flush=True)
+"""
+
+
+def test_an_unreported_switch_away_starts_the_span_at_the_call_it_slept_in(tmp_path: Path) -> None:
+    """The other half: a thread that leaves its CPU to such a task leaves no entry at all. Woken off its CPU (the
+    raw sched_wakeup reads task_struct.on_cpu) with none, its switch away was not reported: asleep in a recorded
+    call, it has been off CPU at most since that call began, and the span starts there. The test takes away the
+    entry of a thread asleep in read(), exactly what an unreported switch away leaves, then wakes it."""
+    child = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
+    out = tmp_path / "a.gputrace"
+    try:
+        tid = int(child.stdout.readline())
+        blocked_in(child.pid, READ_NR)  # asleep before tracing begins: no entry, and no recorded call
+        with ebpf_capture(out, [child.pid], threshold_ns=100_000, sched_hook="raw") as src:
+            bpf: Any = src._bpf  # noqa: SLF001 - the test plays the part of the kernel's missing event
+            table = bpf[b"offcpu"]
+            key = table.Key(tid)
+            child.stdin.write(b"g")
+            child.stdin.flush()
+            assert child.stdout.readline() == b"reading\n"
+            wait_for(lambda: key in table and procfs.thread_state(child.pid, tid) == "S",
+                     what=f"tid {tid} asleep in read()")
+            time.sleep(0.01)  # noqa: TID251 - the span to be recorded: any length over the threshold will do
+            before = src.skipped()
+            assert before[UNREPORTED] == 0, before  # woken from a sleep that began before tracing: not counted
+            del table[key]
+            child.stdin.write(b"x")
+            child.stdin.flush()
+            assert child.stdout.readline() == b"done\n"
+            after = src.skipped()
+    finally:
+        child.kill()
+        child.wait()
+    assert (after[UNREPORTED] - before[UNREPORTED], after[LOST] - before[LOST]) >= (1, 0), (before, after)
+    records, reader = read_capture(out)
+    call = [c for c in of(records, Syscall) if c.tid == tid and c.name == "read" and c.ret == 1][-1]
+    spans = [r for r in of(records, OffCpu) if r.tid == tid and r.start_ns == call.start_ns]
+    assert len(spans) == 1, [r for r in of(records, OffCpu) if r.tid == tid]
+    r = spans[0]  # from the call's start to its switch back, woken by the test's write
+    assert r.state == "S" and r.start_ns < r.wake_ns <= r.end_ns <= call.end_ns, r
+    assert r.waker_pid == os.getpid() and r.waker_tid == threading.get_native_id(), r
     assert reader.trailer is not None and not any(reader.trailer["drops"].values())

@@ -602,7 +602,7 @@ static __always_inline struct gt_offcpu2_event *offcpu_event(u32 tid, struct gt_
     e->held_pid = 0;
     e->held_tid = 0;
     __builtin_memset(e->held_comm, 0, sizeof(e->held_comm));
-    e->pad = 0;
+    e->pad = o->flags;
     return e;
 }
 
@@ -627,7 +627,7 @@ static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, 
     } else if (end - o->ts >= OFFCPU_THRESHOLD_NS) {
         struct gt_offcpu2_event *e = offcpu_event(tid, o, end);
         if (e) {
-            e->pad = flag;
+            e->pad |= flag;
             events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
         }
     }
@@ -1158,6 +1158,36 @@ GT_SCHED_PROBE(sched_waking)
     return 0;
 }
 
+#if GT_RAW_SCHED && defined(GT_TASK_ON_CPU_OFF)
+/* A traced task woken off its CPU (`on_cpu` clear: its switch away is complete, so sched_switch has run for it)
+ * with no off-CPU entry: that switch away was not reported (see offcpu_unreported). Asleep in a recorded call,
+ * it has been off CPU at most since the call began: the entry starts there (GT_OFFCPU_START_CALL), with this
+ * wakeup, and its switch back (or, unreported too, the call's return) ends it; counted with the unreported
+ * switches. Outside a recorded call nothing tells it from a task asleep since before tracing began (whose
+ * switch away came before the programs): left alone. (Still on its CPU, or still queued, a task woken before
+ * it slept has nothing to record.) */
+static __always_inline void unreported_switch_away(u32 tid, u64 task, struct gt_waker *w)
+{
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *c = inflight.lookup(&slot);
+    if (!c || c->tid != tid || c->ts > w->wake_ns)
+        return;
+    int on_cpu = 1;
+    gt_read_kernel(&on_cpu, sizeof(on_cpu), (void *)task + GT_TASK_ON_CPU_OFF);
+    if (on_cpu)
+        return;
+    count_drop(GT_NOTE_UNREPORTED);
+    struct gt_offcpu_val v = {};
+    v.ts = c->ts;
+    v.pid = gt_task_tgid(task);
+    v.state = GT_STATE_S;
+    v.flags = GT_OFFCPU_START_CALL;
+    set_waker(&v, w);
+    if (offcpu.update(&tid, &v))
+        count_drop(GT_DROP_OFFCPU);
+}
+#endif
+
 #if GT_RAW_SCHED
 /* ctx->args: (struct task_struct *p). The wakeup of a task whose sleep began after its sched_waking. */
 int gt_sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
@@ -1171,6 +1201,10 @@ int gt_sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
      * sched_switch, its clock already read, was still filling in the entry. */
     if (o && !o->wake_ns && w->wake_ns + EARLY_WAKE_NS > o->ts && w->wake_ns < o->ts + EARLY_WAKE_NS)
         set_waker(o, w);
+#ifdef GT_TASK_ON_CPU_OFF
+    if (!o)
+        unreported_switch_away(tid, ctx->args[0], w);
+#endif
     early_wake.delete(&tid);
     return 0;
 }

@@ -196,6 +196,9 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
  * wakeup (the wait for a CPU after it unknown), or, with no wakeup seen either, the return of the call it slept in */
 #define GT_OFFCPU_END_WAKE 0x1
 #define GT_OFFCPU_END_RET 0x2
+/* ... and where the switch away was not reported either (the thread was woken off its CPU with no entry), its
+ * start_ns is the start of the call it slept in: off CPU at most since then (state S) */
+#define GT_OFFCPU_START_CALL 0x4
 
 /* gt_uring_event.flags */
 #define GT_URING_FIXED 0x1  /* a registered (fixed) file: its fd is not known */
@@ -351,7 +354,7 @@ struct gt_offcpu_val {
     u32 waker_tid;
     char waker_comm[GT_COMM_LEN];
     u32 io;  /* counted in `iowait`: off CPU in D, or waiting in io_uring_enter */
-    u32 pad;
+    u32 flags; /* GT_OFFCPU_START_CALL, or 0: passed on in the event's pad */
 };
 
 #ifdef GT_OWNER_UID

@@ -68,13 +68,14 @@ def _raw_unsupported(group: str) -> str:
 
 
 @functools.cache
-def _from_btf() -> tuple[int | None, int | None, tuple[tuple[str, ...], str]]:
+def _from_btf() -> tuple[int | None, int | None, tuple[tuple[str, ...], str], int | None]:
     """What the raw programs need from the running kernel's BTF, parsed once and let go: task_struct.pid's
-    and .tgid's offsets, and the io_uring programs' layout (uring_layout)."""
+    and .tgid's offsets, the io_uring programs' layout (uring_layout), and task_struct.on_cpu's offset."""
     btf = kernel_btf()
     if btf is None:
-        return None, None, uring_layout(None)
-    return struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf), uring_layout(btf)
+        return None, None, uring_layout(None), None
+    return (struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf), uring_layout(btf),
+            struct_offset("task_struct", "on_cpu", btf))
 
 
 def _task_offsets() -> tuple[int | None, int | None]:
@@ -144,6 +145,9 @@ def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     flags = [f"-DGT_RAW_SYSCALLS={int(syscall_hook == 'raw')}", f"-DGT_RAW_SCHED={int(sched_hook == 'raw')}"]
     if sched_hook == "raw":
         flags += [f"-DGT_TASK_PID_OFF={task_pid_offset()}", f"-DGT_TASK_TGID_OFF={task_tgid_offset()}"]
+        on_cpu = _from_btf()[3]
+        if on_cpu is not None:  # without it, a switch away the kernel did not report goes unnoticed
+            flags.append(f"-DGT_TASK_ON_CPU_OFF={on_cpu}")
     raw_uring = uring_hook(sched_hook)[0] == "raw"
     flags.append(f"-DGT_RAW_URING={int(raw_uring)}")
     if raw_uring:
