@@ -32,9 +32,10 @@ def unreported_switches_note(cap: CaptureInfo) -> str:
     n, lost = (sum(v for k, v in skipped.items() if k.endswith(name)) for name in UNREPORTED)
     if not n:
         return ""
-    return (f"note: the kernel did not report {n} switches back to traced threads (it fires no sched_switch when "
-            "some tasks leave a CPU); those off-CPU spans end at the thread's wakeup, the wait for a CPU after it "
-            "unknown" + (f", and {lost} with no wakeup (preempted) are missing" if lost else ""))
+    return (f"note: the kernel did not report {n} switch{'es' if n != 1 else ''} of traced threads on or off a "
+            "CPU (it fires no scheduler event for some tasks); those off-CPU spans are bounded by what was seen: "
+            "they end at the thread's wakeup or the return of the call it slept in, or start at that call's start"
+            + (f"; {lost} with neither (preempted) are missing" if lost else ""))
 
 
 def malformed_note(cap: CaptureInfo) -> str:
