@@ -145,6 +145,30 @@ def unix_listener(path: str | bytes, pid: int | None = None) -> int:
     return 0
 
 
+def socket_holder(inode: int) -> int | None:
+    """A process holding socket ``inode`` open (found among every process's /proc/PID/fd links: a walk of the
+    whole host, for saying who holds a socket, not for a hot path); None where none is seen (another pid
+    namespace, or gone)."""
+    target = f"socket:[{inode}]"
+    for entry in os.scandir(PROC):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with os.scandir(PROC / entry.name / "fd") as fds:
+                if any(_link_is(fd.path, target) for fd in fds):
+                    return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def _link_is(path: str, target: str) -> bool:
+    try:
+        return os.readlink(path) == target
+    except OSError:
+        return False
+
+
 def thread_ids(pid: int) -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir(PROC / str(pid) / "task") if t.isdigit())

@@ -161,9 +161,15 @@ def test_an_unreported_switch_away_starts_the_span_at_the_call_it_slept_in(tmp_p
             child.stdin.write(b"g")
             child.stdin.flush()
             assert child.stdout.readline() == b"reading\n"
-            wait_for(lambda: key in table and procfs.thread_state(child.pid, tid) == "S",
-                     what=f"tid {tid} asleep in read()")
-            time.sleep(0.01)  # noqa: TID251 - the span to be recorded: any length over the threshold will do
+            def asleep_a_while() -> bool:  # in read(), for longer than the threshold: a span to be recorded
+                try:
+                    since = table[key].ts
+                except KeyError:
+                    return False
+                return (procfs.thread_state(child.pid, tid) == "S"
+                        and time.clock_gettime_ns(time.CLOCK_MONOTONIC) - since > 1_000_000)
+
+            wait_for(asleep_a_while, what=f"tid {tid} asleep in read() for over 1 ms")
             before = src.skipped()
             assert before[UNREPORTED] == 0, before  # woken from a sleep that began before tracing: not counted
             del table[key]

@@ -69,13 +69,14 @@ def listen_at(path: Path) -> tuple[socket.socket, int]:
     """A listening socket at ``path`` and the inode it got (so we only ever remove our own)."""
     inode = procfs.unix_listener(str(path)) if path.is_socket() else 0
     if inode:
-        owner = _owner(inode)
-        if owner is not None and owner[1] is not None:
+        holder = procfs.socket_holder(inode)
+        service = _watch_service_socket(holder) if holder is not None else None
+        if service is not None:
             pid = path.stem if path.stem.isdigit() else "PID"
-            sock = f" --socket {owner[1]}" if owner[1] else ""
-            raise UserError(f"{path} is the gputrace service's (pid {owner[0]}), which watches that process: "
+            sock = f" --socket {service}" if service else ""
+            raise UserError(f"{path} is the gputrace service's (pid {holder}), which watches that process: "
                             f"`gputrace daemon dump {pid}{sock}` writes what it recorded (one session at a time)")
-        who = f" (pid {owner[0]})" if owner is not None else ""
+        who = f" (pid {holder})" if holder is not None else ""
         raise UserError(f"{path} is another gputrace session's{who}, still live: that process is being captured "
                         "already (one session at a time; stop the other first)")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -94,48 +95,23 @@ def listen_at(path: Path) -> tuple[socket.socket, int]:
     return s, ino
 
 
-def _service_socket(argv: list[bytes]) -> str:
-    """The request socket on a service's command line where it is not the default; "" otherwise."""
+def _watch_service_socket(pid: int) -> str | None:
+    """Where process ``pid`` is the gputrace service in watch mode (``gputraced --watch`` or ``gputrace daemon
+    --watch`` on its command line): the request socket it serves on when not the default, "" for the default;
+    None where it is not that service."""
     from gputrace.daemon.service.server import DEFAULT_SOCKET
 
+    info = procfs.proc_info(pid)
+    argv = info.cmdline if info is not None else []
+    if "--watch" not in argv or not any(a == "daemon" or a.endswith("gputraced") for a in argv):
+        return None
     sock = ""
     for i, a in enumerate(argv):
-        if a == b"--socket" and i + 1 < len(argv):
-            sock = argv[i + 1].decode(errors="replace")
-        elif a.startswith(b"--socket="):
-            sock = a[len(b"--socket="):].decode(errors="replace")
-    return "" if not sock or sock == str(DEFAULT_SOCKET) else sock
-
-
-def _owner(inode: int) -> tuple[int, str | None] | None:
-    """The process holding socket ``inode`` (its /proc/PID/fd links), and, where it is the gputrace service in
-    watch mode (``gputraced --watch`` or ``gputrace daemon --watch`` on its command line), the socket it serves
-    requests on when not the default ("" for the default; None: not the service); None where no process is
-    found (another pid namespace, or gone). Read only to say who holds a session's socket: it walks every
-    process's descriptors."""
-    target = f"socket:[{inode}]"
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            fds = os.scandir(f"/proc/{entry.name}/fd")
-        except OSError:
-            continue
-        with fds:
-            for fd in fds:
-                try:
-                    if os.readlink(fd.path) != target:
-                        continue
-                except OSError:
-                    continue
-                try:
-                    with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                        argv = f.read().split(b"\0")
-                except OSError:
-                    argv = []
-                service = any(a == b"daemon" or a.endswith(b"gputraced") for a in argv) and b"--watch" in argv
-                return int(entry.name), _service_socket(argv) if service else None
-    return None
+        if a == "--socket" and i + 1 < len(argv):
+            sock = argv[i + 1]
+        elif a.startswith("--socket="):
+            sock = a[len("--socket="):]
+    return "" if sock == str(DEFAULT_SOCKET) else sock
 
 
 def unlink_if_ours(path: Path, ino: int) -> None:

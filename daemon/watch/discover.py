@@ -3,11 +3,10 @@
 A process is a GPU process when it is a Python interpreter armed for gputrace (its environment says so: what a
 ``gputrace env`` service and a ``gputrace.sim`` workload under test do, announcing themselves), maps libcuda, or
 holds an /dev/nvidia* device open, and is not traced already by the capture session that started it (nor
-gputrace's own command line). Each scan
-lists /proc once; a process seen for the first time is read at once (its environment, its maps, its fds), one
-already judged not a GPU process is read again after RECHECK_S, then after twice as long each time up to
-MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel threads never. The scan's own CPU time
-is kept in ``cpu_ns``.
+gputrace's own command line). Each scan lists /proc once; a process seen for the first time is read at once
+(its environment, its maps, its fds), one already judged not a GPU process is read again after RECHECK_S, then
+after twice as long each time up to MAX_RECHECK_S (a trainer loads libcuda seconds after it starts), kernel
+threads never. The scan's own CPU time is kept in ``cpu_ns``.
 """
 
 from __future__ import annotations

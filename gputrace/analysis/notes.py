@@ -7,6 +7,7 @@ from __future__ import annotations
 from gputrace.analysis.overhead import cost_text
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.documents import CaptureInfo, InProgressThread
+from gputrace.probes.ebpf.events import UNREPORTED_SWITCHES
 
 
 def no_ebpf_note(cap: CaptureInfo) -> str:
@@ -15,11 +16,8 @@ def no_ebpf_note(cap: CaptureInfo) -> str:
             "cause") if why else ""
 
 
-UNREPORTED = ("sched_switch.unreported", "sched_switch.unreported_lost")  # gputrace.probes.ebpf.events
-
-
 def skipped_probes_note(cap: CaptureInfo) -> str:
-    skipped = {k: v for k, v in (cap.get("skipped_probes") or {}).items() if not k.endswith(UNREPORTED)}
+    skipped = {k: v for k, v in (cap.get("skipped_probes") or {}).items() if not k.endswith(UNREPORTED_SWITCHES)}
     if not skipped:
         return ""
     return (f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing program "
@@ -29,7 +27,7 @@ def skipped_probes_note(cap: CaptureInfo) -> str:
 
 def unreported_switches_note(cap: CaptureInfo) -> str:
     skipped = cap.get("skipped_probes") or {}
-    n, lost = (sum(v for k, v in skipped.items() if k.endswith(name)) for name in UNREPORTED)
+    n, lost = (sum(v for k, v in skipped.items() if k.endswith(name)) for name in UNREPORTED_SWITCHES)
     if not n:
         return ""
     return (f"note: the kernel did not report {n} switch{'es' if n != 1 else ''} of traced threads on or off a "

@@ -148,6 +148,14 @@ static __always_inline struct gt_inflight *sys_enter_slot(u64 id, u32 nr)
     return v;
 }
 
+/* Thread `tid`'s in-flight slot while it is in a recorded call, else NULL. */
+static __always_inline struct gt_inflight *recorded_call(u32 tid)
+{
+    u32 slot = tid & INFLIGHT_MASK;
+    struct gt_inflight *c = inflight.lookup(&slot);
+    return c && c->tid == tid ? c : 0;
+}
+
 /* ------------------------------------------------------------------------- select fd sets ---- */
 
 /* The index of the lowest bit set in w (w != 0): BPF has no count-trailing-zeros instruction. */
@@ -680,9 +688,8 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
 /* The ring fd of the io_uring_enter call thread `tid` is in now, or -1 when it is in none (or in no traced call). */
 static __always_inline s32 uring_ring_fd(u32 tid)
 {
-    u32 slot = tid & INFLIGHT_MASK;
-    struct gt_inflight *c = inflight.lookup(&slot);
-    if (!c || c->tid != tid)
+    struct gt_inflight *c = recorded_call(tid);
+    if (!c)
         return -1;
     u32 nr = c->nr;
     struct gt_sysinfo *si = sysinfo.lookup(&nr);
@@ -892,9 +899,7 @@ static __always_inline u64 in_file_fault(u32 tid, u64 now)
     struct gt_fault_val *f = faults.lookup(&tid);
     if (!f || now - f->last >= FAULT_GAP_NS)
         return 0;
-    u32 slot = tid & INFLIGHT_MASK;
-    struct gt_inflight *c = inflight.lookup(&slot);
-    if (c && c->tid == tid)
+    if (recorded_call(tid))
         return 0; /* inside a recorded syscall: the wait is the call's */
     u64 ip = 0, sp = 0, entry = 0;
     user_regs(&ip, &sp, &entry);
@@ -1168,9 +1173,8 @@ GT_SCHED_PROBE(sched_waking)
  * it slept has nothing to record.) */
 static __always_inline void unreported_switch_away(u32 tid, u64 task, struct gt_waker *w)
 {
-    u32 slot = tid & INFLIGHT_MASK;
-    struct gt_inflight *c = inflight.lookup(&slot);
-    if (!c || c->tid != tid || c->ts > w->wake_ns)
+    struct gt_inflight *c = recorded_call(tid);
+    if (!c || c->ts > w->wake_ns)
         return;
     int on_cpu = 1;
     gt_read_kernel(&on_cpu, sizeof(on_cpu), (void *)task + GT_TASK_ON_CPU_OFF);

@@ -64,8 +64,9 @@ static int (*gt_read_user_str)(void *dst, __u32 size, const void *src) = (void *
 #define GT_DROP_LAYOUT 8   /* a raw program read nonsense through a BTF offset (a wrong tid, no ring): skipped */
 #define GT_DROP_URING 9    /* io_uring request map full: a request's file and timing are not recorded */
 #define GT_DROP_MAX 10
-/* After them, like the probe runs the kernel skipped, what the kernel did not report (offcpu_unreported): switches
- * back to a traced thread, and of those the off-CPU spans lost for want of a wakeup to end them at */
+/* After them, like the probe runs the kernel skipped, what the kernel did not report (offcpu_unreported,
+ * unreported_switch_away): switches of a traced thread on or off a CPU, and of those the off-CPU spans lost for
+ * want of a wakeup or a call's return to end them at */
 #define GT_NOTE_UNREPORTED GT_DROP_MAX
 #define GT_NOTE_UNREPORTED_LOST (GT_DROP_MAX + 1)
 #define GT_DROP_SLOTS (GT_DROP_MAX + 2)
@@ -190,7 +191,7 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
     u32 held_pid;
     u32 held_tid;
     char held_comm[GT_COMM_LEN];
-    u64 pad; /* GT_OFFCPU_END_WAKE, GT_OFFCPU_END_RET, or 0 */
+    u64 pad; /* GT_OFFCPU_END_WAKE, GT_OFFCPU_END_RET, GT_OFFCPU_START_CALL, or 0 */
 };
 /* gt_offcpu2_event.pad: the kernel did not report the switch back to the thread (held_* are empty); end_ns is its
  * wakeup (the wait for a CPU after it unknown), or, with no wakeup seen either, the return of the call it slept in */

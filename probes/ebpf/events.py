@@ -63,10 +63,10 @@ F_DUPFD_CMDS = (0, 1030)  # F_DUPFD, F_DUPFD_CLOEXEC
 
 DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block", "offcpu", "targets", "fault",
                 "layout", "uring")
-# The `drops` array's slots after the reasons (gputrace.bpf.c offcpu_unreported): switches back to a traced thread
-# the kernel did not report, whose off-CPU spans end at the thread's wakeup instead, and of those the spans lost for
-# want of a wakeup (a preempted thread has none). Like the probe runs the kernel skipped, they are the kernel's
-# omissions, reported beside those under these names.
+# The `drops` array's slots after the reasons (gputrace.bpf.c offcpu_unreported, unreported_switch_away): switches of
+# a traced thread on or off a CPU the kernel did not report, whose off-CPU spans are bounded by what was seen instead,
+# and of those the spans lost for want of any bound (a preempted thread has no wakeup). Like the probe runs the kernel
+# skipped, they are the kernel's omissions, reported beside those under these names.
 UNREPORTED_SWITCHES = ("sched_switch.unreported", "sched_switch.unreported_lost")
 
 SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event

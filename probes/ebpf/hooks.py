@@ -141,11 +141,15 @@ def task_tgid_offset() -> int | None:
     return _task_offsets()[1]
 
 
+def task_on_cpu_offset() -> int | None:
+    return _from_btf()[3]
+
+
 def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
     flags = [f"-DGT_RAW_SYSCALLS={int(syscall_hook == 'raw')}", f"-DGT_RAW_SCHED={int(sched_hook == 'raw')}"]
     if sched_hook == "raw":
         flags += [f"-DGT_TASK_PID_OFF={task_pid_offset()}", f"-DGT_TASK_TGID_OFF={task_tgid_offset()}"]
-        on_cpu = _from_btf()[3]
+        on_cpu = task_on_cpu_offset()
         if on_cpu is not None:  # without it, a switch away the kernel did not report goes unnoticed
             flags.append(f"-DGT_TASK_ON_CPU_OFF={on_cpu}")
     raw_uring = uring_hook(sched_hook)[0] == "raw"
