@@ -33,7 +33,7 @@ def unreported_switches_note(cap: CaptureInfo) -> str:
     return (f"note: the kernel did not report {n} switch{'es' if n != 1 else ''} of traced threads on or off a "
             "CPU (it fires no scheduler event for some tasks); those off-CPU spans are bounded by what was seen: "
             "they end at the thread's wakeup or the return of the call it slept in, or start at that call's start"
-            + (f"; {lost} with neither (preempted) are missing" if lost else ""))
+            + (f"; {lost} with neither (preempted) {'is' if lost == 1 else 'are'} missing" if lost else ""))
 
 
 def malformed_note(cap: CaptureInfo) -> str:
