@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from waiting import blocked_in
+from waiting import blocked_in, wait_for
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.piped import PipedChild
 
@@ -141,10 +141,15 @@ def test_fds_received_over_a_unix_socket_are_named(tmp_path: Path) -> None:
     rpipe, wpipe = os.pipe()
     with ours, _workload("recv", base, str(theirs.fileno()), pass_fds=(theirs.fileno(),)) as proc:
         theirs.close()
-        with ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS):
+        with ebpf_capture(path, [proc.pid], threshold_ns=THRESHOLD_NS) as src:
             proc.go()
             fd = os.open(shard, os.O_RDONLY)
             socket.send_fds(ours, [b"x"], [fd, rpipe])
+            assert proc.readline() == "received"
+            # both names read while the fds are open (a process that closes them first leaves them unnamed,
+            # counted: test_a_received_fd_closed_before_it_is_read_is_counted_unnamed)
+            wait_for(lambda: src.received_fds() == (2, 0), what="the received fds to be named")
+            proc.send("read")
             proc.done()
             os.close(fd)
     records, _ = read_capture(path)

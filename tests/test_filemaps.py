@@ -1,5 +1,6 @@
 """Names of mapped files for fault events, read from a real process's /proc/PID/maps: while it runs, after
-it unmapped a file, and after it exited (a fault in its last milliseconds, read late)."""
+it unmapped a file, and after it exited (a fault in its last milliseconds, read late); names of received fds,
+read from its /proc/PID/fd, and those it closed first counted."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gputrace.analysis.notes import caveats
 from gputrace.probes.ebpf import events
-from gputrace.probes.ebpf.filemaps import MappedFiles
-from gputrace.records import FileMap
+from gputrace.probes.ebpf.filemaps import MappedFiles, ReceivedFds
+from gputrace.records import FdInfo, FileMap
 
 MAPPER = """
 import mmap, sys
@@ -81,3 +83,37 @@ def test_a_new_process_of_the_same_pid_is_read_afresh(tmp_path: Path) -> None:
     names.process_gone(me)
     names.fault(_fault(me, a))  # which has not mapped it
     assert [m.path for m in emitted] == [str(a), str(a), ""]
+
+
+HOLDER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print(fd, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _received(pid: int, ts: int, *fds: int) -> bytes:
+    return events.FDRECV.pack(events.EV_FDRECV, len(fds), pid, pid, ts, *fds, *[0] * (events.FDRECV_MAX - len(fds)))
+
+
+def test_received_fds_are_named_while_open_and_counted_when_gone(tmp_path: Path) -> None:
+    shard = tmp_path / "shard.bin"
+    shard.write_bytes(b"x")
+    emitted: list[FdInfo] = []
+    received = ReceivedFds(emitted.extend)
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(shard)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout is not None and child.stdin is not None
+    fd = int(child.stdout.readline())
+    closed = 1000  # no such fd in the child: it was closed before /proc was read
+    received.announced(_received(child.pid, 1, fd, closed))  # the process ring's copy, read at once
+    child.stdin.close()
+    assert child.wait(timeout=30) == 0
+    received.in_order(_received(child.pid, 1, fd, closed))  # the events ring's: what was read then is written
+    assert [(r.fd, r.kind, r.obj) for r in emitted] == [(fd, "file", str(shard))]
+    received.in_order(_received(child.pid, 2, fd))  # first seen in the events ring, after the exit: nothing to read
+    received.announced(_received(child.pid, 2, fd))  # its late process-ring copy is not counted again
+    assert len(emitted) == 1 and (received.named, received.unnamed) == (1, 2)
+    notes = [text for _, text in caveats({"skipped_probes": {f"ebpf.{events.FDS_UNNAMED}": 2}})]
+    assert any("2 fds received over unix sockets (SCM_RIGHTS) closed before their names" in n for n in notes), notes

@@ -7,7 +7,9 @@ from __future__ import annotations
 from gputrace.analysis.overhead import cost_text
 from gputrace.analysis.timefmt import fmt_ms
 from gputrace.documents import CaptureInfo, InProgressThread
-from gputrace.probes.ebpf.events import UNREPORTED_SWITCHES
+from gputrace.probes.ebpf.events import FDS_UNNAMED, UNREPORTED_SWITCHES
+
+_NOT_PROBE_SKIPS = (*UNREPORTED_SWITCHES, FDS_UNNAMED)  # in skipped_probes, with notes of their own
 
 
 def no_ebpf_note(cap: CaptureInfo) -> str:
@@ -17,7 +19,7 @@ def no_ebpf_note(cap: CaptureInfo) -> str:
 
 
 def skipped_probes_note(cap: CaptureInfo) -> str:
-    skipped = {k: v for k, v in (cap.get("skipped_probes") or {}).items() if not k.endswith(UNREPORTED_SWITCHES)}
+    skipped = {k: v for k, v in (cap.get("skipped_probes") or {}).items() if not k.endswith(_NOT_PROBE_SKIPS)}
     if not skipped:
         return ""
     return (f"note: the kernel skipped {sum(skipped.values())} probe runs, each nested in another tracing program "
@@ -34,6 +36,13 @@ def unreported_switches_note(cap: CaptureInfo) -> str:
             "CPU (it fires no scheduler event for some tasks); those off-CPU spans are bounded by what was seen: "
             "they end at the thread's wakeup or the return of the call it slept in, or start at that call's start"
             + (f"; {lost} with neither (preempted) {'is' if lost == 1 else 'are'} missing" if lost else ""))
+
+
+def unnamed_fds_note(cap: CaptureInfo) -> str:
+    n = sum(v for k, v in (cap.get("skipped_probes") or {}).items() if k.endswith(FDS_UNNAMED))
+    return (f"note: {n} fd{'s' if n != 1 else ''} received over unix sockets (SCM_RIGHTS) closed before "
+            f"{'their names' if n != 1 else 'its name'} could be read from /proc: the calls on "
+            f"{'them' if n != 1 else 'it'} name no file") if n else ""
 
 
 def malformed_note(cap: CaptureInfo) -> str:
@@ -122,6 +131,7 @@ def caveats(cap: CaptureInfo) -> list[tuple[str, str]]:
     waiting_lines."""
     notes = [("warn", no_ebpf_note(cap)), ("note", off_note(cap)), ("note", left_out_note(cap)),
              ("note", skipped_probes_note(cap)), ("note", unreported_switches_note(cap)),
+             ("note", unnamed_fds_note(cap)),
              ("note", unknown_kinds_note(cap)), ("note", cgroup_errors_note(cap)),
              ("note", device_timing_note(cap)), ("alert", malformed_note(cap)), ("info", cost_note(cap))]  # fmt: skip
     return [(severity, text) for severity, text in notes if text]

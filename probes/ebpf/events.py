@@ -68,6 +68,9 @@ DROP_REASONS = ("ringbuf", "procbuf", "syscall_inflight", "syscall_agg", "block"
 # and of those the spans lost for want of any bound (a preempted thread has no wakeup). Like the probe runs the kernel
 # skipped, they are the kernel's omissions, reported beside those under these names.
 UNREPORTED_SWITCHES = ("sched_switch.unreported", "sched_switch.unreported_lost")
+# fds received over a unix socket (SCM_RIGHTS) closed, or their process gone, before /proc/PID/fd/N could be read:
+# the calls on them name no file. Reported beside the kernel's omissions under this name.
+FDS_UNNAMED = "recvmsg.fds_unnamed"
 
 SYS = struct.Struct("<IIIIQQqQQQ")  # gt_sys_event
 PATH = struct.Struct("<IIIIQQqQQQII256s")  # gt_path_event

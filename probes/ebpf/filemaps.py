@@ -121,6 +121,8 @@ class ReceivedFds:
         self._emit = emit
         self._early: dict[tuple[int, int, int], list[FdInfo]] = {}  # read, waiting for the events-ring copy
         self._late: set[tuple[int, int, int]] = set()  # read at the events-ring copy; process-ring copy to come
+        self.named = 0  # fds named from /proc/PID/fd
+        self.unnamed = 0  # fds closed, or their process gone, before they could be read: left unnamed
 
     def announced(self, raw: bytes) -> None:
         """The process-event ring's copy: read the names now."""
@@ -131,7 +133,7 @@ class ReceivedFds:
             return
         if len(self._early) >= _MAX_PENDING:  # events-ring copies lost: do not grow without bound
             self._early.clear()
-        self._early[key] = procfs.fd_infos(ev.ts, ev.pid, list(ev.fds))
+        self._early[key] = self._read(ev)
 
     def in_order(self, raw: bytes) -> None:
         """The events ring's copy, just added to the batch: write the names after it."""
@@ -139,9 +141,15 @@ class ReceivedFds:
         key = (ev.pid, ev.tid, ev.ts)
         infos = self._early.pop(key, None)
         if infos is None:
-            infos = procfs.fd_infos(ev.ts, ev.pid, list(ev.fds))
+            infos = self._read(ev)
             if len(self._late) >= _MAX_PENDING:
                 self._late.clear()
             self._late.add(key)
         if infos:
             self._emit(infos)
+
+    def _read(self, ev: events.FdsReceived) -> list[FdInfo]:
+        infos = procfs.fd_infos(ev.ts, ev.pid, list(ev.fds))
+        self.named += len(infos)
+        self.unnamed += len(ev.fds) - len(infos)
+        return infos

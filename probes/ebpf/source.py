@@ -260,14 +260,21 @@ class EbpfSource:
 
     def skipped(self) -> dict[str, int]:
         """How often the kernel skipped each of this source's programs (see host.program_skips), and the
-        switches back to a traced thread it did not report (events.UNREPORTED_SWITCHES)."""
+        switches back to a traced thread it did not report (events.UNREPORTED_SWITCHES), and the received fds
+        that could not be named (events.FDS_UNNAMED)."""
         if self._final_skips is not None or self._bpf is None:
             return program_skips(self._bpf, final=self._final_skips)
         out = program_skips(self._bpf)
         table = self._bpf[b"drops"]
         for i, name in enumerate(events.UNREPORTED_SWITCHES, len(events.DROP_REASONS)):
             out[name] = int(table.sum(table.Key(i)).value)
+        if self._received.unnamed:
+            out[events.FDS_UNNAMED] = self._received.unnamed
         return out
+
+    def received_fds(self) -> tuple[int, int]:
+        """(named, unnamed): the fds traced processes received over unix sockets, so far (see ReceivedFds)."""
+        return self._received.named, self._received.unnamed
 
     def program_runs(self) -> dict[str, tuple[int, int]]:
         """(run count, run time ns) of each of this source's kernel programs (see host.program_runs)."""

@@ -83,8 +83,13 @@ def lock(base: str) -> str:
 
 
 def recv(sock_fd: int) -> str:
+    """Receives a file's fd and a pipe's, says so, and reads the file once told to (the fds stay open until
+    then: their names are read from /proc meanwhile)."""
     with socket.socket(fileno=sock_fd) as s:
         _, fds, _, _ = socket.recv_fds(s, 16, 4)
+    print("received", flush=True)
+    if sys.stdin.readline().strip() != "read":
+        sys.exit(1)
     read_all(fds[0])
     return ""
 
