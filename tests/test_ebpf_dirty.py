@@ -129,3 +129,43 @@ def test_a_writer_through_a_shared_mapping_is_paused_outside_any_call(throttled:
     assert named >= 0.7 * paused, ([(p.cause, p.ns, p.culprit.get("op")) for p in parts], paused)
     assert sum(p.ns for p in parts if p.culprit.get("op") == op) >= 0.7 * paused, [p.culprit for p in parts]
     assert not [p for p in parts if p.cause == "unknown" and p.ns > 5_000_000], parts
+
+
+def test_a_pause_whose_switch_away_was_not_reported_starts_at_the_pause(throttled: LoopFs, tmp_path: Path) -> None:
+    """A dirty pause's sleep whose switch away the kernel did not report (see tests/test_ebpf_unreported.py) is
+    found at its wakeup, and starts where the thread was last seen running in its write(): the pause, not the
+    call's start; in the state it slept in (D). The test takes away the entry of each sleep it finds, before its
+    wakeup, exactly what an unreported switch away leaves."""
+    from gputrace.probes.ebpf import events
+
+    traced = _writer(throttled.mountpoint / "traced.bin")
+    out = tmp_path / "unreported.gputrace"
+    taken: list[int] = []  # the start of each entry taken away
+    try:
+        with ebpf_capture(out, [traced.pid], sched_hook="raw") as src:
+            table = src._bpf[b"offcpu"]  # noqa: SLF001 - the test plays the part of the kernel's missing event
+            key = table.Key(traced.pid)
+            assert traced.stdin is not None
+            traced.stdin.write("go\n")
+            traced.stdin.flush()
+            while traced.poll() is None and len(taken) < 4:
+                try:
+                    leaf = table[key]
+                except KeyError:
+                    continue
+                if leaf.state & 2 and not leaf.wake_ns and leaf.ts not in taken:  # asleep in D, not woken yet
+                    del table[key]
+                    taken.append(leaf.ts)
+            assert traced.communicate(timeout=60)[1] is None and traced.returncode == 0
+            skipped = src.skipped()
+    finally:
+        if traced.poll() is None:
+            traced.kill()
+            traced.wait()
+    assert taken, "the writer never slept in D"
+    records, reader = read_capture(out)
+    pauses = {p.ts for p in of(records, DirtyPause)}
+    found = [o for o in of(records, OffCpu) if o.pid == traced.pid and o.start_ns in pauses and o.start_ns not in taken]
+    assert found and all(o.state == "D" and o.wake_ns for o in found), (found, taken)
+    assert skipped[events.UNREPORTED_SWITCHES[0]] >= len(found)
+    assert reader.trailer is not None and not any(reader.trailer["drops"].values())

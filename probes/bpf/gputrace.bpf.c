@@ -145,6 +145,7 @@ static __always_inline struct gt_inflight *sys_enter_slot(u64 id, u32 nr)
     v->tid = tid;
     v->ts = bpf_ktime_get_ns();
     v->nr = nr;
+    v->ran_ns = 0;
     return v;
 }
 
@@ -154,6 +155,14 @@ static __always_inline struct gt_inflight *recorded_call(u32 tid)
     u32 slot = tid & INFLIGHT_MASK;
     struct gt_inflight *c = inflight.lookup(&slot);
     return c && c->tid == tid ? c : 0;
+}
+
+/* Thread `tid`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns. */
+static __always_inline void seen_running(u32 tid, u64 now)
+{
+    struct gt_inflight *c = recorded_call(tid);
+    if (c)
+        c->ran_ns = now;
 }
 
 /* ------------------------------------------------------------------------- select fd sets ---- */
@@ -1095,6 +1104,8 @@ struct gt_waker {
     u32 waker_pid;
     u32 waker_tid;
     char waker_comm[GT_COMM_LEN];
+    u32 state; /* the wakee's task state as it was woken (early_wake only; 0 where unknown) */
+    u32 pad;
 };
 
 static __always_inline void current_waker(struct gt_waker *w)
@@ -1157,6 +1168,10 @@ GT_SCHED_PROBE(sched_waking)
 #if GT_RAW_SCHED
     if (is_target(gt_task_tgid(ctx->args[0]))) {
         current_waker(&w);
+#ifdef GT_TASK_STATE_OFF
+        /* still the sleep's state: try_to_wake_up() sets TASK_WAKING after this tracepoint */
+        gt_read_kernel(&w.state, sizeof(w.state), (void *)ctx->args[0] + GT_TASK_STATE_OFF);
+#endif
         early_wake.update(&tid, &w);
     }
 #endif
@@ -1166,15 +1181,19 @@ GT_SCHED_PROBE(sched_waking)
 #if GT_RAW_SCHED && defined(GT_TASK_ON_CPU_OFF)
 /* A traced task woken off its CPU (`on_cpu` clear: its switch away is complete, so sched_switch has run for it)
  * with no off-CPU entry: that switch away was not reported (see offcpu_unreported). Asleep in a recorded call,
- * it has been off CPU at most since the call began: the entry starts there (GT_OFFCPU_START_CALL), with this
- * wakeup, and its switch back (or, unreported too, the call's return) ends it; counted with the unreported
- * switches. Outside a recorded call nothing tells it from a task asleep since before tracing began (whose
+ * it has been off CPU at most since the call began, or since a program last saw it running in that call
+ * (gt_inflight.ran_ns): the entry starts there (GT_OFFCPU_START_CALL), in the state it was woken from (S where
+ * the state's offset is unknown), with this wakeup, and its switch back (or, unreported too, the call's
+ * return) ends it; counted with the unreported switches. Outside a recorded call nothing tells it from a task asleep since before tracing began (whose
  * switch away came before the programs): left alone. (Still on its CPU, or still queued, a task woken before
  * it slept has nothing to record.) */
 static __always_inline void unreported_switch_away(u32 tid, u64 task, struct gt_waker *w)
 {
     struct gt_inflight *c = recorded_call(tid);
-    if (!c || c->ts > w->wake_ns)
+    if (!c)
+        return;
+    u64 start = c->ran_ns > c->ts ? c->ran_ns : c->ts;
+    if (start > w->wake_ns)
         return;
     int on_cpu = 1;
     gt_read_kernel(&on_cpu, sizeof(on_cpu), (void *)task + GT_TASK_ON_CPU_OFF);
@@ -1182,9 +1201,9 @@ static __always_inline void unreported_switch_away(u32 tid, u64 task, struct gt_
         return;
     count_drop(GT_NOTE_UNREPORTED);
     struct gt_offcpu_val v = {};
-    v.ts = c->ts;
+    v.ts = start;
     v.pid = gt_task_tgid(task);
-    v.state = GT_STATE_S;
+    v.state = w->state & GT_STATE_D ? GT_STATE_D : GT_STATE_S;
     v.flags = GT_OFFCPU_START_CALL;
     set_waker(&v, w);
     if (offcpu.update(&tid, &v))
@@ -1240,6 +1259,7 @@ static __always_inline int block_submit(u32 dev, u64 sector)
     v.ts = bpf_ktime_get_ns();
     v.pid = id >> 32;
     v.tid = (u32)id;
+    seen_running(v.tid, v.ts); /* a traced submitter: none for another's (the slot is not its) */
     bpf_get_current_comm(v.comm, sizeof(v.comm));
     if (blk.update(&k, &v))
         count_drop(GT_DROP_BLOCK);
@@ -1318,6 +1338,7 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
     e->pid = id >> 32;
     e->tid = (u32)id;
     e->ts = bpf_ktime_get_ns();
+    seen_running(e->tid, e->ts);
     e->pause_ms = args->pause;
 #if GT_DIRTY_WB
     e->wb_dirty = args->wb_dirty;

@@ -114,6 +114,9 @@ struct gt_inflight {
     u32 agg_pad;
     u64 agg_count;
     u64 agg_ns;
+    /* The latest time a program running in the thread's own context saw it on its CPU during this call (a
+     * dirty pause, a block request it submitted), 0 if none: a bound on when an unreported switch away came. */
+    u64 ran_ns;
 };
 
 struct gt_agg_key {

@@ -17,7 +17,7 @@ The other programs (process tree, file faults, block I/O) stay classic.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 from gputrace.errors import UserError
 from gputrace.probes.ebpf.btf import VMLINUX, Btf, kernel_btf, struct_member, struct_offset
@@ -67,19 +67,27 @@ def _raw_unsupported(group: str) -> str:
     return ""
 
 
+class _BtfFacts(NamedTuple):
+    """What the raw programs need from the running kernel's BTF: task_struct members' offsets (None where
+    absent) and the io_uring programs' layout (uring_layout)."""
+
+    task_pid: int | None
+    task_tgid: int | None
+    uring: tuple[tuple[str, ...], str]
+    task_on_cpu: int | None
+    task_state: int | None  # `__state` (`state` before 5.14)
+
+
 @functools.cache
-def _from_btf() -> tuple[int | None, int | None, tuple[tuple[str, ...], str], int | None]:
-    """What the raw programs need from the running kernel's BTF, parsed once and let go: task_struct.pid's
-    and .tgid's offsets, the io_uring programs' layout (uring_layout), and task_struct.on_cpu's offset."""
+def _from_btf() -> _BtfFacts:
+    """Parsed once and let go."""
     btf = kernel_btf()
     if btf is None:
-        return None, None, uring_layout(None), None
-    return (struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf), uring_layout(btf),
-            struct_offset("task_struct", "on_cpu", btf))
-
-
-def _task_offsets() -> tuple[int | None, int | None]:
-    return _from_btf()[:2]
+        return _BtfFacts(None, None, uring_layout(None), None, None)
+    state = struct_member("task_struct", "__state", btf) or struct_member("task_struct", "state", btf)
+    return _BtfFacts(struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf),
+                     uring_layout(btf), struct_offset("task_struct", "on_cpu", btf),
+                     state[0] if state is not None and state[1] in (4, 8) else None)  # fmt: skip
 
 
 # The raw io_uring programs' view of the kernel: each tracepoint's arguments, and (macro, struct, member,
@@ -103,7 +111,7 @@ _URING_FIELDS = (
 
 
 def _uring_layout() -> tuple[tuple[str, ...], str]:
-    return _from_btf()[2]
+    return _from_btf().uring
 
 
 def uring_layout(btf: Btf | None) -> tuple[tuple[str, ...], str]:
@@ -134,15 +142,19 @@ def uring_hook(sched_hook: str) -> tuple[str, str]:
 
 
 def task_pid_offset() -> int | None:
-    return _task_offsets()[0]
+    return _from_btf().task_pid
 
 
 def task_tgid_offset() -> int | None:
-    return _task_offsets()[1]
+    return _from_btf().task_tgid
 
 
 def task_on_cpu_offset() -> int | None:
-    return _from_btf()[3]
+    return _from_btf().task_on_cpu
+
+
+def task_state_offset() -> int | None:
+    return _from_btf().task_state
 
 
 def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
@@ -152,6 +164,9 @@ def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
         on_cpu = task_on_cpu_offset()
         if on_cpu is not None:  # without it, a switch away the kernel did not report goes unnoticed
             flags.append(f"-DGT_TASK_ON_CPU_OFF={on_cpu}")
+        state = task_state_offset()
+        if state is not None:  # without it, such a sleep is taken as interruptible (S)
+            flags.append(f"-DGT_TASK_STATE_OFF={state}")
     raw_uring = uring_hook(sched_hook)[0] == "raw"
     flags.append(f"-DGT_RAW_URING={int(raw_uring)}")
     if raw_uring:
