@@ -264,6 +264,14 @@ def fd_snapshot(pid: int) -> list[FdInfo]:
     return [cwd, *sorted(fd_infos(now, pid, [int(n) for n in names]), key=lambda r: r.fd)]
 
 
+def fd_inode(pid: int, fd: int) -> int | None:
+    """The inode number of what fd ``fd`` of ``pid`` holds (stat through /proc/PID/fd/N); None if gone."""
+    try:
+        return os.stat(PROC / str(pid) / "fd" / str(fd)).st_ino
+    except OSError:
+        return None
+
+
 def fd_infos(ts: int, pid: int, fds: list[int]) -> list[FdInfo]:
     """fds ``fds`` of ``pid`` as FdInfo records dated ``ts``, read from /proc/PID/fd (gone ones left out);
     the socket tables are read once, and only as far as the sockets among them need (``socket_peers``)."""

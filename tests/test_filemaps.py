@@ -115,5 +115,20 @@ def test_received_fds_are_named_while_open_and_counted_when_gone(tmp_path: Path)
     received.in_order(_received(child.pid, 2, fd))  # first seen in the events ring, after the exit: nothing to read
     received.announced(_received(child.pid, 2, fd))  # its late process-ring copy is not counted again
     assert len(emitted) == 1 and (received.named, received.unnamed) == (1, 2)
+    # with the inodes the kernel saw at the recvmsg: a name is taken only where the fd holds that inode still
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(shard)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout is not None and child.stdin is not None
+    fd = int(child.stdout.readline())
+    ino = shard.stat().st_ino
+    fds = [fd, *[0] * (events.FDRECV_MAX - 1)]
+    for ts, held in ((3, ino), (4, ino + 1), (5, 0)):  # the same file; another (the number used again); unread
+        inodes = [held, *[0] * (events.FDRECV_MAX - 1)]
+        received.announced(events.FDRECV_NAMED.pack(events.EV_FDRECV, 1, child.pid, child.pid, ts, *fds, *inodes))
+        received.in_order(_received(child.pid, ts, fd))
+    child.stdin.close()
+    assert child.wait(timeout=30) == 0
+    assert [(r.ts, r.obj) for r in emitted[1:]] == [(3, str(shard)), (5, str(shard))]
+    assert (received.named, received.checked, received.unnamed) == (3, 1, 3)
     notes = [text for _, text in caveats({"skipped_probes": {f"ebpf.{events.FDS_UNNAMED}": 2}})]
     assert any("2 fds received over unix sockets (SCM_RIGHTS) closed before their names" in n for n in notes), notes

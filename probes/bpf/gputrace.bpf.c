@@ -526,6 +526,30 @@ struct gt_cmsghdr {
     s32 type;
 };
 
+#ifdef GT_FILE_TABLE
+/* The inode number of the file fd `fd` of `task` holds (the calling task: its file table cannot change under
+ * it), 0 if none: task->files->fdt->fd[fd]->f_inode->i_ino, at offsets BTF gives (hooks.file_table_flags). */
+static __always_inline u64 fd_inode(u64 task, s32 fd)
+{
+    u64 files = 0, fdt = 0, table = 0, file = 0, inode = 0, ino = 0;
+    u32 max_fds = 0;
+    if (fd < 0 || gt_read_kernel(&files, sizeof(files), (void *)task + GT_TASK_FILES_OFF) || !files)
+        return 0;
+    if (gt_read_kernel(&fdt, sizeof(fdt), (void *)files + GT_FILES_FDT_OFF) || !fdt)
+        return 0;
+    if (gt_read_kernel(&max_fds, sizeof(max_fds), (void *)fdt + GT_FDT_MAX_FDS_OFF) || (u32)fd >= max_fds)
+        return 0;
+    if (gt_read_kernel(&table, sizeof(table), (void *)fdt + GT_FDT_FD_OFF) || !table)
+        return 0;
+    if (gt_read_kernel(&file, sizeof(file), (void *)table + (u64)fd * sizeof(u64)) || !file)
+        return 0;
+    if (gt_read_kernel(&inode, sizeof(inode), (void *)file + GT_FILE_INODE_OFF) || !inode)
+        return 0;
+    gt_read_kernel(&ino, sizeof(ino), (void *)inode + GT_INODE_INO_OFF);
+    return ino;
+}
+#endif
+
 /* After a traced recvmsg: the fds its first control message installed, if it is SCM_RIGHTS (at most
  * GT_FDRECV_MAX of them), into both rings. Costs two small user reads per recvmsg. */
 static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
@@ -560,6 +584,19 @@ static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
             break;
         e->count = i + 1;
     }
+#ifdef GT_FILE_TABLE
+    struct gt_fdrecv_named *p = procev.ringbuf_reserve(sizeof(*p));
+    if (p) {
+        __builtin_memcpy(&p->ev, e, sizeof(p->ev));
+        u64 task = bpf_get_current_task();
+#pragma unroll
+        for (int i = 0; i < GT_FDRECV_MAX; i++)
+            p->ino[i] = i < e->count ? fd_inode(task, e->fds[i]) : 0;
+        procev.ringbuf_submit(p, 0);
+    } else {
+        count_drop(GT_DROP_PROCBUF);
+    }
+#else
     struct gt_fdrecv_event *p = procev.ringbuf_reserve(sizeof(*p));
     if (p) {
         __builtin_memcpy(p, e, sizeof(*p));
@@ -567,6 +604,7 @@ static __always_inline void fds_received(struct gt_inflight *c, u64 id, u64 now)
     } else {
         count_drop(GT_DROP_PROCBUF);
     }
+#endif
     events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
 }
 

@@ -315,6 +315,14 @@ struct gt_fdrecv_event { /* 88 bytes */
     s32 fds[GT_FDRECV_MAX];
 };
 
+/* The process-event ring's copy where BTF gives the file table's layout (GT_FILE_TABLE): each fd's inode
+ * number as the recvmsg returned (0 where it could not be read), so that a name read later from /proc is
+ * taken only if the fd still holds that inode. */
+struct gt_fdrecv_named { /* 216 bytes */
+    struct gt_fdrecv_event ev;
+    u64 ino[GT_FDRECV_MAX];
+};
+
 struct gt_mapfile_key {
     u32 pid;
     u32 dev;

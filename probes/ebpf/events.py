@@ -84,6 +84,7 @@ MAPFILE = struct.Struct("<IIIIQQ")  # gt_mapfile_event (process-event ring only)
 EV_MAPFILE = 9
 FDRECV_MAX = 16
 FDRECV = struct.Struct(f"<IIIIQ{FDRECV_MAX}i")  # gt_fdrecv_event (both rings)
+FDRECV_NAMED = struct.Struct(f"<IIIIQ{FDRECV_MAX}i{FDRECV_MAX}Q")  # gt_fdrecv_named (process-event ring)
 EV_FDRECV = 11
 URING = struct.Struct("<IIIIQQiiiIQII")  # gt_uring_event
 EV_URING = 13
@@ -163,6 +164,12 @@ def fds_received(raw: bytes, off: int = 0) -> FdsReceived:
     if etype != EV_FDRECV:
         raise ValueError(f"bad fd-receive event type {etype}")
     return FdsReceived(pid, tid, ts, tuple(f[5 : 5 + min(count, FDRECV_MAX)]))
+
+
+def fds_received_named(raw: bytes) -> tuple[FdsReceived, tuple[int, ...]]:
+    """A gt_fdrecv_named: the event, and each fd's inode number when it was received (0: not read)."""
+    ev = fds_received(raw)
+    return ev, FDRECV_NAMED.unpack_from(raw)[5 + FDRECV_MAX : 5 + FDRECV_MAX + len(ev.fds)]
 
 
 def sockaddr_str(data: bytes) -> str:

@@ -112,7 +112,8 @@ _MAX_PENDING = 4096
 
 class ReceivedFds:
     """fds a traced recvmsg installed (SCM_RIGHTS). The kernel reports them twice: in the process-event ring,
-    which is read promptly, so /proc/PID/fd/N is read while the fd most likely still holds the file; and in
+    which is read promptly, so /proc/PID/fd/N is read while the fd most likely still holds the file (a name is
+    taken only if the fd holds the inode the kernel saw it receive, where it says: gt_fdrecv_named); and in
     the events ring, in order with the process's other fd events. The FdInfo records go into the capture
     right after the latter, so the decoder applies them exactly where the fds appeared."""
 
@@ -122,18 +123,23 @@ class ReceivedFds:
         self._early: dict[tuple[int, int, int], list[FdInfo]] = {}  # read, waiting for the events-ring copy
         self._late: set[tuple[int, int, int]] = set()  # read at the events-ring copy; process-ring copy to come
         self.named = 0  # fds named from /proc/PID/fd
-        self.unnamed = 0  # fds closed, or their process gone, before they could be read: left unnamed
+        self.checked = 0  # of those, named after a check of their inode against the kernel's
+        self.unnamed = 0  # fds closed (their number maybe used again), or their process gone, before they were read
 
     def announced(self, raw: bytes) -> None:
-        """The process-event ring's copy: read the names now."""
-        ev = events.fds_received(raw)
+        """The process-event ring's copy: read the names now (checked against the inode each fd held when it
+        was received, where the kernel gives them: gt_fdrecv_named)."""
+        if len(raw) == events.FDRECV_NAMED.size:
+            ev, inodes = events.fds_received_named(raw)
+        else:
+            ev, inodes = events.fds_received(raw), ()
         key = (ev.pid, ev.tid, ev.ts)
         if key in self._late:
             self._late.discard(key)
             return
         if len(self._early) >= _MAX_PENDING:  # events-ring copies lost: do not grow without bound
             self._early.clear()
-        self._early[key] = self._read(ev)
+        self._early[key] = self._read(ev, inodes)
 
     def in_order(self, raw: bytes) -> None:
         """The events ring's copy, just added to the batch: write the names after it."""
@@ -148,8 +154,14 @@ class ReceivedFds:
         if infos:
             self._emit(infos)
 
-    def _read(self, ev: events.FdsReceived) -> list[FdInfo]:
-        infos = procfs.fd_infos(ev.ts, ev.pid, list(ev.fds))
+    def _read(self, ev: events.FdsReceived, inodes: tuple[int, ...] = ()) -> list[FdInfo]:
+        """The fds' names from /proc; with ``inodes``, only of fds that hold the same inode before and after
+        the name is read (an fd closed and its number used again since the recvmsg holds another file)."""
+        held = dict(zip(ev.fds, inodes, strict=False))
+        fds = [fd for fd in ev.fds if not held.get(fd) or procfs.fd_inode(ev.pid, fd) == held[fd]]
+        infos = [i for i in procfs.fd_infos(ev.ts, ev.pid, fds)
+                 if not held.get(i.fd) or procfs.fd_inode(ev.pid, i.fd) == held[i.fd]]
         self.named += len(infos)
+        self.checked += sum(1 for i in infos if held.get(i.fd))
         self.unnamed += len(ev.fds) - len(infos)
         return infos

@@ -76,6 +76,7 @@ class _BtfFacts(NamedTuple):
     uring: tuple[tuple[str, ...], str]
     task_on_cpu: int | None
     task_state: int | None  # `__state` (`state` before 5.14)
+    file_table: tuple[str, ...]  # -D flags for fd_inode(), () where BTF lacks a member
 
 
 @functools.cache
@@ -83,11 +84,35 @@ def _from_btf() -> _BtfFacts:
     """Parsed once and let go."""
     btf = kernel_btf()
     if btf is None:
-        return _BtfFacts(None, None, uring_layout(None), None, None)
+        return _BtfFacts(None, None, uring_layout(None), None, None, ())
     state = struct_member("task_struct", "__state", btf) or struct_member("task_struct", "state", btf)
     return _BtfFacts(struct_offset("task_struct", "pid", btf), struct_offset("task_struct", "tgid", btf),
                      uring_layout(btf), struct_offset("task_struct", "on_cpu", btf),
-                     state[0] if state is not None and state[1] in (4, 8) else None)  # fmt: skip
+                     state[0] if state is not None and state[1] in (4, 8) else None,
+                     file_table_flags(btf))  # fmt: skip
+
+
+# What fd_inode() reads, each (macro, struct, member, size): task->files->fdt->fd[N]->f_inode->i_ino.
+_FILE_TABLE = (
+    ("GT_TASK_FILES_OFF", "task_struct", "files", 8),
+    ("GT_FILES_FDT_OFF", "files_struct", "fdt", 8),
+    ("GT_FDT_MAX_FDS_OFF", "fdtable", "max_fds", 4),
+    ("GT_FDT_FD_OFF", "fdtable", "fd", 8),
+    ("GT_FILE_INODE_OFF", "file", "f_inode", 8),
+    ("GT_INODE_INO_OFF", "inode", "i_ino", 8),
+)
+
+
+def file_table_flags(btf: Btf) -> tuple[str, ...]:
+    """-D flags for the programs' fd_inode() (the inode of a received fd), or () where a member is missing or
+    of another size: received fds are then named without that check."""
+    flags = []
+    for macro, struct_name, member, size in _FILE_TABLE:
+        found = struct_member(struct_name, member, btf)
+        if found is None or found[1] != size:
+            return ()
+        flags.append(f"-D{macro}={found[0]}")
+    return ("-DGT_FILE_TABLE=1", *flags)
 
 
 # The raw io_uring programs' view of the kernel: each tracepoint's arguments, and (macro, struct, member,
@@ -167,6 +192,7 @@ def cflags(syscall_hook: str, sched_hook: str) -> list[str]:
         state = task_state_offset()
         if state is not None:  # without it, such a sleep is taken as interruptible (S)
             flags.append(f"-DGT_TASK_STATE_OFF={state}")
+    flags += _from_btf().file_table
     raw_uring = uring_hook(sched_hook)[0] == "raw"
     flags.append(f"-DGT_RAW_URING={int(raw_uring)}")
     if raw_uring:

@@ -58,6 +58,7 @@ _NR_MAX = 512  # GT_NR_MAX in gputrace.h
 _F_TRACED = 0x100  # GT_F_TRACED in gputrace.h: kernel-side only, never in the capture's sysflags
 _FAULT_SIZE = events.FAULT.size
 _FDRECV_SIZE = events.FDRECV.size
+_FDRECV_ANNOUNCED = (events.FDRECV.size, events.FDRECV_NAMED.size)  # the process-event ring's copy, either kind
 
 ProcCallback = Callable[[Any], None]
 
@@ -272,9 +273,10 @@ class EbpfSource:
             out[events.FDS_UNNAMED] = self._received.unnamed
         return out
 
-    def received_fds(self) -> tuple[int, int]:
-        """(named, unnamed): the fds traced processes received over unix sockets, so far (see ReceivedFds)."""
-        return self._received.named, self._received.unnamed
+    def received_fds(self) -> tuple[int, int, int]:
+        """(named, of those checked against the inode the kernel saw, unnamed): the fds traced processes received
+        over unix sockets, so far (see ReceivedFds)."""
+        return self._received.named, self._received.checked, self._received.unnamed
 
     def program_runs(self) -> dict[str, tuple[int, int]]:
         """(run count, run time ns) of each of this source's kernel programs (see host.program_runs)."""
@@ -496,7 +498,7 @@ class EbpfSource:
             if size == events.MAPFILE.size:
                 self._files.announced(raw)
                 return 0
-            if size == _FDRECV_SIZE:
+            if size in _FDRECV_ANNOUNCED:
                 self._received.announced(raw)
                 return 0
             rec = events.proc_record(raw)
