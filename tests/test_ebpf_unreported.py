@@ -51,7 +51,7 @@ for line in sys.stdin:
 """
 
 
-def _leave_open(src: EbpfSource, pid: int, tid: int, start: int, wake: int, since: int) -> None:
+def _leave_open(src: EbpfSource, pid: int, tid: int, start: int, wake: int, since: int, state: int = 1) -> None:
     """The entry an unreported switch back leaves: the thread went off CPU at ``start``, was woken at ``wake``.
     Written while the thread is on its CPU: not while it is preempted, when the write would take the place of the
     preemption's own entry, which its reported switch back then ends as usual. An entry from before ``since``
@@ -69,7 +69,7 @@ def _leave_open(src: EbpfSource, pid: int, tid: int, start: int, wake: int, sinc
 
     wait_for(on_cpu, what=f"tid {tid} back on its CPU")
     leaf = table.Leaf()
-    leaf.ts, leaf.wake_ns, leaf.pid, leaf.state = start, wake, pid, 1  # S: asleep
+    leaf.ts, leaf.wake_ns, leaf.pid, leaf.state = start, wake, pid, state  # 1: S, asleep; 0: R, preempted
     leaf.waker_pid, leaf.waker_tid, leaf.waker_comm = 4242, 4243, b"test-waker"
     table[key] = leaf
 
@@ -79,19 +79,22 @@ def test_an_unreported_switch_back_ends_the_span_at_the_wakeup(tmp_path: Path) -
     assert child.stdin is not None and child.stdout is not None
     out = tmp_path / "u.gputrace"
     planted: dict[str, tuple[int, int]] = {}  # round -> (start, wake) of the entry left open that was found
-    written = 0  # when the "ret" round's entry was written
+    bounds: dict[str, tuple[int, int]] = {}  # round -> (entry written, found by then)
     rounds = 0
     try:
         tid = int(child.stdout.readline())
         with ebpf_capture(out, [child.pid], threshold_ns=100_000) as src:
-            # woken: whether the entry has a wakeup; ends: the call that finds it (a sleep's switch away, or a
-            # read's return, which a preemption may come before)
-            for how, woken, ends in [("sleep", True, "sleep"), ("read", True, "read"), ("ret", False, "read"),
-                                     ("lost", False, "sleep")]:
+            # woken: whether the entry has a wakeup; ends: the call that ends the round (a sleep's switch away, or
+            # a read's return); state: 1 asleep (S), 0 preempted (R). "tick": found while the thread still spins,
+            # by a timer interrupt in it; "ret": found by the read's return, or a tick during the read; "lost":
+            # found by the sleep's switch away before any tick, which has no end to give it
+            for how, woken, ends, state in [("sleep", True, "sleep", 1), ("read", True, "read", 1),
+                                            ("tick", False, "sleep", 0), ("ret", False, "read", 1),
+                                            ("lost", False, "sleep", 1)]:
                 # The thread spins on its CPU. Preempted between the check and the write, the write takes the place
-                # of the preemption's own entry, which its reported switch back ends as usual; a read preempted
-                # before its return finds an entry with no wakeup at the switch away: the round is played again.
-                # (The host's own unreported switches may add to the counts.)
+                # of the preemption's own entry, which its reported switch back ends as usual; a tick between the
+                # write and the "lost" round's sleep ends the entry: the round is played again. (The host's own
+                # unreported switches may add to the counts.)
                 for _ in range(10):
                     rounds += 1
                     flag = tmp_path / f"flag{rounds}"
@@ -102,20 +105,24 @@ def test_an_unreported_switch_back_ends_the_span_at_the_wakeup(tmp_path: Path) -
                     before = src.skipped()
                     now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)  # off CPU 60 ms ago, woken 20 ms later
                     start, wake = now - 60_000_000 - rounds, (now - 40_000_000 if woken else 0)
-                    _leave_open(src, child.pid, tid, start, wake, since)
+                    _leave_open(src, child.pid, tid, start, wake, since, state)
+                    if how == "tick":  # the scheduler's tick comes to the spinning thread within a few ms
+                        wait_for(lambda b=before: src.skipped()[UNREPORTED] > b[UNREPORTED],
+                                 what="a timer interrupt to find the entry while the thread spins")
+                    found = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
                     flag.touch()
-                    # found by the sleep's switch away or the read's return, both before the thread says "done"
+                    # found by a tick, the sleep's switch away or the read's return, before the thread says "done"
                     assert child.stdout.readline() == "done\n"
                     after = src.skipped()
                     lost = after[LOST] > before[LOST]
-                    if after[UNREPORTED] > before[UNREPORTED] and (how in ("sleep", "read") or lost == (how == "lost")):
-                        planted[how], written = (start, wake), (now if how == "ret" else written)
+                    if after[UNREPORTED] > before[UNREPORTED] and lost == (how == "lost"):
+                        planted[how], bounds[how] = (start, wake), (now, found)
                         break
         skipped = dict(src.skipped())
     finally:
         child.kill()
         child.wait()
-    assert set(planted) == {"sleep", "read", "ret", "lost"}, (planted, rounds)
+    assert set(planted) == {"sleep", "read", "tick", "ret", "lost"}, (planted, rounds)
     records, reader = read_capture(out)
     ended = {r.start_ns: r for r in of(records, OffCpu) if r.tid == tid}
     for how in ("sleep", "read"):
@@ -123,13 +130,18 @@ def test_an_unreported_switch_back_ends_the_span_at_the_wakeup(tmp_path: Path) -
         r = ended[start]  # ended at the wakeup, which it was off CPU until at least; who had the CPU unknown
         assert (r.end_ns, r.wake_ns, r.waker_tid, r.waker_comm, r.state) == (wake, wake, 4243, "test-waker", "S")
         assert (r.held_pid, r.held_tid, r.held_comm) == (0, 0, "")
-    # no wakeup seen, asleep: ended by the return of the read that found it, which it was off CPU until at most
+    # preempted, no wakeup: ended by the tick that found the thread on its CPU (off CPU at most that long)
+    r = ended[planted["tick"][0]]
+    written, found = bounds["tick"]
+    assert r.state == "R" and (r.wake_ns, r.held_tid) == (0, 0) and written <= r.end_ns <= found, (r, bounds)
+    # no wakeup seen, asleep: ended by the return of the read (or a tick during it), which it was off CPU until at most
     r = ended[planted["ret"][0]]
+    written = bounds["ret"][0]
     reads = [c.end_ns for c in of(records, Syscall) if c.tid == tid and c.name == "read" and c.end_ns > written]
-    assert (r.wake_ns, r.held_tid) == (0, 0) and r.end_ns == min(reads), (r, reads)
-    assert planted["lost"][0] not in ended  # no wakeup, no call's return to end it at: no record, counted as lost
+    assert (r.wake_ns, r.held_tid) == (0, 0) and written <= r.end_ns <= min(reads), (r, reads)
+    assert planted["lost"][0] not in ended  # no wakeup, no call's return, no tick to end it at: no record, counted lost
     # a kernel omission like a skipped probe run, not a loss of the capture's own: counted apart from the drops
-    assert skipped[UNREPORTED] >= 4 and skipped[LOST] >= 1
+    assert skipped[UNREPORTED] >= 5 and skipped[LOST] >= 1
     assert reader.trailer is not None and not any(reader.trailer["drops"].values())
 
 

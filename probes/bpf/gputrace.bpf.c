@@ -667,15 +667,20 @@ static __always_inline struct gt_offcpu2_event *offcpu_event(u32 tid, struct gt_
  * and a timer that wakes it while one runs wakes it unseen. The span ends at its wakeup when one was seen (it
  * was off CPU at least that long; the wait for a CPU after it is unknown: GT_OFFCPU_END_WAKE); else, for a sleep
  * (S or D) ended by a call's return at `ret_ns`, there (it was off CPU at most that long: GT_OFFCPU_END_RET);
- * else (preempted, or found at its next switch away) its end is unknown and the span is counted lost. Either
- * way the entry is forgotten, so it does not stay open. held_* are empty: who had the CPU is unknown. */
-static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, u64 ret_ns)
+ * else, found on its CPU by a timer interrupt at `seen_ns` (offcpu_running), there (at most that long, by up to
+ * a tick: GT_OFFCPU_END_SEEN); else (found at its next switch away, before any tick) its end is unknown and the
+ * span is counted lost. Either way the entry is forgotten, so it does not stay open. held_* are empty: who had
+ * the CPU is unknown. */
+static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, u64 ret_ns, u64 seen_ns)
 {
     count_drop(GT_NOTE_UNREPORTED);
     u64 end = o->wake_ns, flag = GT_OFFCPU_END_WAKE;
     if (!end && ret_ns && (o->state & (GT_STATE_S | GT_STATE_D))) {
         end = ret_ns;
         flag = GT_OFFCPU_END_RET;
+    } else if (!end && seen_ns) {
+        end = seen_ns;
+        flag = GT_OFFCPU_END_SEEN;
     }
     if (!end || end < o->ts) {
         count_drop(GT_NOTE_UNREPORTED_LOST);
@@ -723,7 +728,7 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
     if (dur >= OFFCPU_THRESHOLD_NS) { /* it may have slept: an entry still open means its return went unreported */
         struct gt_offcpu_val *o = offcpu.lookup(&tid);
         if (o)
-            offcpu_unreported(tid, o, now);
+            offcpu_unreported(tid, o, now, 0);
     }
     if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
         emit_path(&c, id, now, ret, si);
@@ -1048,7 +1053,7 @@ GT_SCHED_PROBE(sched_switch)
     if (prev != 0 && is_target(id >> 32)) {
         struct gt_offcpu_val *old = offcpu.lookup(&prev);
         if (old) /* leaving its CPU again: the switch that gave it the CPU was not reported */
-            offcpu_unreported(prev, old, 0);
+            offcpu_unreported(prev, old, 0, 0);
         struct gt_offcpu_val v = {};
         v.ts = now;
         v.pid = id >> 32;
@@ -1116,7 +1121,26 @@ int gt_irq_handler_entry(void *ctx) { return irq_enter(0); }
 int gt_irq_handler_exit(void *ctx) { return irq_leave(0); }
 int gt_softirq_entry(void *ctx) { return irq_enter(1); }
 int gt_softirq_exit(void *ctx) { return irq_leave(1); }
-int gt_hrtimer_expire_entry(void *ctx) { return irq_enter(2); }
+/* A timer interrupt in a traced thread whose off-CPU entry is still open: the thread is on its CPU (the entry is
+ * made and taken in the scheduler with interrupts off, so no interrupt comes between), and the switch that gave
+ * it back fired no sched_switch. The scheduler's tick comes every few ms to a busy CPU, so a thread preempted
+ * (or throttled) and given its CPU back unseen has its span ended within a tick, not lost at its next switch
+ * away (offcpu_unreported, GT_OFFCPU_END_SEEN). One lookup per timer on the host. */
+static __always_inline void offcpu_running(void)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (!tid)
+        return;
+    struct gt_offcpu_val *o = offcpu.lookup(&tid);
+    if (o)
+        offcpu_unreported(tid, o, 0, bpf_ktime_get_ns());
+}
+
+int gt_hrtimer_expire_entry(void *ctx)
+{
+    offcpu_running();
+    return irq_enter(2);
+}
 int gt_hrtimer_expire_exit(void *ctx) { return irq_leave(2); }
 
 /* The innermost context: the one entered last (a timer interrupt can come in the middle of a softirq; the

@@ -194,7 +194,7 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
     u32 held_pid;
     u32 held_tid;
     char held_comm[GT_COMM_LEN];
-    u64 pad; /* GT_OFFCPU_END_WAKE, GT_OFFCPU_END_RET, GT_OFFCPU_START_CALL, or 0 */
+    u64 pad; /* GT_OFFCPU_END_WAKE, GT_OFFCPU_END_RET, GT_OFFCPU_END_SEEN, GT_OFFCPU_START_CALL, or 0 */
 };
 /* gt_offcpu2_event.pad: the kernel did not report the switch back to the thread (held_* are empty); end_ns is its
  * wakeup (the wait for a CPU after it unknown), or, with no wakeup seen either, the return of the call it slept in */
@@ -203,6 +203,9 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
 /* ... and where the switch away was not reported either (the thread was woken off its CPU with no entry), its
  * start_ns is the start of the call it slept in: off CPU at most since then (state S) */
 #define GT_OFFCPU_START_CALL 0x4
+/* ... or, with neither, the first timer interrupt (the scheduler's tick) that found the thread on its CPU: off CPU
+ * at most that long, by up to a tick */
+#define GT_OFFCPU_END_SEEN 0x8
 
 /* gt_uring_event.flags */
 #define GT_URING_FIXED 0x1  /* a registered (fixed) file: its fd is not known */
