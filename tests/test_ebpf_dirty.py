@@ -5,8 +5,10 @@ other's are not."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +22,17 @@ pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftes
 
 WRITER = """
 import os, sys, time
+spin = sys.argv[2:] == ["spin"]
+if spin:  # a real-time priority: not preempted by other work on the host (a CPU hog) while it spins
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
 sys.stdin.readline()
 chunk = os.urandom(64 << 10)
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 longest = 0
 for _ in range(32):
+    t = time.monotonic_ns()
+    while spin and time.monotonic_ns() - t < 1_000_000:  # on its CPU for 1 ms before each write
+        pass
     t = time.monotonic_ns()
     os.write(fd, chunk)
     longest = max(longest, time.monotonic_ns() - t)
@@ -40,9 +48,9 @@ def throttled(tmp_path: Path) -> Iterator[LoopFs]:
         yield fs
 
 
-def _writer(path: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+def _writer(path: Path, *how: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(path), *how], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
 
 
 def _run(out: Path, traced: subprocess.Popen[str], *others: subprocess.Popen[str]) -> list[str]:
@@ -80,7 +88,8 @@ def test_pauses_of_a_traced_writer_are_recorded_in_its_writes(throttled: LoopFs,
         call = next((s for s in writes if s.start_ns <= p.ts <= s.end_ns), None)
         assert call is not None and call.obj == str(throttled.mountpoint / "traced.bin"), (p, writes)
         sleep = next((o for o in offs if p.ts <= o.start_ns <= p.ts + 1_000_000), None)
-        assert sleep is not None and sleep.state == "D", (p, offs)
+        near = [o for o in offs if abs(o.start_ns - p.ts) < 50_000_000 or o.start_ns <= p.ts <= o.end_ns]
+        assert sleep is not None and sleep.state == "D", (p, near)
         assert 0.5 * p.pause_ns <= sleep.end_ns - sleep.start_ns <= 2 * p.pause_ns + 20_000_000, (p, sleep)
 
 
@@ -154,7 +163,10 @@ def test_a_pause_whose_switch_away_was_not_reported_starts_at_the_pause(throttle
                 except KeyError:
                     continue
                 if leaf.state & 2 and not leaf.wake_ns and leaf.ts not in taken:  # asleep in D, not woken yet
-                    del table[key]
+                    try:
+                        del table[key]
+                    except KeyError:
+                        continue  # its switch back came first: nothing taken
                     taken.append(leaf.ts)
             assert traced.communicate(timeout=60)[1] is None and traced.returncode == 0
             skipped = src.skipped()
@@ -169,3 +181,56 @@ def test_a_pause_whose_switch_away_was_not_reported_starts_at_the_pause(throttle
     assert found and all(o.state == "D" and o.wake_ns for o in found), (found, taken)
     assert skipped[events.UNREPORTED_SWITCHES[0]] >= len(found)
     assert reader.trailer is not None and not any(reader.trailer["drops"].values())
+
+
+def test_a_sleep_whose_switch_back_was_not_reported_ends_at_the_next_pause(throttled: LoopFs, tmp_path: Path) -> None:
+    """A pause's sleep whose timer fires while a task the kernel reports nothing for holds the CPU is woken
+    unseen, and taking the CPU from that task it comes back unseen: its entry stays open, with no wakeup (see
+    tests/test_ebpf_unreported.py). The writer then pauses again, often before any timer tick, and the switch
+    away of that sleep would find the entry open and lose the span. The pause's program runs in the writer, on
+    its CPU: the span ends there (off CPU at most that long). The test writes such an entry (in D, not woken)
+    whenever the writer is on its CPU, and checks where each one ended."""
+    from gputrace.probes.ebpf import events
+
+    traced = _writer(throttled.mountpoint / "traced.bin", "spin")
+    out = tmp_path / "unseen.gputrace"
+    planted: list[int] = []
+    # The writer and this thread on CPUs of their own: the real-time writer would otherwise keep this thread off
+    # the CPU they share for exactly the time it is to be seen running.
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:
+        os.sched_setaffinity(traced.pid, cpus[1:])
+        os.sched_setaffinity(0, cpus[:1])
+    try:
+        with ebpf_capture(out, [traced.pid], sched_hook="raw") as src:
+            table = src._bpf[b"offcpu"]  # noqa: SLF001 - the test plays the part of the kernel's missing event
+            key = table.Key(traced.pid)
+            assert traced.stdin is not None
+            traced.stdin.write("go\n")
+            traced.stdin.flush()
+            while traced.poll() is None:
+                try:
+                    if table[key].ts not in planted:
+                        continue  # off its CPU: the kernel's own entry
+                except KeyError:
+                    leaf = table.Leaf()
+                    # as if it had left its CPU 5 ms ago (longer than the threshold) and not been seen since
+                    leaf.ts = time.clock_gettime_ns(time.CLOCK_MONOTONIC) - 5_000_000
+                    leaf.pid, leaf.state = traced.pid, 2  # D
+                    table[key] = leaf
+                    planted.append(leaf.ts)
+            assert traced.communicate(timeout=60)[1] is None and traced.returncode == 0
+            skipped = src.skipped()
+    finally:
+        os.sched_setaffinity(0, cpus)
+        if traced.poll() is None:
+            traced.kill()
+            traced.wait()
+    assert planted, "the writer was never seen on its CPU"
+    records, _ = read_capture(out)
+    pauses = {p.ts for p in of(records, DirtyPause)}
+    spans = [o for o in of(records, OffCpu) if o.pid == traced.pid and o.start_ns in planted]
+    assert all(o.state == "D" and o.end_ns > o.start_ns for o in spans), spans
+    at_pause = [o for o in spans if o.end_ns in pauses]
+    assert at_pause, (spans, sorted(pauses), planted)
+    assert skipped[events.UNREPORTED_SWITCHES[0]] >= len(at_pause)

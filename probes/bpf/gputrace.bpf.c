@@ -157,14 +157,6 @@ static __always_inline struct gt_inflight *recorded_call(u32 tid)
     return c && c->tid == tid ? c : 0;
 }
 
-/* Thread `tid`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns. */
-static __always_inline void seen_running(u32 tid, u64 now)
-{
-    struct gt_inflight *c = recorded_call(tid);
-    if (c)
-        c->ran_ns = now;
-}
-
 /* ------------------------------------------------------------------------- select fd sets ---- */
 
 /* The index of the lowest bit set in w (w != 0): BPF has no count-trailing-zeros instruction. */
@@ -667,8 +659,9 @@ static __always_inline struct gt_offcpu2_event *offcpu_event(u32 tid, struct gt_
  * and a timer that wakes it while one runs wakes it unseen. The span ends at its wakeup when one was seen (it
  * was off CPU at least that long; the wait for a CPU after it is unknown: GT_OFFCPU_END_WAKE); else, for a sleep
  * (S or D) ended by a call's return at `ret_ns`, there (it was off CPU at most that long: GT_OFFCPU_END_RET);
- * else, found on its CPU by a timer interrupt at `seen_ns` (offcpu_running), there (at most that long, by up to
- * a tick: GT_OFFCPU_END_SEEN); else (found at its next switch away, before any tick) its end is unknown and the
+ * else, found on its CPU at `seen_ns` by a timer interrupt (offcpu_running: at most that long, by up to a tick) or
+ * by a program in its own context (a call's return, a dirty pause, a block request it submitted: seen_running),
+ * there (GT_OFFCPU_END_SEEN); else (found at its next switch away, before any tick) its end is unknown and the
  * span is counted lost. Either way the entry is forgotten, so it does not stay open. held_* are empty: who had
  * the CPU is unknown. */
 static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, u64 ret_ns, u64 seen_ns)
@@ -692,6 +685,20 @@ static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, 
         }
     }
     offcpu_forget(tid, o);
+}
+
+/* Thread `tid`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns. An off-CPU
+ * entry still open ended before now, its switch back unreported (offcpu_unreported: at its wakeup if one was seen,
+ * else here, GT_OFFCPU_END_SEEN): a dirty pause's sleep whose timer woke it unseen is ended by the next pause, not
+ * lost at the switch away that pause begins. */
+static __always_inline void seen_running(u32 tid, u64 now)
+{
+    struct gt_inflight *c = recorded_call(tid);
+    if (c)
+        c->ran_ns = now;
+    struct gt_offcpu_val *o = offcpu.lookup(&tid);
+    if (o)
+        offcpu_unreported(tid, o, 0, now);
 }
 
 int gt_sys_exit(GT_EXIT_CTX *ctx)
@@ -728,7 +735,7 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
     if (dur >= OFFCPU_THRESHOLD_NS) { /* it may have slept: an entry still open means its return went unreported */
         struct gt_offcpu_val *o = offcpu.lookup(&tid);
         if (o)
-            offcpu_unreported(tid, o, now, 0);
+            offcpu_unreported(tid, o, now, now);
     }
     if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
         emit_path(&c, id, now, ret, si);

@@ -203,8 +203,9 @@ struct gt_offcpu2_event { /* 96 bytes: not 88, gt_fdrecv_event's size, by which 
 /* ... and where the switch away was not reported either (the thread was woken off its CPU with no entry), its
  * start_ns is the start of the call it slept in: off CPU at most since then (state S) */
 #define GT_OFFCPU_START_CALL 0x4
-/* ... or, with neither, the first timer interrupt (the scheduler's tick) that found the thread on its CPU: off CPU
- * at most that long, by up to a tick */
+/* ... or, with neither, where the thread was first found on its CPU: by a timer interrupt (the scheduler's tick:
+ * off CPU at most that long, by up to a tick), or by a program in its own context (a call's return, a dirty
+ * pause, a block request it submitted) */
 #define GT_OFFCPU_END_SEEN 0x8
 
 /* gt_uring_event.flags */
