@@ -234,3 +234,72 @@ def test_a_sleep_whose_switch_back_was_not_reported_ends_at_the_next_pause(throt
     at_pause = [o for o in spans if o.end_ns in pauses]
     assert at_pause, (spans, sorted(pauses), planted)
     assert skipped[events.UNREPORTED_SWITCHES[0]] >= len(at_pause)
+
+
+# Reads 64 MiB from /dev/zero into a buffer it has touched: a call of several ms on its CPU that never sleeps. A
+# real-time priority keeps other work on the host (a CPU hog) from preempting it.
+READER = """
+import os, sys, threading
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+buf = bytearray(64 << 20)
+zero = open("/dev/zero", "rb", buffering=0)
+print(threading.get_native_id(), flush=True)
+for line in sys.stdin:
+    zero.readinto(buf)
+    print("done", flush=True)
+"""
+
+
+def test_a_pause_whose_sleep_went_unseen_ends_where_the_thread_is_found_running(tmp_path: Path) -> None:
+    """Neither the switch away after a dirty pause nor the timer's wakeup reported (both while a task the kernel
+    reports nothing for holds the CPU: see tests/test_ebpf_unreported.py) leaves no entry at all; the pause
+    itself was seen, and a positive pause is slept right after it. The thread found running later in the same
+    call (its return, a later pause or block request), with no switch away seen since the pause, was off CPU at
+    most from the pause until then: that span is recorded, in D, counted with the unreported switches. A thread
+    back sooner than half its pause (a nowait write returns instead of sleeping) did not sleep it: nothing. The
+    test writes such a pause, at the call's start, into the in-flight slot of a long read() on its CPU."""
+    from gputrace.probes.ebpf import events
+
+    child = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    out = tmp_path / "pause.gputrace"
+    cpus = sorted(os.sched_getaffinity(0))  # the reader and this thread on CPUs of their own, as above
+    planted: dict[str, int] = {}
+    try:
+        tid = int(child.stdout.readline())
+        if len(cpus) > 1:
+            os.sched_setaffinity(child.pid, cpus[1:])
+            os.sched_setaffinity(0, cpus[:1])
+        with ebpf_capture(out, [child.pid], threshold_ns=100_000) as src:
+            table = src._bpf[b"inflight"]  # noqa: SLF001 - the test plays the part of the kernel's missing events
+            key = table.Key(tid & 0xFFFF)
+            for how, pause_ns in (("slept", 1_000_000), ("not slept", 10**12)):
+                for _ in range(20):  # until a write lands while the read is still on its CPU
+                    before = src.skipped()
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    while table[key].tid != tid:
+                        pass
+                    slot = table[key]
+                    slot.pause_ts, slot.pause_ns = slot.ts, pause_ns  # paused as the read began
+                    table[key] = slot
+                    back = table[key]
+                    landed = back.tid == tid and back.pause_ts == slot.pause_ts  # before the call's return
+                    assert child.stdout.readline() == "done\n"
+                    if landed:
+                        planted[how] = slot.pause_ts
+                        counted = src.skipped()[events.UNREPORTED_SWITCHES[0]] - before[events.UNREPORTED_SWITCHES[0]]
+                        assert counted >= (1 if how == "slept" else 0), (how, counted)
+                        break
+    finally:
+        os.sched_setaffinity(0, cpus)
+        child.kill()
+        child.wait()
+    assert set(planted) == {"slept", "not slept"}, planted
+    records, reader = read_capture(out)
+    spans = {o.start_ns: o for o in of(records, OffCpu) if o.tid == tid}
+    read = next(c for c in of(records, Syscall) if c.tid == tid and c.start_ns == planted["slept"])
+    o = spans[planted["slept"]]  # from the pause to the read's return: no wakeup, no waker, nobody held the CPU
+    assert (o.state, o.end_ns, o.wake_ns, o.waker_tid, o.held_tid) == ("D", read.end_ns, 0, 0, 0), (o, read)
+    assert planted["not slept"] not in spans
+    assert reader.trailer is not None and not any(reader.trailer["drops"].values())

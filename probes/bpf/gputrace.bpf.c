@@ -146,6 +146,7 @@ static __always_inline struct gt_inflight *sys_enter_slot(u64 id, u32 nr)
     v->ts = bpf_ktime_get_ns();
     v->nr = nr;
     v->ran_ns = 0;
+    v->pause_ts = 0;
     return v;
 }
 
@@ -687,15 +688,45 @@ static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, 
     offcpu_forget(tid, o);
 }
 
-/* Thread `tid`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns. An off-CPU
+/* Thread `tid` of process `pid`, in call `c`, is on its CPU at `now` after a dirty pause (c->pause_ts) whose sleep
+ * no switch away was seen for: neither the switch away nor the timer's wakeup was reported (both while a task the
+ * kernel reports nothing for held the CPU: see offcpu_unreported). A positive pause is slept right after it, in D
+ * (a nowait write, BDP_ASYNC, returns instead: back sooner than half the pause, it is taken as not slept), so the
+ * thread was off CPU at most from the pause until now: that span (GT_OFFCPU_START_CALL, GT_OFFCPU_END_SEEN, no
+ * waker), counted with the unreported switches. */
+static __always_inline void pause_unseen(u32 pid, u32 tid, struct gt_inflight *c, u64 now)
+{
+    u64 from = c->pause_ts;
+    c->pause_ts = 0;
+    if (!from || now < from || 2 * (now - from) < c->pause_ns)
+        return;
+    count_drop(GT_NOTE_UNREPORTED);
+    if (now - from < OFFCPU_THRESHOLD_NS)
+        return;
+    struct gt_offcpu_val v = {};
+    v.ts = from;
+    v.pid = pid;
+    v.state = GT_STATE_D;
+    v.flags = GT_OFFCPU_START_CALL;
+    struct gt_offcpu2_event *e = offcpu_event(tid, &v, now);
+    if (e) {
+        e->pad |= GT_OFFCPU_END_SEEN;
+        events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
+    }
+}
+
+/* Thread `id`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns. An off-CPU
  * entry still open ended before now, its switch back unreported (offcpu_unreported: at its wakeup if one was seen,
  * else here, GT_OFFCPU_END_SEEN): a dirty pause's sleep whose timer woke it unseen is ended by the next pause, not
- * lost at the switch away that pause begins. */
-static __always_inline void seen_running(u32 tid, u64 now)
+ * lost at the switch away that pause begins; one whose switch away went unseen too ends here (pause_unseen). */
+static __always_inline void seen_running(u64 id, u64 now)
 {
+    u32 tid = (u32)id;
     struct gt_inflight *c = recorded_call(tid);
-    if (c)
+    if (c) {
+        pause_unseen(id >> 32, tid, c, now);
         c->ran_ns = now;
+    }
     struct gt_offcpu_val *o = offcpu.lookup(&tid);
     if (o)
         offcpu_unreported(tid, o, 0, now);
@@ -736,6 +767,7 @@ int gt_sys_exit(GT_EXIT_CTX *ctx)
         struct gt_offcpu_val *o = offcpu.lookup(&tid);
         if (o)
             offcpu_unreported(tid, o, now, now);
+        pause_unseen(id >> 32, tid, &c, now);
     }
     if (si->flags & (GT_F_PATH | GT_F_SOCKADDR | GT_F_SOCKADDR_PLEN))
         emit_path(&c, id, now, ret, si);
@@ -1058,6 +1090,9 @@ GT_SCHED_PROBE(sched_switch)
     }
 #endif
     if (prev != 0 && is_target(id >> 32)) {
+        struct gt_inflight *c = recorded_call(prev);
+        if (c)
+            c->pause_ts = 0; /* the sleep after a dirty pause in it has its entry */
         struct gt_offcpu_val *old = offcpu.lookup(&prev);
         if (old) /* leaving its CPU again: the switch that gave it the CPU was not reported */
             offcpu_unreported(prev, old, 0, 0);
@@ -1268,6 +1303,7 @@ static __always_inline void unreported_switch_away(u32 tid, u64 task, struct gt_
     gt_read_kernel(&on_cpu, sizeof(on_cpu), (void *)task + GT_TASK_ON_CPU_OFF);
     if (on_cpu)
         return;
+    c->pause_ts = 0; /* the span starts here */
     count_drop(GT_NOTE_UNREPORTED);
     struct gt_offcpu_val v = {};
     v.ts = start;
@@ -1328,7 +1364,7 @@ static __always_inline int block_submit(u32 dev, u64 sector)
     v.ts = bpf_ktime_get_ns();
     v.pid = id >> 32;
     v.tid = (u32)id;
-    seen_running(v.tid, v.ts); /* a traced submitter: none for another's (the slot is not its) */
+    seen_running(id, v.ts); /* a traced submitter: none for another's (the slot and entry are not its) */
     bpf_get_current_comm(v.comm, sizeof(v.comm));
     if (blk.update(&k, &v))
         count_drop(GT_DROP_BLOCK);
@@ -1407,7 +1443,12 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
     e->pid = id >> 32;
     e->tid = (u32)id;
     e->ts = bpf_ktime_get_ns();
-    seen_running(e->tid, e->ts);
+    seen_running(id, e->ts);
+    struct gt_inflight *c = recorded_call(e->tid);
+    if (c) { /* slept right after: pause_unseen if no switch away is seen for it */
+        c->pause_ts = e->ts;
+        c->pause_ns = (u64)args->pause * 1000000;
+    }
     e->pause_ms = args->pause;
 #if GT_DIRTY_WB
     e->wb_dirty = args->wb_dirty;

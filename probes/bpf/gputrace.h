@@ -117,6 +117,10 @@ struct gt_inflight {
     /* The latest time a program running in the thread's own context saw it on its CPU during this call (a
      * dirty pause, a block request it submitted), 0 if none: a bound on when an unreported switch away came. */
     u64 ran_ns;
+    /* A dirty pause in this call whose sleep no switch away has been seen for (yet): its time (0 if none) and
+     * length. A program in the thread's context that finds it later makes the span (pause_unseen). */
+    u64 pause_ts;
+    u64 pause_ns;
 };
 
 struct gt_agg_key {
