@@ -667,6 +667,37 @@ def test_sync_woken_late_by_a_starved_device_thread_is_that_threads_run_queue(tm
     assert next(s for s in r["stalls"] if s["device"] == 0)["cause"] == "sync"
 
 
+def test_sync_woken_late_by_a_device_thread_blocked_for_no_known_reason_is_unknown(tmp_path: Path) -> None:
+    # The device finished at 10; its stream thread then sat in a call nothing interprets (an ioctl woken by an
+    # interrupt) until 36 and only then woke the trainer: the wait past 10 was not the GPU's (it was done), and
+    # the chain cannot say whose it was: unknown, never sync. (The gil scenario beside a CPU hog: the stream
+    # thread's wait for the interpreter's lock, two threads that could have held it.)
+    stream = TRAINER + 1
+    b = trainer().thread(TRAINER, stream, "sim-gpu0-s1")
+    b.sync(TRAINER, TRAINER, 8.0, 38.0).syscall(TRAINER, TRAINER, "futex", 8.0, 38.0)
+    b.offcpu(TRAINER, TRAINER, 8.0, 38.0, "S", 36.5, (TRAINER, stream, "sim-gpu0-s1"))
+    b.syscall(TRAINER, stream, "ioctl", 9.0, 36.0, "/dev/other")
+    b.offcpu(TRAINER, stream, 9.0, 36.0, "S", 35.9, (0, 0, "[irq]"))
+    s = only_stall(run(b, tmp_path))
+    parts = {p["cause"]: p["ns"] for p in s["breakdown"]}
+    assert s["cause"] == "unknown" and s["via"] == [f"wait:pid {TRAINER}"], s
+    assert parts["unknown"] == ns(35.9) - ns(10) and "sync" not in parts, parts
+
+
+def test_sync_timed_out_on_a_lock_once_the_device_was_done_names_its_holder_or_nobody(tmp_path: Path) -> None:
+    # The device finished at 10; the synchronizing trainer's futex then timed out (the interpreter's lock,
+    # held by another thread): the one thread that ran through it held it; of two, nobody is named, and the
+    # time is unknown with why, never sync.
+    from gputrace.analysis.explain import LOCK_HOLDER_WHY
+
+    s = only_stall(run(_gil_wait(trainer().sync(TRAINER, TRAINER, 10.5, 39.5), TRAINER + 1), tmp_path))
+    assert (s["cause"], s["via"]) == ("cpu", [f"gil:tid {TRAINER + 1}"]), s
+    s = only_stall(run(_gil_wait(trainer().sync(TRAINER, TRAINER, 10.5, 39.5), TRAINER + 1, TRAINER + 2), tmp_path))
+    parts = {p["cause"]: p["ns"] for p in s["breakdown"]}
+    assert (s["cause"], s["why"]) == ("unknown", LOCK_HOLDER_WHY), s
+    assert parts["unknown"] >= ns(39.3) - ns(10.6) and parts.get("sync", 0) < 1_000_000, parts
+
+
 def test_sync_api_call_without_a_sync_record_is_sync(tmp_path: Path) -> None:
     from gputrace.records import CudaApi
 

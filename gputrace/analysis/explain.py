@@ -31,6 +31,7 @@ TOO_DEEP_WHY = f"the wait chain went on past {MAX_DEPTH} hops: not followed furt
 # A wait in a recorded call with no off-CPU record in it: off CPU for less than the threshold, or its switch
 # was not recorded (the probes lose one now and then, counting no drop: docs/probes.md)
 NO_OFFCPU_WHY = "no off-CPU record of this wait: who ended it is not known"
+LOCK_HOLDER_WHY = "the GPU had finished: the sync then waited for a lock whose holder is not known"
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
@@ -553,8 +554,9 @@ class Explainer:
     def _late_completion(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], depth: int) -> list[Part]:
         """A GPU sync still blocked after the device finished everything it had started: the wait past
         that point is for the thread that delivers the completion. Where that thread is a traced user
-        thread (a simulated device's stream thread, a runtime's helper), its time is followed as a wait's;
-        a wake from an interrupt or the driver stays ``sync``."""
+        thread (a simulated device's stream thread, a runtime's helper), its time is followed as a wait's,
+        and what its chain cannot explain is ``unknown`` (not the GPU's: it was done); so is a timed-out
+        wait for a lock whose holder is not known. A wake from an interrupt or the driver stays ``sync``."""
         parts: list[Part] = []
         pid = self.cap.pid_of(sc.tid)
         for o in blocked:
@@ -570,11 +572,13 @@ class Explainer:
             lx, ly = max(o.start_ns, x, done), min(o.wake_ns, o.end_ns, y)
             if ly <= lx:
                 continue
-            # what the chain cannot explain stays the sync's
+            # the device was done: what the chain cannot explain is unknown, not the GPU's
             if by_task:
-                parts.extend(p for p in self._follow(sc, o, lx, ly, depth) if p.cause != "unknown")
+                parts.extend(self._follow(sc, o, lx, ly, depth))
             else:  # a timed-out wait for a lock once the device was done: the interpreter's, held by another thread
-                parts.extend(p for p in self._held(sc, o, lx, ly, depth) if p.cause != "unknown")
+                parts.extend(self._held(sc, o, lx, ly, depth) or [
+                    Part("unknown", ly - lx, empty_culprit(), evidence=[evidence_syscall(sc), evidence_offcpu(o)],
+                         extra={"why": LOCK_HOLDER_WHY})])
         return parts
 
     def _device_done(self, pid: int, t: int) -> int | None:
