@@ -5,17 +5,20 @@ other's are not."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from workloads.ebpfcap import ebpf_capture, of, read_capture
 from workloads.loopdev import LoopFs, dirty_limit, loop_filesystem
 
+from gputrace.probes.ebpf.source import EbpfSource
 from gputrace.records import DirtyPause, OffCpu, Syscall
 
 pytestmark = pytest.mark.kernel  # root and the host's kernel (see tests/conftest.py)
@@ -70,6 +73,24 @@ def _run(out: Path, traced: subprocess.Popen[str], *others: subprocess.Popen[str
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@contextlib.contextmanager
+def _playing_the_kernel(out: Path, traced: subprocess.Popen[str]) -> Iterator[tuple[EbpfSource, Any, Any]]:
+    """A capture of ``traced`` with the raw scheduler hooks, the writer told to go: the source, its real
+    ``offcpu`` map and the writer's key in it, for a test to play the part of the kernel's missing events. The
+    writer is killed if it still runs at the end."""
+    try:
+        with ebpf_capture(out, [traced.pid], sched_hook="raw") as src:
+            table = src._bpf[b"offcpu"]  # noqa: SLF001 - the test plays the part of the kernel's missing events
+            assert traced.stdin is not None
+            traced.stdin.write("go\n")
+            traced.stdin.flush()
+            yield src, table, table.Key(traced.pid)
+    finally:
+        if traced.poll() is None:
+            traced.kill()
+            traced.wait()
 
 
 def test_pauses_of_a_traced_writer_are_recorded_in_its_writes(throttled: LoopFs, tmp_path: Path) -> None:
@@ -150,30 +171,20 @@ def test_a_pause_whose_switch_away_was_not_reported_starts_at_the_pause(throttle
     traced = _writer(throttled.mountpoint / "traced.bin")
     out = tmp_path / "unreported.gputrace"
     taken: list[int] = []  # the start of each entry taken away
-    try:
-        with ebpf_capture(out, [traced.pid], sched_hook="raw") as src:
-            table = src._bpf[b"offcpu"]  # noqa: SLF001 - the test plays the part of the kernel's missing event
-            key = table.Key(traced.pid)
-            assert traced.stdin is not None
-            traced.stdin.write("go\n")
-            traced.stdin.flush()
-            while traced.poll() is None and len(taken) < 4:
+    with _playing_the_kernel(out, traced) as (src, table, key):
+        while traced.poll() is None and len(taken) < 4:
+            try:
+                leaf = table[key]
+            except KeyError:
+                continue
+            if leaf.state & 2 and not leaf.wake_ns and leaf.ts not in taken:  # asleep in D, not woken yet
                 try:
-                    leaf = table[key]
+                    del table[key]
                 except KeyError:
-                    continue
-                if leaf.state & 2 and not leaf.wake_ns and leaf.ts not in taken:  # asleep in D, not woken yet
-                    try:
-                        del table[key]
-                    except KeyError:
-                        continue  # its switch back came first: nothing taken
-                    taken.append(leaf.ts)
-            assert traced.communicate(timeout=60)[1] is None and traced.returncode == 0
-            skipped = src.skipped()
-    finally:
-        if traced.poll() is None:
-            traced.kill()
-            traced.wait()
+                    continue  # its switch back came first: nothing taken
+                taken.append(leaf.ts)
+        assert traced.communicate(timeout=60)[1] is None and traced.returncode == 0
+        skipped = src.skipped()
     assert taken, "the writer never slept in D"
     records, reader = read_capture(out)
     pauses = {p.ts for p in of(records, DirtyPause)}
@@ -202,12 +213,7 @@ def test_a_sleep_whose_switch_back_was_not_reported_ends_at_the_next_pause(throt
         os.sched_setaffinity(traced.pid, cpus[1:])
         os.sched_setaffinity(0, cpus[:1])
     try:
-        with ebpf_capture(out, [traced.pid], sched_hook="raw") as src:
-            table = src._bpf[b"offcpu"]  # noqa: SLF001 - the test plays the part of the kernel's missing event
-            key = table.Key(traced.pid)
-            assert traced.stdin is not None
-            traced.stdin.write("go\n")
-            traced.stdin.flush()
+        with _playing_the_kernel(out, traced) as (src, table, key):
             while traced.poll() is None:
                 try:
                     if table[key].ts not in planted:
@@ -223,9 +229,6 @@ def test_a_sleep_whose_switch_back_was_not_reported_ends_at_the_next_pause(throt
             skipped = src.skipped()
     finally:
         os.sched_setaffinity(0, cpus)
-        if traced.poll() is None:
-            traced.kill()
-            traced.wait()
     assert planted, "the writer was never seen on its CPU"
     records, _ = read_capture(out)
     pauses = {p.ts for p in of(records, DirtyPause)}
