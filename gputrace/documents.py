@@ -224,6 +224,7 @@ class CgroupFields(TypedDict, total=False):
     cgroup_periods: int
     cgroup_throttled_periods: int
     cgroup_throttled_ns: int
+    cgroup_counted_from_ns: int  # the cgroup was first read after the stall began: its counters from then
 
 
 class SampledFields(TypedDict, total=False):

@@ -183,6 +183,18 @@ def _throttled_trainer(path: str = CONTAINER, member: str = CONTAINER, throttled
     return b.throttle(path, 2.0, 0.0, 500.0, 10).throttle(path, 39.0, 37.0, 500.0 + throttled_ms, 11)
 
 
+def test_a_cgroup_first_read_after_the_stall_began_is_counted_from_that_reading(tmp_path: Path) -> None:
+    """The worker joined its cgroup after the stall began, so the group's first reading (12 ms) came after the
+    stall's start (10 ms): its counters are taken from that reading, which the culprit says; the throttle named
+    (between 37 and 39 ms) is after it, so none of it is left out."""
+    b = trainer().offcpu(TRAINER, TRAINER, 11.0, 38.0, "R").cpu_cgroup(TRAINER, 1.0, CONTAINER)
+    b.throttle(CONTAINER, 12.0, 0.0, 500.0, 10).throttle(CONTAINER, 39.0, 37.0, 527.0, 11)
+    c = only_stall(run(b, tmp_path))["culprit"]
+    assert (c["throttled_ns"], c["cgroup_throttled_periods"], c["cgroup_throttled_ns"]) == (27 * MS, 1, 27 * MS), c
+    assert c["cgroup_counted_from_ns"] == ns(12), c
+    assert "cgroup_counted_from_ns" not in only_stall(run(_throttled_trainer(), tmp_path))["culprit"]
+
+
 def test_a_runnable_wait_a_throttle_ended_is_cpu_throttled(tmp_path: Path) -> None:
     r = run(_throttled_trainer(), tmp_path)
     s = only_stall(r)

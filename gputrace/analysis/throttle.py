@@ -207,17 +207,23 @@ def counters(rows: list[CpuThrottle], a: int, b: int) -> CgroupFields:
     """The increase of one cgroup's counters over [a, b), from its readable samples ``rows`` (by time).
     Samples are recorded only when the counters changed: the values at a time are the last record's before
     it, unless the next record says the change may have come sooner (its ``prev_ts`` before that time), when
-    that record's are taken for ``b``. {} when no record is at or before ``a``."""
+    that record's are taken for ``b``. With no record at or before ``a`` (the cgroup was first read after the
+    window began: a process that joined it then), from its first record before ``b``, whose time is
+    ``cgroup_counted_from_ns`` (the throttles the analysis names come from the records too, so none is left
+    out); {} when there is none."""
     ts = [r.ts for r in rows]
     i, j = bisect_right(ts, a) - 1, bisect_right(ts, b) - 1
+    since: CgroupFields = {}
     if i < 0:
-        return {}
+        if not rows or rows[0].ts >= b:
+            return {}
+        i, since = 0, {"cgroup_counted_from_ns": rows[0].ts}
     if j + 1 < len(rows) and rows[j + 1].prev_ts < b:
         j += 1
     first, end = rows[i], rows[j]
     return {"cgroup_periods": end.nr_periods - first.nr_periods,
             "cgroup_throttled_periods": end.nr_throttled - first.nr_throttled,
-            "cgroup_throttled_ns": end.throttled_ns - first.throttled_ns}
+            "cgroup_throttled_ns": end.throttled_ns - first.throttled_ns, **since}
 
 
 def _members(cap: Any) -> dict[int, list[tuple[int, str]]]:
