@@ -715,11 +715,12 @@ static __always_inline void pause_unseen(u32 pid, u32 tid, struct gt_inflight *c
     }
 }
 
-/* Thread `id`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns. An off-CPU
+/* Thread `id`, in a program running in its context at `now`, is on its CPU: see gt_inflight.ran_ns; its call's
+ * in-flight slot (NULL when it is in no recorded call). An off-CPU
  * entry still open ended before now, its switch back unreported (offcpu_unreported: at its wakeup if one was seen,
  * else here, GT_OFFCPU_END_SEEN): a dirty pause's sleep whose timer woke it unseen is ended by the next pause, not
  * lost at the switch away that pause begins; one whose switch away went unseen too ends here (pause_unseen). */
-static __always_inline void seen_running(u64 id, u64 now)
+static __always_inline struct gt_inflight *seen_running(u64 id, u64 now)
 {
     u32 tid = (u32)id;
     struct gt_inflight *c = recorded_call(tid);
@@ -730,6 +731,7 @@ static __always_inline void seen_running(u64 id, u64 now)
     struct gt_offcpu_val *o = offcpu.lookup(&tid);
     if (o)
         offcpu_unreported(tid, o, 0, now);
+    return c;
 }
 
 int gt_sys_exit(GT_EXIT_CTX *ctx)
@@ -1443,8 +1445,7 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
     e->pid = id >> 32;
     e->tid = (u32)id;
     e->ts = bpf_ktime_get_ns();
-    seen_running(id, e->ts);
-    struct gt_inflight *c = recorded_call(e->tid);
+    struct gt_inflight *c = seen_running(id, e->ts);
     if (c) { /* slept right after: pause_unseen if no switch away is seen for it */
         c->pause_ts = e->ts;
         c->pause_ns = (u64)args->pause * 1000000;
