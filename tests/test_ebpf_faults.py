@@ -106,7 +106,8 @@ def test_faults_on_an_overlay_file_name_the_overlay_path(tmp_path: Path) -> None
     names = {(m.dev, m.ino): m.path for m in of(records, FileMap)}
     assert names.get((fs.majmin, layer_ino)) == str(mapped), names
     faults = [f for f in of(records, PageFault) if f.tid == tid and f.dev == fs.majmin]  # not python's own
-    assert faults and {f.obj for f in faults} == {str(mapped)}
+    waits = [o for o in of(records, OffCpu) if o.tid == tid and o.state == "D"]
+    assert faults and {f.obj for f in faults} == {str(mapped)}, (of(records, PageFault), waits[:20])
 
 
 def _inode(records: list[object], path: Path) -> int:
@@ -143,3 +144,100 @@ def _run(out: Path, fs: LoopFs, mapped: Path, plain: Path, scratch: Path) -> tup
     assert reader.complete
     assert reader.drops["ebpf.fault"] == 0 and reader.drops["ebpf.ringbuf"] == 0
     return records, tid
+
+
+# Writes to every page of a cached file through a fresh private mapping, over and over, on its CPU: file faults
+# that never wait (a write fault on a private mapping reads the page from the page cache, one fault per page: no
+# fault-around). A real-time priority keeps other work on the host (a CPU hog) from preempting it.
+TOUCHER = """
+import mmap, os, sys, threading
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print(threading.get_native_id(), flush=True)
+sys.stdin.readline()
+while not os.path.exists(sys.argv[2]):
+    m = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    for i in range(0, len(m), mmap.PAGESIZE):
+        m[i] = 0
+        for _ in range(1000):  # some work between faults
+            pass
+    m.close()
+"""
+
+
+def test_a_fault_wait_whose_switch_back_was_not_reported_is_still_the_fault_s(tmp_path: Path) -> None:
+    """A thread asleep in a file fault that comes back unseen (a task the kernel reports nothing for held the CPU:
+    see tests/test_ebpf_unreported.py) has its entry ended by the thread's next file fault, or a timer tick, or a
+    call's return (see tests/test_ebpf_dirty.py): that span is still the fault's wait, with a PageFault record to
+    the same end; and the next fault's program, which runs on the thread's CPU, ends it. The test writes such an
+    entry (in D, inside the fault the thread last took, not woken) whenever the toucher is on its CPU."""
+    from gputrace.probes.ebpf import events
+
+    with loop_filesystem(tmp_path) as fs:
+        cached = fs.mountpoint / "cached.bin"
+        cached.write_bytes(bytes(range(1, 256)) * (4 << 12))  # ~4 MiB in the page cache
+        stop = tmp_path / "stop"
+        child = subprocess.Popen([sys.executable, "-c", TOUCHER, str(cached), str(stop)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert child.stdin is not None and child.stdout is not None
+        cpus = sorted(os.sched_getaffinity(0))  # the toucher and this thread on CPUs of their own
+        planted: dict[int, int] = {}  # the planted entry's start -> the fault it is inside
+        seen: set[int] = set()  # the ts of every fault this thread saw in the map
+        try:
+            tid = int(child.stdout.readline())
+            if len(cpus) > 1:
+                os.sched_setaffinity(child.pid, cpus[1:])
+                os.sched_setaffinity(0, cpus[:1])
+            with ebpf_capture(tmp_path / "fault.gputrace", [child.pid], threshold_ns=0) as src:
+                offcpu, faults = src._bpf[b"offcpu"], src._bpf[b"faults"]  # noqa: SLF001 - plays the kernel
+                key = offcpu.Key(tid)
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                deadline = time.monotonic() + 20
+                while len(planted) < 20 and time.monotonic() < deadline and child.poll() is None:
+                    try:
+                        fault = faults[faults.Key(tid)]
+                    except KeyError:
+                        continue  # no file fault yet
+                    seen.add(fault.ts)
+                    if fault.ts + 1 in planted:
+                        continue  # this fault's wait is planted already
+                    try:
+                        offcpu[key]
+                        continue  # an entry open: off its CPU, or a planted one not ended yet
+                    except KeyError:
+                        pass
+                    leaf = offcpu.Leaf()
+                    leaf.ts = fault.ts + 1  # as if it had slept in that fault and not been seen since
+                    leaf.pid, leaf.state, leaf.fault_ns = child.pid, 2, fault.ts  # D
+                    offcpu[key] = leaf
+                    planted[leaf.ts] = fault.ts
+                while True:  # the last one ended too (a fault, a tick): the span is in the capture
+                    try:
+                        offcpu[key]
+                    except KeyError:
+                        break
+                stop.touch()
+                assert child.wait(timeout=30) == 0
+                skipped = src.skipped()
+        finally:
+            os.sched_setaffinity(0, cpus)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    assert planted, "the toucher never took a file fault"
+    records, reader = read_capture(tmp_path / "fault.gputrace")
+    spans = {o.start_ns: o for o in of(records, OffCpu) if o.tid == tid and o.start_ns in planted}
+    waits = {(f.start_ns, f.end_ns): f for f in of(records, PageFault) if f.tid == tid}
+    assert spans, planted
+    # A planted entry is the fault's wait while that fault is still the thread's last: the toucher may take its
+    # next fault between this thread reading the map and writing the entry (the wait then names no fault).
+    theirs = {(start, o.end_ns): waits.get((planted[start], o.end_ns)) for start, o in spans.items()}
+    found = [(start, f) for (start, _), f in theirs.items() if f is not None]
+    assert found, (sorted(spans.items()), sorted(waits))
+    assert all(f.obj == str(cached) and f.wait_ns == spans[start].end_ns - start for start, f in found), found
+    ended = [w for w in waits if w[0] in planted.values()]
+    assert len(ended) == len(found), (ended, found)  # none that is not a planted span's, to its end
+    assert [o for o in spans.values() if o.end_ns in seen], "no planted wait ended at the toucher's next fault"
+    assert skipped[events.UNREPORTED_SWITCHES[0]] >= len(spans)
+    assert reader.trailer is not None and not any(reader.trailer["drops"].values())

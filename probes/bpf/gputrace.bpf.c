@@ -654,6 +654,35 @@ static __always_inline struct gt_offcpu2_event *offcpu_event(u32 tid, struct gt_
     return e;
 }
 
+#ifdef HAVE_FILEMAP_FAULT
+/* Thread `tid`'s off-CPU span `o`, inside a file fault, ends at `now` (its switch back, or where offcpu_unreported
+ * ends it): the fault's wait, when in D and at least the threshold. */
+static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now)
+{
+    struct gt_fault_val *f = faults.lookup(&tid);
+    if (!f || f->ts != o->fault_ns)
+        return;
+    f->last = now;
+    if (!(o->state & GT_STATE_D) || now - o->ts < OFFCPU_THRESHOLD_NS)
+        return;
+    struct gt_fault_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_drop(GT_DROP_RINGBUF);
+        return;
+    }
+    e->type = GT_EV_FAULT;
+    e->dev = f->dev;
+    e->pid = f->pid;
+    e->tid = tid;
+    e->fault_ns = f->ts;
+    e->start_ns = o->ts;
+    e->end_ns = now;
+    e->ino = f->ino;
+    e->index = f->index;
+    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
+}
+#endif
+
 /* Thread `tid` is on a CPU (in a syscall's exit, or leaving the CPU) while its off-CPU entry `o` is still open:
  * the switch that gave it the CPU back fired no sched_switch. Some kernels report no event at all while certain
  * tasks hold a CPU (seen with a VM's guest agent): a traced thread that takes the CPU from one comes back unseen,
@@ -661,10 +690,10 @@ static __always_inline struct gt_offcpu2_event *offcpu_event(u32 tid, struct gt_
  * was off CPU at least that long; the wait for a CPU after it is unknown: GT_OFFCPU_END_WAKE); else, for a sleep
  * (S or D) ended by a call's return at `ret_ns`, there (it was off CPU at most that long: GT_OFFCPU_END_RET);
  * else, found on its CPU at `seen_ns` by a timer interrupt (offcpu_running: at most that long, by up to a tick) or
- * by a program in its own context (a call's return, a dirty pause, a block request it submitted: seen_running),
- * there (GT_OFFCPU_END_SEEN); else (found at its next switch away, before any tick) its end is unknown and the
- * span is counted lost. Either way the entry is forgotten, so it does not stay open. held_* are empty: who had
- * the CPU is unknown. */
+ * by a program in its own context (a call's return, a dirty pause, a block request it submitted, a file fault:
+ * seen_running), there (GT_OFFCPU_END_SEEN); else (found at its next switch away, before any tick) its end is
+ * unknown and the span is counted lost. A span inside a file fault is that fault's wait, to the same end. Either
+ * way the entry is forgotten, so it does not stay open. held_* are empty: who had the CPU is unknown. */
 static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, u64 ret_ns, u64 seen_ns)
 {
     count_drop(GT_NOTE_UNREPORTED);
@@ -678,12 +707,18 @@ static __always_inline void offcpu_unreported(u32 tid, struct gt_offcpu_val *o, 
     }
     if (!end || end < o->ts) {
         count_drop(GT_NOTE_UNREPORTED_LOST);
-    } else if (end - o->ts >= OFFCPU_THRESHOLD_NS) {
-        struct gt_offcpu2_event *e = offcpu_event(tid, o, end);
-        if (e) {
-            e->pad |= flag;
-            events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
+    } else {
+        if (end - o->ts >= OFFCPU_THRESHOLD_NS) {
+            struct gt_offcpu2_event *e = offcpu_event(tid, o, end);
+            if (e) {
+                e->pad |= flag;
+                events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
+            }
         }
+#ifdef HAVE_FILEMAP_FAULT
+        if (o->fault_ns)
+            fault_wait(tid, o, end); /* a fault's wait ends with its span, however that end was found */
+#endif
     }
     offcpu_forget(tid, o);
 }
@@ -719,7 +754,8 @@ static __always_inline void pause_unseen(u32 pid, u32 tid, struct gt_inflight *c
  * in-flight slot (NULL when it is in no recorded call). An off-CPU
  * entry still open ended before now, its switch back unreported (offcpu_unreported: at its wakeup if one was seen,
  * else here, GT_OFFCPU_END_SEEN): a dirty pause's sleep whose timer woke it unseen is ended by the next pause, not
- * lost at the switch away that pause begins; one whose switch away went unseen too ends here (pause_unseen). */
+ * lost at the switch away that pause begins (and a fault's wait by the next fault); one whose switch away went
+ * unseen too ends here (pause_unseen). */
 static __always_inline struct gt_inflight *seen_running(u64 id, u64 now)
 {
     u32 tid = (u32)id;
@@ -950,6 +986,7 @@ TRACEPOINT_PROBE(filemap, mm_filemap_fault)
         return 0;
     u32 tid = (u32)id;
     u64 now = bpf_ktime_get_ns();
+    seen_running(id, now); /* it faults: on its CPU, so an entry still open ends (a fault's wait among them) */
     struct gt_fault_val v = {};
     user_regs(&v.ip, &v.sp, &v.entry);
     struct gt_fault_val *f = faults.lookup(&tid);
@@ -999,31 +1036,6 @@ static __always_inline u64 in_file_fault(u32 tid, u64 now)
     return (ip == f->ip && sp == f->sp && entry == f->entry) ? f->ts : 0;
 }
 
-/* In sched_switch, for a task coming back whose off-CPU span was inside a file fault. */
-static __always_inline void fault_wait(u32 tid, struct gt_offcpu_val *o, u64 now)
-{
-    struct gt_fault_val *f = faults.lookup(&tid);
-    if (!f || f->ts != o->fault_ns)
-        return;
-    f->last = now;
-    if (!(o->state & GT_STATE_D) || now - o->ts < OFFCPU_THRESHOLD_NS)
-        return;
-    struct gt_fault_event *e = events.ringbuf_reserve(sizeof(*e));
-    if (!e) {
-        count_drop(GT_DROP_RINGBUF);
-        return;
-    }
-    e->type = GT_EV_FAULT;
-    e->dev = f->dev;
-    e->pid = f->pid;
-    e->tid = tid;
-    e->fault_ns = f->ts;
-    e->start_ns = o->ts;
-    e->end_ns = now;
-    e->ino = f->ino;
-    e->index = f->index;
-    events.ringbuf_submit(e, GT_RB_NO_WAKEUP);
-}
 #endif
 
 /* ------------------------------------------------------------------------------- scheduling ---- */
