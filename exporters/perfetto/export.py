@@ -780,7 +780,9 @@ class _Run(Canvas):
         def draw(rows: Rows) -> None:
             new, activity, write, take_api = tuple.__new__, self.launches.activity, self._write_gpu, \
                 self.launches.take_api
-            out, streams, links = self.sink.buf, self._streams, self.stall_links
+            event_name, framed_slice, flow_id = pp.event_name, pp.framed_slice, pp.flow_id
+            out, streams, links, lanes = self.sink.buf, self._streams, self.stall_links, self.lanes
+            collectives, api_parts = self.collectives, self._api_parts
             packets = 0
             for row in rows:
                 try:
@@ -792,50 +794,42 @@ class _Run(Canvas):
                         continue
                     api, flow = hit
                     corr_enc = _CORRELATION(corr)
-                    arrow = pp.flow_id(flow)
-                    launch = None if links.waiting else self._launch_slice(api, corr_enc, arrow)
-                    if launch is None:
+                    arrow = flow_id(flow)
+                    # The launch's slice here where no stall evidence is looked for and its fields are of their
+                    # declared types (its correlation id the same as its work's), else _write_gpu's.
+                    apid, tid, aname, a, b, acorr, kind, result = api
+                    if links.waiting or not (type(a) is type(b) is type(acorr) is type(result) is int
+                                             and type(aname) is type(kind) is str):
                         write(api, flow)
                     else:
-                        out += launch
+                        a, b = (a, b) if 0 <= a <= b <= _I64_MAX else self.span(a, b)
+                        alane = (lanes.get(("tl", apid, tid, "CUDA API"))
+                                 or self.thread_lanes(apid, tid, "CUDA API")).place(a, b)
+                        parts = api_parts.get((aname, kind, result)) or self._api_head(aname, kind, result, typed=True)
+                        out += framed_slice(a, b, alane.uuid, b"".join((parts[0], corr_enc, parts[1], arrow)))
                         packets += 2
                     s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
                     lane = (streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)).place(s, e)
-                    coll = self.collectives.pop((pid, corr), None) if self.collectives else None
+                    if links.waiting:
+                        arrow = pp.flow_ids([flow, *links.take(evidence_key("gpu", pid, 0, start))])
+                    coll = collectives.pop((pid, corr), None) if collectives else None
                     if coll is None and kernels:  # names vary (a step's number in them): looked up apart
                         key = (pid, context, *rest[1], *rest[2])
                         head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
-                        fields = b"".join((pp.event_name(rest[0]), _CAT_GPU, corr_enc, head[1]))
+                        fields = b"".join((event_name(rest[0]), _CAT_GPU, corr_enc, head[1], arrow))
                     elif coll is None:
                         key = (pid, context, *rest)
                         head = heads.get(key) or self._activity_head(heads, key, new(cls, row))
-                        fields = b"".join((head[0], corr_enc, head[1]))
+                        fields = b"".join((head[0], corr_enc, head[1], arrow))
                     else:
                         name, args = activity_fields(new(cls, row), coll)
-                        fields = name + _CAT_GPU + args
-                    if links.waiting:
-                        flows = [flow, *links.take(evidence_key("gpu", pid, 0, start))]
-                        fields += pp.flow_ids(flows)
-                    else:
-                        fields += arrow
-                    out += pp.framed_slice(s, e, lane.uuid, fields)
+                        fields = b"".join((name, _CAT_GPU, args, arrow))
+                    out += framed_slice(s, e, lane.uuid, fields)
                     packets += 2
                 except _MALFORMED:
                     self.malformed += 1
             self.sink.count += packets
         return draw
-
-    def _launch_slice(self, r: CudaApi, corr: bytes, arrow: bytes) -> bytes | None:
-        """``_write_gpu(r, flow)``'s packets for a launch whose times, correlation id, name, api and result are of
-        their declared types, where no stall evidence is looked for, given its GPU work's encoded correlation id
-        (the same) and arrow (``flow``'s); None for any other launch."""
-        pid, tid, name, start, end, corr_id, api, result = r
-        if not (type(start) is type(end) is type(corr_id) is type(result) is int and type(name) is type(api) is str):
-            return None
-        s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
-        lane = (self.lanes.get(("tl", pid, tid, "CUDA API")) or self.thread_lanes(pid, tid, "CUDA API")).place(s, e)
-        parts = self._api_head(name, api, result, typed=True)
-        return pp.framed_slice(s, e, lane.uuid, b"".join((parts[0], corr, parts[1], arrow)))
 
     def _api_head(self, name: Any, api: Any, result: Any, *, typed: bool) -> tuple[bytes, bytes]:
         """A launch slice's encoded name and category, and its api and result annotations; kept per (name, api,
