@@ -408,31 +408,54 @@ def _exact_fields(kind: str) -> tuple[int, int, tuple[tuple[int, frozenset[type]
     return len(cls._fields), len(cls._fields) - len(cls._field_defaults), tuple(checks)
 
 
+def _exact_width(kind: str, rows: Sequence[Any]) -> int:
+    """How many fields each row holds where every row is a list of ``kind``'s fields, all as long; -1 otherwise."""
+    nfields, needed, _ = _exact_fields(kind)
+    if set(map(type, rows)) != {list}:
+        return -1
+    lengths = set(map(len, rows))
+    width = lengths.pop()
+    return -1 if lengths or not needed <= width <= nfields else width
+
+
+def _sound_column(col: Iterable[Any], types: frozenset[type], items: frozenset[type], n: int) -> bool:
+    """Whether a column's values are each of ``types`` (and, for a field that holds a list, its items each of
+    ``items``, ``n`` of them unless ``n`` < 0). ``col`` is gone through once unless ``items``."""
+    if not set(map(type, col)) <= types:
+        return False
+    return not items or (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n}))
+
+
 def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | None:
     """The fields of ``rows`` column by column (a field older rows lack: its default), where every row is a list
     of ``kind``'s fields, all as long, and each field holds exactly its declared type (no bool for an int:
     stricter than ``row_check``, so every such row is sound, and kept by analysis as it is); None otherwise.
     A frame's values are checked a column at a time, in C loops (``set(map(type, column))``)."""
-    nfields, needed, checks = _exact_fields(kind)
-    if set(map(type, rows)) != {list}:
-        return None
-    lengths = set(map(len, rows))
-    width = lengths.pop()
-    if lengths or not needed <= width <= nfields:
+    width = _exact_width(kind, rows)
+    if width < 0:
         return None
     columns = list(zip(*rows, strict=True))
-    for i, types, items, n in checks:
-        if i >= width:
-            break
-        col = columns[i]
-        if not set(map(type, col)) <= types:
-            return None
-        if items and not (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n})):
-            return None
-    if width < nfields:
+    checks = _exact_fields(kind)[2]
+    if not all(_sound_column(columns[i], types, items, n) for i, types, items, n in checks if i < width):
+        return None
+    if width < len(RECORD_TYPES[kind]._fields):
         defaults = RECORD_TYPES[kind]._field_defaults
         columns += [(defaults[f],) * len(rows) for f in RECORD_TYPES[kind]._fields[width:]]
     return columns
+
+
+def exact_rows(kind: str, rows: Sequence[Any]) -> bool:
+    """Whether ``exact_columns(kind, rows)`` would take ``rows``, found without making the columns (each checked
+    column read from the rows as it is checked): for a reader that wants the rows alone."""
+    width = _exact_width(kind, rows)
+    if width < 0:
+        return False
+    for i, types, items, n in _exact_fields(kind)[2]:
+        if i < width:
+            col = map(operator.itemgetter(i), rows)
+            if not _sound_column(list(col) if items else col, types, items, n):
+                return False
+    return True
 
 
 def records_of(kind: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
@@ -459,14 +482,16 @@ class RowsAt(Protocol):
 
 
 class Batch(NamedTuple):
-    """The records of one frame (``CaptureReader.batches``); ``columns`` given: ``records`` are the frame's rows
-    as read (lists, exactly their kind's fields), and ``columns`` those fields column by column."""
+    """The records of one frame (``CaptureReader.batches``); ``exact``: ``records`` are the frame's rows as read
+    (lists, exactly their kind's fields), and ``columns``, unless the reader was asked for none, those fields
+    column by column."""
 
     kind: str  # "" for a frame of kernel events (records of several kinds)
     records: list[Any]
     offset: int  # where the frame is in the file, and its length
     length: int
     columns: list[tuple[Any, ...]] | None
+    exact: bool = False
 
 
 # How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.
@@ -558,10 +583,12 @@ class CaptureReader:
         for batch in self.batches():
             yield from batch.records
 
-    def batches(self, exact: Container[str] = ()) -> Iterator[Batch]:
+    def batches(self, exact: Container[str] = (), *, columns: bool = True) -> Iterator[Batch]:
         """Every record in file order, a frame at a time (``records()`` flattens these). A frame of a kind in
-        ``exact`` whose rows are exactly that kind's fields, each of its declared type (``exact_check``), comes
-        as those rows with their ``columns``: no record is made for it, and ``rows_at`` reads them again."""
+        ``exact`` whose rows are exactly that kind's fields, each of its declared type (``exact_columns``), comes
+        as those rows (``Batch.exact``), with their ``columns`` unless ``columns`` is false (a reader of the rows
+        alone: the check then makes none, ``exact_rows``): no record is made for it, and ``rows_at`` reads them
+        again."""
         self._file.seek(0)
         self._unpacker = self._new_unpacker()
         self._unpacker.skip()
@@ -622,9 +649,12 @@ class CaptureReader:
                 elif tag == "R":
                     kind = frame[1]
                     if kind in exact and frame[2] and self._observer(kind, decoder) is None:
-                        columns = exact_columns(kind, frame[2])
-                        if columns is not None:
-                            yield Batch(kind, frame[2], offset, length, columns)
+                        if not columns:
+                            if exact_rows(kind, frame[2]):
+                                yield Batch(kind, frame[2], offset, length, None, True)
+                                continue
+                        elif (cols := exact_columns(kind, frame[2])) is not None:
+                            yield Batch(kind, frame[2], offset, length, cols, True)
                             continue
                     sound = self._sound_rows(kind, frame[2], decoder)
                     if sound is not None:
