@@ -35,8 +35,8 @@ def unreported_switches_note(cap: CaptureInfo) -> str:
     return (f"note: the kernel did not report {n} switch{'es' if n != 1 else ''} of traced threads on or off a "
             "CPU (it fires no scheduler event for some tasks); those off-CPU spans are bounded by what was seen: "
             "they end at the thread's wakeup, the return of the call it slept in or where a timer tick or the "
-            "thread's own dirty pause or block request first found it running, or start where it was last seen "
-            "running in that call"
+            "thread's own dirty pause, block request or file fault first found it running, or start where it was "
+            "last seen running in that call"
             + (f"; {lost} with none of these (preempted, switched away again before a tick) "
                f"{'is' if lost == 1 else 'are'} missing" if lost else ""))
 
