@@ -418,12 +418,19 @@ def _exact_width(kind: str, rows: Sequence[Any]) -> int:
     return -1 if lengths or not needed <= width <= nfields else width
 
 
-def _sound_column(col: Iterable[Any], types: frozenset[type], items: frozenset[type], n: int) -> bool:
-    """Whether a column's values are each of ``types`` (and, for a field that holds a list, its items each of
-    ``items``, ``n`` of them unless ``n`` < 0). ``col`` is gone through once unless ``items``."""
-    if not set(map(type, col)) <= types:
-        return False
-    return not items or (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n}))
+def _sound_columns(kind: str, width: int, column: Callable[[int, bool], Iterable[Any]]) -> bool:
+    """Whether each checked field of ``kind`` among the first ``width`` holds exactly its declared types (a field
+    that holds a list: its items each of their type, as many as declared). ``column(i, whole)``: field ``i``'s
+    values, as a sequence when ``whole`` (it is gone through more than once), else any iterable."""
+    for i, types, items, n in _exact_fields(kind)[2]:
+        if i >= width:
+            break
+        col = column(i, bool(items))
+        if not set(map(type, col)) <= types:
+            return False
+        if items and not (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n})):
+            return False
+    return True
 
 
 def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | None:
@@ -435,8 +442,7 @@ def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | Non
     if width < 0:
         return None
     columns = list(zip(*rows, strict=True))
-    checks = _exact_fields(kind)[2]
-    if not all(_sound_column(columns[i], types, items, n) for i, types, items, n in checks if i < width):
+    if not _sound_columns(kind, width, lambda i, _: columns[i]):
         return None
     if width < len(RECORD_TYPES[kind]._fields):
         defaults = RECORD_TYPES[kind]._field_defaults
@@ -448,14 +454,12 @@ def exact_rows(kind: str, rows: Sequence[Any]) -> bool:
     """Whether ``exact_columns(kind, rows)`` would take ``rows``, found without making the columns (each checked
     column read from the rows as it is checked): for a reader that wants the rows alone."""
     width = _exact_width(kind, rows)
-    if width < 0:
-        return False
-    for i, types, items, n in _exact_fields(kind)[2]:
-        if i < width:
-            col = map(operator.itemgetter(i), rows)
-            if not _sound_column(list(col) if items else col, types, items, n):
-                return False
-    return True
+
+    def column(i: int, whole: bool) -> Iterable[Any]:
+        col = map(operator.itemgetter(i), rows)
+        return list(col) if whole else col
+
+    return width >= 0 and _sound_columns(kind, width, column)
 
 
 def records_of(kind: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
