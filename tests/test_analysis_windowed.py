@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,10 @@ def whole(path: Path) -> dict[str, Any]:
         return dict(assemble(load(reader), 1_000_000))
 
 
-def windowed(path: Path, bucket_ns: int, window_buckets: int) -> tuple[dict[str, Any], WindowedAnalysis]:
+def windowed(path: Path, bucket_ns: int, window_buckets: int, jobs: int = 1) -> tuple[dict[str, Any], WindowedAnalysis]:
     with open_capture(path) as reader:
-        an = WindowedAnalysis(dict(reader.header), bucket_ns=bucket_ns, window_buckets=window_buckets, small_records=0)
+        an = WindowedAnalysis(dict(reader.header), bucket_ns=bucket_ns, window_buckets=window_buckets, small_records=0,
+                              jobs=jobs)
         for r in reader.records():
             an.add(r)
         return dict(an.report(reader)), an
@@ -43,6 +46,10 @@ def test_small_windows_give_the_whole_captures_stalls_causes_and_culprits(tmp_pa
         got, an = windowed(path, bucket_ns, buckets)
         assert an.held is None and an.windows > 1  # it did go window by window
         assert got == want
+    # its windows explained in three processes forked for them: the same report, every window explained once
+    got, an = windowed(path, 30_000_000, 1, jobs=3)
+    assert an.forked == 3 and an.windows == windowed(path, 30_000_000, 1)[1].windows
+    assert got == want
 
 
 def test_a_launch_long_before_its_op_and_every_rule_of_the_golden_capture(tmp_path: Path) -> None:
@@ -52,9 +59,9 @@ def test_a_launch_long_before_its_op_and_every_rule_of_the_golden_capture(tmp_pa
 
     path = mixed_capture(tmp_path / "mixed.gputrace")
     want = whole(path)
-    for bucket_ns, buckets in ((2_000_000, 1), (5_000_000, 2)):
-        got, an = windowed(path, bucket_ns, buckets)
-        assert an.windows > 1
+    for bucket_ns, buckets, jobs in ((2_000_000, 1, 1), (5_000_000, 2, 1), (2_000_000, 1, 2)):
+        got, an = windowed(path, bucket_ns, buckets, jobs)
+        assert an.windows > 1 and an.forked == (jobs if jobs > 1 else 0)
         assert got == want
 
 
@@ -65,6 +72,49 @@ def test_recorded_h100_captures_give_the_same_report_in_50ms_windows(tmp_path: P
     got, an = windowed(path, 50_000_000, 1)
     assert an.windows > 1
     assert got == want
+    got, an = windowed(path, 50_000_000, 1, jobs=2)  # its windows explained in two processes
+    assert an.forked == 2
+    assert got == want
+
+
+def test_report_of_a_long_capture_is_the_same_whatever_its_job_count(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``gputrace report --jobs N`` of a capture analysed window by window (over 200k records): one process or
+    three, the same JSON."""
+    from gputrace.cli import main
+
+    path = tmp_path / "long.gputrace"
+    generate(path, 250_000, True, stall_every=10)
+    out = []
+    for jobs in ("1", "3"):
+        assert main(["report", str(path), "--json", "--jobs", jobs]) == 0
+        out.append(capsys.readouterr().out)
+    report = json.loads(out[0])
+    assert len(report["stalls"]) > 1000 and report["summary"]["by_cause"].get("storage", 0) > 0
+    assert out[1] == out[0]
+
+
+def test_a_failure_explaining_a_window_in_a_forked_process_fails_the_analysis(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window whose explanation fails in a process explaining windows: the analysis raises that error (no
+    report short of that window's stalls), and no such process is left behind."""
+    from gputrace.analysis import windowed as module
+
+    path = tmp_path / "long.gputrace"
+    generate(path, 20_000, False)
+    explain = module.WindowedAnalysis._explain
+    parent = os.getpid()
+
+    def failing(self: WindowedAnalysis, spool: Spool, window: Any) -> Any:
+        if os.getpid() != parent and window.b * self.bucket_ns >= 2_000_000_000:
+            raise RuntimeError(f"window at bucket {window.b} failed")
+        return explain(self, spool, window)
+
+    monkeypatch.setattr(module.WindowedAnalysis, "_explain", failing)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="failed"):
+        windowed(path, 100_000_000, 1, jobs=2)
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_the_records_held_at_once_do_not_grow_with_the_capture(tmp_path: Path) -> None:

@@ -358,6 +358,13 @@ def test_report_and_export_refuse_bad_min_gap(tmp_path: Path, capsys: pytest.Cap
     assert len(err) == 3 and all("--min-gap-ms must be a number > 0" in line for line in err), err
 
 
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_report_refuses_a_job_count_below_one(tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: str) -> None:
+    cap = _capture(tmp_path / "a.gputrace")
+    assert main(["report", str(cap), "--jobs", jobs]) == 2
+    assert capsys.readouterr().err == f"gputrace: error: --jobs must be 1 or more, not {jobs}\n"
+
+
 # ------------------------------------------------------------------------------------------------- view ---
 def test_view_port_out_of_range_is_a_usage_error(tmp_path: Path) -> None:
     trace = tmp_path / "t.pftrace"

@@ -18,12 +18,14 @@ from gputrace.documents import Holder, Report, Stall
 __all__ = ["CAUSES", "SCHEMA", "analyze", "fmt_ms", "lost_records", "summary_lines"]
 
 
-def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000) -> Report:
+def analyze(reader: CaptureReader, *, min_gap_ns: int = 1_000_000, jobs: int = 1) -> Report:
     """Read the capture once and attribute every GPU stall of at least ``min_gap_ns``, in memory flat in the
-    capture's length (analysis/windowed.py)."""
+    capture's length (analysis/windowed.py); a long capture's windows explained in ``jobs`` processes."""
     if min_gap_ns <= 0:
         raise ValueError("min_gap_ns must be > 0")
-    return analyze_capture(reader, min_gap_ns=min_gap_ns)
+    if jobs <= 0:
+        raise ValueError("jobs must be > 0")
+    return analyze_capture(reader, min_gap_ns=min_gap_ns, jobs=jobs)
 
 
 RUNQUEUE_NOTE_SHARE = 0.2  # of stall time in cpu.runqueue, from which the capture's summary says who had the CPU

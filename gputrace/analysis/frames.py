@@ -144,6 +144,7 @@ class Spool:
         data = self._packer.pack(items)
         self._file.seek(self._written)
         self._file.write(data)
+        self._file.flush()  # (read with pread: _records)
         devices = {k in DEVICE_KINDS for k in kinds}
         self._note(True, self._written, len(data), None, devices.pop() if len(devices) == 1 else None, starts, ends,
                    lambda i: items[i][1])
@@ -244,8 +245,8 @@ class Spool:
         if not f.spilled:
             assert self._rows_at is not None and f.kind is not None
             return records_of(f.kind, self._rows_at(f.offset, f.length, lists=has_lists(f.kind)))
-        self._file.seek(f.offset)
-        items = msgpack.unpackb(self._file.read(f.length), raw=False, use_list=True)
+        # (pread: processes forked to explain windows share the file's offset; analysis/windowed.py)
+        items = msgpack.unpackb(os.pread(self._file.fileno(), f.length, f.offset), raw=False, use_list=True)
         return [(_KINDS[k], RECORD_TYPES[_KINDS[k]]._make(row)) for k, row in items]
 
     def _group_frame(self, groups: Groups, f: _Frame, kind: str, recs: list[Any], b0: int, b1: int) -> None:

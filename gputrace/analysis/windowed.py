@@ -27,6 +27,13 @@ collective instance, never per record.
 Memory: the long-lived records, those per-object facts, and the records of one window with its margins (or
 of one gap, where a gap is longer than a window); the report's own stalls. Flat in the capture's length.
 
+With ``jobs`` above one (``gputrace report --jobs``), the device timelines are swept first, the ops alone, and
+the windows with stalls then explained in that many processes forked from this one, at a lower CPU priority,
+each given shares of consecutive windows in turn (``SHARES_PER_JOB`` a process, cut to about equal stall
+counts) and sending back their stalls' documents, which are taken in time order: the same report. A window
+is explained as it would be here, on the records it loads itself (the spool's file and the capture are read
+with pread: the processes share their offsets). Each holds one window's records at a time.
+
 A capture whose time-local records number at most ``small_records`` is analysed whole instead (report.py's
 ``assemble``), as it always was: the same document either way, down to the ties.
 """
@@ -35,10 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
+import os
+import signal
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from copy import copy
+from dataclasses import dataclass
 from itertools import compress
 from operator import itemgetter
 from typing import Any
@@ -60,6 +71,7 @@ from gputrace.analysis.load import (
 from gputrace.analysis.report import assemble, call_rows, collective_rows, host_of, report_of, stall_doc
 from gputrace.analysis.timeline import (
     _COLLECTIVE_WORDS,
+    HostWait,
     Stall,
     Sweep,
     Waits,
@@ -80,6 +92,9 @@ LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked
 DROP_RECORDS = 50_000  # records indexed one by one on the first pass between two drops of the loader's indexes
 SWITCHED_ONE_BY_ONE = 24  # threads of a frame of off-CPU records up to which each is picked out in a C loop
 COLLECT_WINDOWS = 64  # windows explained between two collections of cyclic garbage while the collector is paused
+WINDOW_WEIGHT = 20  # what loading a window costs, in stalls explained, where windows are shared among processes
+JOB_NICE = 10  # how much lower the CPU priority of the processes explaining windows is than the analysis's
+SHARES_PER_JOB = 4  # shares of the windows per process explaining them: one slowed by other work holds back less
 _FUTEX_NAMES = frozenset(FUTEXES)
 # What a capture that may still be analysed whole holds: records, or where a frame of rows of one kind is in the
 # file (read again if need be), with its rows' start and end times where it is time-local
@@ -99,7 +114,7 @@ class WindowedAnalysis:
 
     def __init__(self, header: dict[str, Any], *, min_gap_ns: int = 1_000_000, bucket_ns: int = BUCKET_NS,
                  window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS,
-                 rows_at: RowsAt | None = None) -> None:
+                 rows_at: RowsAt | None = None, jobs: int = 1) -> None:
         if min_gap_ns <= 0:
             raise ValueError("min_gap_ns must be > 0")
         if bucket_ns <= 0 or window_buckets <= 0:
@@ -108,6 +123,7 @@ class WindowedAnalysis:
         self.min_gap_ns = min_gap_ns
         self.bucket_ns, self.window_buckets, self.small_records = bucket_ns, window_buckets, small_records
         self.rows_at = rows_at
+        self.jobs = jobs  # processes explaining windows at once (``_explained``)
         self.ld = _Loader(header)
         self.held: list[Held] | None = []  # every record while the capture may still be analysed whole
         self.nheld = 0  # the time-local ones among them
@@ -122,7 +138,9 @@ class WindowedAnalysis:
         self.windows = 0  # windows explained (for the bench)
         self.unsought: set[int] = set()  # id() of ops ending a stall, their launch not found in LAUNCH_LOOKBACK_NS
         self.peak_window_records = 0
+        self.forked = 0  # processes forked to explain windows (``_explained``)
         self.offcpu_span: dict[int, tuple[int, int]] = {}  # see _switched
+        self._explaining: _Explaining | None = None  # what every window's explanation reads, while they are
 
     def add(self, r: Any) -> None:
         """One record."""
@@ -306,53 +324,17 @@ class WindowedAnalysis:
             facts.lock_wakers = self._lock_wakers(spool)
         losses, lost_anywhere = loss_windows(cap), untimed_losses(cap) or bool(cap.problem)
         sweeps: dict[DeviceKey, Sweep] = {}
+        self._explaining = _Explaining(host, facts, calls_waited, losses, lost_anywhere)
         stalls: list[StallDoc] = []
         arrivals: dict[int, StallDoc] = {}
-        bn, wb = self.bucket_ns, self.window_buckets
-        ordered = sorted(spool.buckets)
-        i, full = 0, False
-        while i < len(ordered):
-            b = ordered[i]
-            a, z = b * bn, (b + wb) * bn
-            # the sweep reads the ops alone; where the last window's stalls needed most of its records, this
-            # one's likely do too: it is loaded whole at once
-            gpu = self._load(spool, b - 1, b + wb, host=full, api=full)
-            found: list[Stall] = []
-            for key, ops in sorted(gpu.ops.items()):
-                sw = sweeps.setdefault(key, Sweep(key))
-                found += sw.window(ops, a, z, waits, self.min_gap_ns)
-            if not found:
-                del gpu
-                full = False
-                i = bisect_left(ordered, b + wb, i)
-                continue
-            self.windows += 1
-            docs: dict[int, StallDoc] = {}
-            groups = _clusters(found, bn)
-            if full and groups[0][0] >= b - 1:  # the window's records, loaded whole, are enough for every stall
-                groups = [(b - 1, b + wb, list(range(len(found))))]
-            for lo, hi, group in groups:
-                win = gpu if full and (lo, hi) == (b - 1, b + wb) else self._load(spool, lo, hi)
-                self._find_launches(spool, win, [found[n] for n in group], lo)
-                att = Attributor(win, host, facts)
-                att.host_waits(calls_waited)
-                for n in group:
-                    st = found[n]
-                    s = docs[n] = stall_doc(att, st, host, losses, lost_anywhere)
-                    if id(st.op) in self.unsought and s.get("why", "").startswith("no launch record"):
-                        s["why"] += f" in the {LAUNCH_LOOKBACK_NS // 10**9} s before it"
-                att.explainer.on_collective = None  # (a cycle through the Attributor: the records are freed now)
-                del win, att
-                self.unsought.clear()
-            del gpu
-            full = sum(hi - lo + 1 for lo, hi, _ in groups) >= wb
-            for n, st in enumerate(found):
-                stalls.append(docs[n])
+        for found, docs in self._explained(spool, sweeps, waits):
+            for st, doc in zip(found, docs, strict=True):
+                stalls.append(doc)
                 if st.collective is None and st.op is not None and id(st.op) in colop_ids:
-                    arrivals[id(st.op)] = docs[n]
-            if self.windows % COLLECT_WINDOWS == 0 and not gc.isenabled():
-                gc.collect()  # what cycles explaining makes, while the collector is paused (paused_gc)
-            i = bisect_left(ordered, b + wb, i)
+                    arrivals[id(st.op)] = doc
+        self._explaining = None
+        ordered = sorted(spool.buckets)
+        wb = self.window_buckets
         if cap.in_progress and ordered:  # what the threads caught waiting at stop waited for: the last records'
             cap.uring = self._load(spool, ordered[-1] - wb, ordered[-1]).uring
         wait_ns: dict[DeviceKey, int] = {}
@@ -368,6 +350,106 @@ class WindowedAnalysis:
         if rows:
             report["collectives"] = rows
         return report
+
+    def _explained(self, spool: Spool, sweeps: dict[DeviceKey, Sweep], waits: Waits
+                   ) -> Iterator[tuple[list[Stall], list[StallDoc]]]:
+        """The stalls of each window that has any, with their documents, in time order. With ``jobs`` above one
+        and more than one such window, the device timelines are swept first (the ops alone), then the windows
+        explained in ``jobs`` processes forked from this one (``_explain_share``), a share of consecutive
+        windows each, their documents sent back in order; else each window is explained as it is swept."""
+        if self.jobs <= 1:
+            for window in self._swept(spool, sweeps, waits, host=True):
+                yield window.found, self._explain(spool, window)
+            return
+        windows = []
+        for window in self._swept(spool, sweeps, waits, host=False):
+            window.records = None
+            windows.append(window)
+        if len(windows) < 2:
+            for window in windows:
+                yield window.found, self._explain(spool, window)
+            return
+        shares = _shares([len(w.found) + WINDOW_WEIGHT for w in windows], SHARES_PER_JOB * self.jobs)
+        global _FORKED
+        _FORKED = (self, spool, windows)
+        try:
+            self.forked = min(self.jobs, len(shares))
+            with multiprocessing.get_context("fork").Pool(self.forked, _quiet_worker) as pool:
+                done = 0
+                for share, (docs, explained, peak) in zip(shares, pool.imap(_explain_share, shares), strict=True):
+                    self.windows += explained
+                    self.peak_window_records = max(self.peak_window_records, peak)
+                    for n, window_docs in zip(share, docs, strict=True):
+                        yield windows[n].found, window_docs
+                    done += len(share)
+                    if done // COLLECT_WINDOWS > (done - len(share)) // COLLECT_WINDOWS and not gc.isenabled():
+                        gc.collect()
+                pool.close()  # each ends once its queue is empty (else, leaving, the pool ends them: SIGTERM)
+                pool.join()
+        finally:
+            _FORKED = None
+
+    def _swept(self, spool: Spool, sweeps: dict[DeviceKey, Sweep], waits: Waits, *, host: bool
+               ) -> Iterator[_Window]:
+        """The windows whose stalls end in them, in time order: the device timelines swept a window at a time
+        (``sweeps``: each device's, carried across windows). Where the last window's stalls needed most of its
+        records, this one's likely do too: it is loaded whole at once (its ops and, if ``host``, its host
+        records), and its records given for its stalls' explanation (``_explain``)."""
+        bn, wb = self.bucket_ns, self.window_buckets
+        ordered = sorted(spool.buckets)
+        i, full = 0, False
+        while i < len(ordered):
+            b = ordered[i]
+            a, z = b * bn, (b + wb) * bn
+            gpu = self._load(spool, b - 1, b + wb, host=full and host, api=full and host)
+            found: list[Stall] = []
+            for key, ops in sorted(gpu.ops.items()):
+                sw = sweeps.setdefault(key, Sweep(key))
+                found += sw.window(ops, a, z, waits, self.min_gap_ns)
+            i = bisect_left(ordered, b + wb, i)
+            if not found:
+                del gpu
+                full = False
+                continue
+            groups = _clusters(found, bn)
+            window = _Window(b, found, groups, full, gpu if full and host else None)
+            del gpu
+            yield window
+            del window
+            full = sum(hi - lo + 1 for lo, hi, _ in groups) >= wb
+
+    def _explain(self, spool: Spool, window: _Window) -> list[StallDoc]:
+        """The documents of a window's stalls, in the order they were found: a group of them at a time, each on
+        the records of its buckets; all on the window's records where they were loaded whole (``full``) and hold
+        every group's buckets."""
+        ex = self._explaining
+        assert ex is not None
+        b, found, groups = window.b, window.found, window.groups
+        wb = self.window_buckets
+        self.windows += 1
+        docs: dict[int, StallDoc] = {}
+        if window.full and groups[0][0] >= b - 1:  # the window's records, loaded whole, are enough for every stall
+            groups = [(b - 1, b + wb, list(range(len(found))))]
+        for lo, hi, group in groups:
+            win = window.records if window.full and (lo, hi) == (b - 1, b + wb) else None
+            if win is None:
+                win = self._load(spool, lo, hi)
+            else:
+                window.records = None  # (freed once explained)
+            self._find_launches(spool, win, [found[n] for n in group], lo)
+            att = Attributor(win, ex.host, ex.facts)
+            att.host_waits(ex.calls_waited)
+            for n in group:
+                st = found[n]
+                s = docs[n] = stall_doc(att, st, ex.host, ex.losses, ex.lost_anywhere)
+                if id(st.op) in self.unsought and s.get("why", "").startswith("no launch record"):
+                    s["why"] += f" in the {LAUNCH_LOOKBACK_NS // 10**9} s before it"
+            att.explainer.on_collective = None  # (a cycle through the Attributor: the records are freed now)
+            del win, att
+            self.unsought.clear()
+        if self.windows % COLLECT_WINDOWS == 0 and not gc.isenabled():
+            gc.collect()  # what cycles explaining makes, while the collector is paused (paused_gc)
+        return [docs[n] for n in range(len(found))]
 
     def _load(self, spool: Spool, b0: int, b1: int, *, host: bool = True, api: bool = True) -> Capture:
         """The Capture of buckets [b0, b1]: their records (device ones only unless ``host``; without the CUDA
@@ -455,6 +537,69 @@ class WindowedAnalysis:
         return out
 
 
+@dataclass
+class _Explaining:
+    """What explaining any window's stalls reads, beside the window's records."""
+
+    host: str
+    facts: CaptureFacts
+    calls_waited: dict[int, list[HostWait]]
+    losses: list[tuple[int, int]]
+    lost_anywhere: bool
+
+
+@dataclass
+class _Window:
+    """A window whose stalls end in it: its first bucket, the stalls in the order the sweep found them, their
+    groups (``_clusters``), whether it is to be loaded whole (``full``), and its records where they were."""
+
+    b: int
+    found: list[Stall]
+    groups: list[tuple[int, int, list[int]]]
+    full: bool
+    records: Capture | None
+
+
+# A windowed analysis, its spool and its windows, for the processes forked to explain them (``_explain_share``)
+_FORKED: tuple[WindowedAnalysis, Spool, list[_Window]] | None = None
+
+
+def _explain_share(share: list[int]) -> tuple[list[list[StallDoc]], int, int]:
+    """In a process forked by ``WindowedAnalysis._explained``: the documents of the stalls of the windows
+    ``share`` (by index), window by window, with how many windows it explained and the most records it held."""
+    assert _FORKED is not None
+    an, spool, windows = _FORKED
+    an.windows = an.peak_window_records = 0
+    docs = [an._explain(spool, windows[n]) for n in share]
+    return docs, an.windows, an.peak_window_records
+
+
+def _quiet_worker() -> None:
+    """A process explaining windows leaves Ctrl-C to the one that forked it (which ends it then), ends quietly
+    when that one ends it (SIGTERM, SIGHUP: not the handlers it may have inherited, gputrace.cli's), and runs at
+    a lower CPU priority (``JOB_NICE``): a job running beside the analysis keeps the CPUs it needs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    os.nice(JOB_NICE)
+
+
+def _shares(weights: list[int], n: int) -> list[list[int]]:
+    """Indexes 0..len(weights)-1 cut into at most ``n`` runs of consecutive ones of about equal total weight."""
+    total, acc = sum(weights), 0
+    out: list[list[int]] = []
+    run: list[int] = []
+    for i, w in enumerate(weights):
+        run.append(i)
+        acc += w
+        if acc * n >= total * (len(out) + 1) and len(out) < n - 1:
+            out.append(run)
+            run = []
+    if run:
+        out.append(run)
+    return out
+
+
 def _clusters(found: list[Stall], bucket_ns: int) -> list[tuple[int, int, list[int]]]:
     """The stalls of a window (by index in ``found``) in groups explained on the records of one bucket range
     each: a stall needs the buckets from one before it starts to one after it ends; stalls whose ranges overlap
@@ -494,13 +639,15 @@ def analyze_records(source: Source, records: Iterable[Any], *, min_gap_ns: int =
 
 
 def analyze_capture(reader: CaptureReader, *, min_gap_ns: int = 1_000_000, bucket_ns: int = BUCKET_NS,
-                    window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS) -> Report:
+                    window_buckets: int = WINDOW_BUCKETS, small_records: int = SMALL_RECORDS, jobs: int = 1) -> Report:
     """``analyze_records`` of a capture file, a frame at a time: the frames of plain rows of time-local records
     are taken column by column and read again only by the windows that reach them (``WindowedAnalysis``). The
-    same report as ``analyze_records(reader, reader.records())``."""
+    same report as ``analyze_records(reader, reader.records())``; with ``jobs`` above one, a capture analysed
+    window by window has its windows explained in that many processes (``WindowedAnalysis._explained``), the
+    same report still."""
     with paused_gc():
         an = read_capture(reader, min_gap_ns=min_gap_ns, bucket_ns=bucket_ns, window_buckets=window_buckets,
-                          small_records=small_records)
+                          small_records=small_records, jobs=jobs)
         return an.report(reader)
 
 

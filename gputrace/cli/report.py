@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ EXAMPLES = """\
   gputrace report run.gputrace --json | jq .summary the gputrace.report/1 JSON on stdout
   gputrace report run.gputrace --html run.html      a self-contained page to share
   gputrace report run.gputrace --min-gap-ms 5       count only GPU gaps of 5 ms or more
+  gputrace report long.gputrace --jobs 1            a long capture's windows explained in this process alone
   gputrace report hostA.gputrace hostB.gputrace     one job's captures from several hosts, on one clock:
                                                     each collective stall names the late rank and its cause
 
@@ -33,6 +35,18 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="OUT.html", help="also write the report as a self-contained HTML page")
     common.add_force(p)
     common.add_min_gap(p)
+    p.add_argument("--jobs", type=int, metavar="N", default=default_jobs(),
+                   help="processes explaining the windows of a capture analysed window by window (over 200k "
+                        f"records), at a lower CPU priority (default: the CPUs this may run on, at most {MAX_JOBS}: "
+                        f"{default_jobs()} here; 1: this process alone)")
+
+
+MAX_JOBS = 8  # processes explaining windows by default, however many CPUs
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on, at most MAX_JOBS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_JOBS))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from gputrace.viewer.terminal import shown
 
     common.require_positive("--min-gap-ms", args.min_gap_ms)
+    if args.jobs < 1:
+        raise UserError(f"--jobs must be 1 or more, not {args.jobs}")
     if args.html == "":
         raise UserError("--html needs a file name (e.g. --html report.html)")
     html_out = Path(args.html) if args.html is not None else None
@@ -54,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         report = analyze_paths(paths, min_gap_ns)
     else:
         with open_capture(paths[0]) as reader, common.progress(reader, "analysing"):
-            report = analyze(reader, min_gap_ns=min_gap_ns)
+            report = analyze(reader, min_gap_ns=min_gap_ns, jobs=args.jobs)
             if reader.trailer and reader.trailer.get("stop_reason"):  # how the capture ended, for "complete" to say
                 report["capture"].setdefault("stop_reason", reader.trailer["stop_reason"])
     if html_out is not None:
