@@ -35,3 +35,10 @@ class OutputError(UserError):
     def __init__(self, path: object, err: OSError, consequence: str = "nothing was written under that name") -> None:
         super().__init__(f"writing {path}: {err.strerror or err}" + (f"; {consequence}" if consequence else ""))
         self.path, self.errno = path, err.errno
+
+
+class JobEnded(UserError):
+    """A process forked to share out work (``gputrace report --jobs``) ended without its results: killed, as
+    the kernel's OOM killer does. The message says how it ended and how to do without it."""
+
+    exit_code = 1

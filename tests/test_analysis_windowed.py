@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from recorded import CAPTURES, unpacked
+from waiting import wait_for
 
 from gputrace.analysis import analyze
 from gputrace.analysis.frames import Spool
@@ -17,6 +20,7 @@ from gputrace.analysis.load import load
 from gputrace.analysis.report import assemble
 from gputrace.analysis.windowed import WindowedAnalysis
 from gputrace.capture import open_capture
+from gputrace.errors import JobEnded
 from gputrace.testing.scale import generate
 
 
@@ -94,10 +98,18 @@ def test_report_of_a_long_capture_is_the_same_whatever_its_job_count(tmp_path: P
     assert out[1] == out[0]
 
 
-def test_a_failure_explaining_a_window_in_a_forked_process_fails_the_analysis(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window whose explanation fails in a process explaining windows: the analysis raises that error (no
-    report short of that window's stalls), and no such process is left behind."""
+def _children() -> set[int]:
+    """This process's child processes (of any of its threads)."""
+    return {int(pid) for task in Path("/proc/self/task").iterdir()
+            for pid in (task / "children").read_text().split()}
+
+
+@pytest.mark.parametrize("how", ["raises", "is killed"])
+def test_a_process_explaining_windows_that_fails_fails_the_analysis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    how: str) -> None:
+    """A window whose explanation fails in a process explaining windows (an error, or the process killed, as
+    the kernel's OOM killer does): the analysis raises (no report short of that window's stalls), and no such
+    process is left behind."""
     from gputrace.analysis import windowed as module
 
     path = tmp_path / "long.gputrace"
@@ -107,14 +119,56 @@ def test_a_failure_explaining_a_window_in_a_forked_process_fails_the_analysis(tm
 
     def failing(self: WindowedAnalysis, spool: Spool, window: Any) -> Any:
         if os.getpid() != parent and window.b * self.bucket_ns >= 2_000_000_000:
+            if how == "is killed":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"window at bucket {window.b} failed")
         return explain(self, spool, window)
 
     monkeypatch.setattr(module.WindowedAnalysis, "_explain", failing)
-    before = set(multiprocessing.active_children())
-    with pytest.raises(RuntimeError, match="failed"):
+    before = _children()
+    message = "failed" if how == "raises" else r"ended without its results: killed by SIGKILL \(out of memory\?\)"
+    with pytest.raises(RuntimeError if how == "raises" else JobEnded, match=message):
         windowed(path, 100_000_000, 1, jobs=2)
-    assert set(multiprocessing.active_children()) == before
+    assert _children() == before
+
+
+def test_processes_explaining_windows_end_when_the_analysis_is_killed(tmp_path: Path) -> None:
+    """The analysing process killed (SIGKILL: nothing of it runs) while the processes it forked explain windows:
+    they end too, rather than explain on for nothing."""
+    path = tmp_path / "long.gputrace"
+    generate(path, 20_000, False)
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    script = f"""
+import os
+from gputrace.analysis import windowed as module
+parent, explain = os.getpid(), module.WindowedAnalysis._explain
+def held(self, spool, window):
+    if os.getpid() != parent:
+        open({str(fifo)!r}).read()  # held here: nothing writes it
+    return explain(self, spool, window)
+module.WindowedAnalysis._explain = held
+from gputrace.capture import open_capture
+with open_capture({str(path)!r}) as reader:
+    an = module.WindowedAnalysis(dict(reader.header), bucket_ns=100_000_000, window_buckets=1, small_records=0,
+                                 jobs=2)
+    for r in reader.records():
+        an.add(r)
+    an.report(reader)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        def blocked_jobs() -> list[int]:
+            kids = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+            return kids if len(kids) == 2 and all(
+                Path(f"/proc/{k}/wchan").read_text() in ("fifo_open", "pipe_read", "wait_for_partner")
+                for k in kids) else []
+
+        kids = wait_for(blocked_jobs, 60, "two processes explaining windows, held at the fifo")
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not any(Path(f"/proc/{k}").exists() for k in kids), what="the jobs to end with their parent")
 
 
 def test_the_records_held_at_once_do_not_grow_with_the_capture(tmp_path: Path) -> None:

@@ -30,9 +30,9 @@ of one gap, where a gap is longer than a window); the report's own stalls. Flat 
 With ``jobs`` above one (``gputrace report --jobs``), the device timelines are swept first, the ops alone, and
 the windows with stalls then explained in that many processes forked from this one, at a lower CPU priority,
 each given shares of consecutive windows in turn (``SHARES_PER_JOB`` a process, cut to about equal stall
-counts) and sending back their stalls' documents, which are taken in time order: the same report. A window
-is explained as it would be here, on the records it loads itself (the spool's file and the capture are read
-with pread: the processes share their offsets). Each holds one window's records at a time.
+counts) and sending back their stalls' documents on a pipe, which are taken in time order: the same report
+(``_Jobs``). A window is explained as it would be here, on the records it loads itself (the spool's file and
+the capture are read with pread: the processes share their offsets). Each holds one window's records at a time.
 
 A capture whose time-local records number at most ``small_records`` is analysed whole instead (report.py's
 ``assemble``), as it always was: the same document either way, down to the ties.
@@ -41,9 +41,11 @@ A capture whose time-local records number at most ``small_records`` is analysed 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
-import multiprocessing
 import os
+import pickle
+import selectors
 import signal
 from bisect import bisect_left
 from collections import Counter
@@ -83,6 +85,7 @@ from gputrace.analysis.timeline import (
 from gputrace.capture import Batch, CaptureReader, RowsAt, exact_columns, records_of
 from gputrace.documents import Report
 from gputrace.documents import Stall as StallDoc
+from gputrace.errors import JobEnded
 from gputrace.records import GpuKernel
 
 BUCKET_NS = 1_000_000_000  # a spool bucket's span, and the margin a window is loaded with on each side
@@ -355,8 +358,8 @@ class WindowedAnalysis:
                    ) -> Iterator[tuple[list[Stall], list[StallDoc]]]:
         """The stalls of each window that has any, with their documents, in time order. With ``jobs`` above one
         and more than one such window, the device timelines are swept first (the ops alone), then the windows
-        explained in ``jobs`` processes forked from this one (``_explain_share``), a share of consecutive
-        windows each, their documents sent back in order; else each window is explained as it is swept."""
+        explained in ``jobs`` processes forked from this one (``_Jobs``), shares of consecutive windows each,
+        their documents sent back and taken in order; else each window is explained as it is swept."""
         if self.jobs <= 1:
             for window in self._swept(spool, sweeps, waits, host=True):
                 yield window.found, self._explain(spool, window)
@@ -370,24 +373,13 @@ class WindowedAnalysis:
                 yield window.found, self._explain(spool, window)
             return
         shares = _shares([len(w.found) + WINDOW_WEIGHT for w in windows], SHARES_PER_JOB * self.jobs)
-        global _FORKED
-        _FORKED = (self, spool, windows)
-        try:
-            self.forked = min(self.jobs, len(shares))
-            with multiprocessing.get_context("fork").Pool(self.forked, _quiet_worker) as pool:
-                done = 0
-                for share, (docs, explained, peak) in zip(shares, pool.imap(_explain_share, shares), strict=True):
-                    self.windows += explained
-                    self.peak_window_records = max(self.peak_window_records, peak)
-                    for n, window_docs in zip(share, docs, strict=True):
-                        yield windows[n].found, window_docs
-                    done += len(share)
-                    if done // COLLECT_WINDOWS > (done - len(share)) // COLLECT_WINDOWS and not gc.isenabled():
-                        gc.collect()
-                pool.close()  # each ends once its queue is empty (else, leaving, the pool ends them: SIGTERM)
-                pool.join()
-        finally:
-            _FORKED = None
+        self.forked = min(self.jobs, len(shares))
+        with _Jobs(self, spool, windows, shares, self.forked) as jobs:
+            for share, (docs, explained, peak) in zip(shares, jobs.results(), strict=True):
+                self.windows += explained
+                self.peak_window_records = max(self.peak_window_records, peak)
+                for n, window_docs in zip(share, docs, strict=True):
+                    yield windows[n].found, window_docs
 
     def _swept(self, spool: Spool, sweeps: dict[DeviceKey, Sweep], waits: Waits, *, host: bool
                ) -> Iterator[_Window]:
@@ -560,28 +552,141 @@ class _Window:
     records: Capture | None
 
 
-# A windowed analysis, its spool and its windows, for the processes forked to explain them (``_explain_share``)
-_FORKED: tuple[WindowedAnalysis, Spool, list[_Window]] | None = None
+class _Jobs:
+    """Processes forked to explain windows (``WindowedAnalysis._explained``): the ``k``-th of ``n`` explains
+    shares k, k + n, k + 2n... in turn (each a list of windows by index), at a lower CPU priority, and sends
+    back, on a pipe of its own, each share's stall documents with how many windows it explained and the most
+    records it held. ``results()`` gives them in the order of the shares, reading every pipe as data comes (a
+    process is never held up by a full pipe). One that ends without its results, or fails, fails the analysis;
+    leaving (done, failed or interrupted), every process still running is ended and waited for."""
+
+    def __init__(self, an: WindowedAnalysis, spool: Spool, windows: list[_Window], shares: list[list[int]],
+                 n: int) -> None:
+        self.an, self.spool, self.windows, self.shares, self.n = an, spool, windows, shares, n
+        self.pids: list[int] = []
+        self.pipes: list[int] = []  # read ends, by process
+        self.parent = os.getpid()
+
+    def __enter__(self) -> _Jobs:
+        try:
+            for k in range(self.n):
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # (the child: never returns)
+                    os.close(r)
+                    self._child(k, w)
+                os.close(w)
+                self.pids.append(pid)
+                self.pipes.append(r)
+        except BaseException as e:
+            self.__exit__(type(e))
+            raise
+        return self
+
+    def _child(self, k: int, w: int) -> None:
+        code = 1
+        try:
+            for fd in self.pipes:  # (the read ends of the processes forked before)
+                os.close(fd)
+            _quiet_job(self.parent)
+            an, spool, windows = self.an, self.spool, self.windows
+            for share in self.shares[k::self.n]:
+                an.windows = an.peak_window_records = 0
+                docs = [an._explain(spool, windows[i]) for i in share]
+                _send(w, (docs, an.windows, an.peak_window_records))
+            code = 0
+        except BaseException as e:
+            with contextlib.suppress(BaseException):
+                try:
+                    _send(w, e)
+                except Exception:  # not picklable: said as text
+                    _send(w, RuntimeError(f"explaining windows: {type(e).__name__}: {e}"))
+        finally:
+            os._exit(code)
+
+    def results(self) -> Iterator[tuple[list[list[StallDoc]], int, int]]:
+        """Each share's results, in order."""
+        got: dict[int, Any] = {}  # share index -> its results, once read
+        buffers = {k: bytearray() for k in range(self.n)}
+        sent = dict.fromkeys(range(self.n), 0)  # results read from each process
+        with selectors.DefaultSelector() as sel:
+            for k, fd in enumerate(self.pipes):
+                sel.register(fd, selectors.EVENT_READ, k)
+            for i in range(len(self.shares)):
+                while i not in got:
+                    if not sel.get_map():  # (every process ended, each with all it was to send: not reached)
+                        raise JobEnded("the processes explaining windows ended without all their results")
+                    for key, _ in sel.select():
+                        k = key.data
+                        chunk = os.read(key.fd, PIPE_READ)
+                        buf = buffers[k]
+                        buf += chunk
+                        while len(buf) >= 8 and len(buf) >= 8 + int.from_bytes(buf[:8], "little"):
+                            size = int.from_bytes(buf[:8], "little")
+                            message = pickle.loads(buf[8 : 8 + size])
+                            del buf[: 8 + size]
+                            if isinstance(message, BaseException):
+                                raise message
+                            got[k + sent[k] * self.n] = message
+                            sent[k] += 1
+                        if not chunk:  # ended: all it sent was read
+                            sel.unregister(key.fd)
+                            if len(self.shares[k::self.n]) > sent[k]:
+                                raise JobEnded(f"a process explaining windows (pid {self.pids[k]}) ended without "
+                                               f"its results: {self._ended(k)}; --jobs 1 explains them in this "
+                                               "process alone")
+                yield got.pop(i)
+
+    def _ended(self, k: int) -> str:
+        """How the ``k``-th process ended, once it did (it is waited for here)."""
+        pid, self.pids[k] = self.pids[k], 0
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return "its exit status is unknown"
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            return f"killed by {signal.Signals(sig).name}" + (" (out of memory?)" if sig == signal.SIGKILL else "")
+        return f"exit status {os.WEXITSTATUS(status)}"
+
+    def __exit__(self, failed: type[BaseException] | None = None, *_: object) -> None:
+        """Every process waited for; where the analysis failed or was interrupted, ended first."""
+        for fd in self.pipes:
+            os.close(fd)
+        self.pipes = []
+        for pid in filter(None, self.pids):  # (not yet waited for: its pid is still its own)
+            if failed is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.pids = []
 
 
-def _explain_share(share: list[int]) -> tuple[list[list[StallDoc]], int, int]:
-    """In a process forked by ``WindowedAnalysis._explained``: the documents of the stalls of the windows
-    ``share`` (by index), window by window, with how many windows it explained and the most records it held."""
-    assert _FORKED is not None
-    an, spool, windows = _FORKED
-    an.windows = an.peak_window_records = 0
-    docs = [an._explain(spool, windows[n]) for n in share]
-    return docs, an.windows, an.peak_window_records
+PIPE_READ = 1 << 20  # bytes read from a job's pipe at a time
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 
-def _quiet_worker() -> None:
-    """A process explaining windows leaves Ctrl-C to the one that forked it (which ends it then), ends quietly
-    when that one ends it (SIGTERM, SIGHUP: not the handlers it may have inherited, gputrace.cli's), and runs at
-    a lower CPU priority (``JOB_NICE``): a job running beside the analysis keeps the CPUs it needs."""
+def _quiet_job(parent: int) -> None:
+    """A process explaining windows leaves Ctrl-C to the one that forked it, ``parent`` (which ends it then),
+    ends quietly when that one ends it (SIGTERM, SIGHUP: not the handlers it may have inherited, gputrace.cli's)
+    and when that one dies (killed: nothing would read its results), and runs at a lower CPU priority
+    (``JOB_NICE``): a job running beside the analysis keeps the CPUs it needs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before that was set
+        os._exit(1)
     os.nice(JOB_NICE)
+
+
+def _send(fd: int, message: Any) -> None:
+    """``message`` pickled, after its length, on the pipe ``fd``."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _shares(weights: list[int], n: int) -> list[list[int]]:
