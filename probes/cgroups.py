@@ -19,6 +19,7 @@ error, so the report can say why a wait stayed a run-queue wait.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -188,6 +189,30 @@ def find_hierarchy(proc: Path = PROC) -> Hierarchy:
         return parse_mountinfo(_read(proc / "self" / "mountinfo"))
     except OSError:
         return Hierarchy()
+
+
+def quota_cpus(pid: int = 0, files: CgroupFiles | None = None) -> float | None:
+    """The CPUs' worth of time the cpu cgroup of ``pid`` (0: this process) may use, its quota over its period:
+    the least of its own and its ancestors' (a pod's limit bounds its containers); None where none has a quota,
+    or they cannot be read (no quota known)."""
+    files = files or CgroupFiles(find_hierarchy())
+    try:
+        member = files.member_of(pid or os.getpid())
+    except OSError:
+        return None
+    if member is None or not member[1]:
+        return None
+    path, version = member
+    least: float | None = None
+    for group in [path, *ancestors(path)]:
+        try:
+            limits = files.limits(group, version)
+        except (OSError, ValueError):
+            continue
+        if limits.quota_us > 0 and limits.period_us > 0:
+            cpus = limits.quota_us / limits.period_us
+            least = cpus if least is None else min(least, cpus)
+    return least
 
 
 # ------------------------------------------------------------------------------------------ source ---

@@ -3,6 +3,7 @@ real on this kernel), and the attribution of runnable waits on synthetic capture
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 from test_analysis import TRAINER, only_stall, run, trainer
-from workloads.cpu_cgroup import CPU, SPINNER, cpu_cgroup
+from workloads.cpu_cgroup import CPU, SPINNER, cpu_cgroup, remove_group
 
 from gputrace.analysis import summary_lines
 from gputrace.analysis.throttle import windows
@@ -171,6 +172,44 @@ def test_v1_throttling_of_a_real_process_is_recorded(tmp_path: Path) -> None:
     assert sum(x.nr_throttled for x in w) >= 2, rows
     # each throttle holds the group off for most of a period: what is left of 100 ms after its 20 ms
     assert all(0 < x.throttled_ns <= 2 * 100_000_000 for x in w) and all(x.end_ns - x.start_ns < 1e9 for x in w)
+
+
+JOBS = """
+import os, sys
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+from gputrace.cli.report import default_jobs
+print(default_jobs())
+"""
+
+
+@pytest.mark.kernel
+def test_report_runs_no_more_jobs_than_its_cpu_cgroup_quota_allows(tmp_path: Path) -> None:
+    """``gputrace report``'s default job count, in a real v1 cpu group: no more than the quota allows whole (1.5
+    CPUs: 1; a fifth of one: still 1), nor than a limited ancestor's, and the CPUs it may run on where no group
+    has a quota."""
+    cpus = len(os.sched_getaffinity(0))
+
+    def jobs(group: Path) -> int:
+        return int(subprocess.run([sys.executable, "-c", JOBS, str(group)], capture_output=True, text=True,
+                                  check=True).stdout)
+
+    with cpu_cgroup(150_000, 100_000) as group:
+        assert jobs(group) == 1
+        child = group / "inner"
+        child.mkdir()
+        try:
+            assert (child / "cpu.cfs_quota_us").read_text().strip() == "-1"  # none of its own: its parent's bounds it
+            assert jobs(child) == 1
+        finally:
+            remove_group(child)
+    with cpu_cgroup(20_000, 100_000) as group:
+        assert jobs(group) == 1
+    with cpu_cgroup(-1, 100_000) as group:
+        assert jobs(group) == min(cpus, 8)
+    if cpus >= 2:
+        with cpu_cgroup(200_000, 100_000) as group:
+            assert jobs(group) == 2
 
 
 # -------------------------------------------------------------------------------------- analysis ---

@@ -35,18 +35,24 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="OUT.html", help="also write the report as a self-contained HTML page")
     common.add_force(p)
     common.add_min_gap(p)
-    p.add_argument("--jobs", type=int, metavar="N", default=default_jobs(),
+    jobs = default_jobs()
+    p.add_argument("--jobs", type=int, metavar="N", default=jobs,
                    help="processes explaining the windows of a capture analysed window by window (over 200k "
-                        f"records), at a lower CPU priority (default: the CPUs this may run on, at most {MAX_JOBS}: "
-                        f"{default_jobs()} here; 1: this process alone)")
+                        "records), at a lower CPU priority (default: the CPUs this may run on and its cpu cgroup's "
+                        f"quota allows, at most {MAX_JOBS}: {jobs} here; 1: this process alone)")
 
 
 MAX_JOBS = 8  # processes explaining windows by default, however many CPUs
 
 
 def default_jobs() -> int:
-    """The CPUs this process may run on, at most MAX_JOBS."""
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_JOBS))
+    """The CPUs this process may run on (its affinity), no more than its cpu cgroup's quota allows whole (a
+    container limited to 1.5 CPUs: 1), at most MAX_JOBS; at least 1."""
+    from gputrace.probes.cgroups import quota_cpus
+
+    quota = quota_cpus()
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, min(cpus, int(quota) if quota is not None else cpus, MAX_JOBS))
 
 
 def run(args: argparse.Namespace) -> int:

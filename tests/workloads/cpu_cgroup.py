@@ -51,12 +51,12 @@ def cpu_cgroup(quota_us: int, period_us: int, shares: int = 0) -> Iterator[Path]
             (g / "cpu.shares").write_text(f"{shares}\n")
         yield g
     finally:
-        _remove(g)
+        remove_group(g)
         if mounted:
             subprocess.run(["umount", str(CPU)], check=False, capture_output=True)
 
 
-def _remove(g: Path) -> None:
+def remove_group(g: Path) -> None:
     """rmdir once empty: a member reaped by its parent may still be leaving the group (the kernel moves it out
     as it exits), so the group's own cgroup.procs is read until it is empty."""
     if not g.exists():
