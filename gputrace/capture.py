@@ -408,24 +408,13 @@ def _exact_fields(kind: str) -> tuple[int, int, tuple[tuple[int, frozenset[type]
     return len(cls._fields), len(cls._fields) - len(cls._field_defaults), tuple(checks)
 
 
-def _exact_width(kind: str, rows: Sequence[Any]) -> int:
-    """How many fields each row holds where every row is a list of ``kind``'s fields, all as long; -1 otherwise."""
-    nfields, needed, _ = _exact_fields(kind)
-    if set(map(type, rows)) != {list}:
-        return -1
-    lengths = set(map(len, rows))
-    width = lengths.pop()
-    return -1 if lengths or not needed <= width <= nfields else width
-
-
-def _sound_columns(kind: str, width: int, column: Callable[[int, bool], Iterable[Any]]) -> bool:
-    """Whether each checked field of ``kind`` among the first ``width`` holds exactly its declared types (a field
-    that holds a list: its items each of their type, as many as declared). ``column(i, whole)``: field ``i``'s
-    values, as a sequence when ``whole`` (it is gone through more than once), else any iterable."""
+def _sound_columns(kind: str, columns: Sequence[Sequence[Any]]) -> bool:
+    """Whether each checked field of ``kind`` among ``columns`` (the first fields, column by column) holds
+    exactly its declared types (a field that holds a list: its items each of their type, as many as declared)."""
     for i, types, items, n in _exact_fields(kind)[2]:
-        if i >= width:
+        if i >= len(columns):
             break
-        col = column(i, bool(items))
+        col = columns[i]
         if not set(map(type, col)) <= types:
             return False
         if items and not (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n})):
@@ -438,28 +427,20 @@ def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | Non
     of ``kind``'s fields, all as long, and each field holds exactly its declared type (no bool for an int:
     stricter than ``row_check``, so every such row is sound, and kept by analysis as it is); None otherwise.
     A frame's values are checked a column at a time, in C loops (``set(map(type, column))``)."""
-    width = _exact_width(kind, rows)
-    if width < 0:
+    nfields, needed, _ = _exact_fields(kind)
+    if set(map(type, rows)) != {list} or not needed <= len(rows[0]) <= nfields:
         return None
-    columns = list(zip(*rows, strict=True))
-    if not _sound_columns(kind, width, lambda i, _: columns[i]):
+    try:
+        columns = list(zip(*rows, strict=True))
+    except ValueError:  # rows not all as long
+        return None
+    width = len(columns)
+    if not _sound_columns(kind, columns):
         return None
     if width < len(RECORD_TYPES[kind]._fields):
         defaults = RECORD_TYPES[kind]._field_defaults
         columns += [(defaults[f],) * len(rows) for f in RECORD_TYPES[kind]._fields[width:]]
     return columns
-
-
-def exact_rows(kind: str, rows: Sequence[Any]) -> bool:
-    """Whether ``exact_columns(kind, rows)`` would take ``rows``, found without making the columns (each checked
-    column read from the rows as it is checked): for a reader that wants the rows alone."""
-    width = _exact_width(kind, rows)
-
-    def column(i: int, whole: bool) -> Iterable[Any]:
-        col = map(operator.itemgetter(i), rows)
-        return list(col) if whole else col
-
-    return width >= 0 and _sound_columns(kind, width, column)
 
 
 def records_of(kind: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
@@ -486,16 +467,14 @@ class RowsAt(Protocol):
 
 
 class Batch(NamedTuple):
-    """The records of one frame (``CaptureReader.batches``); ``exact``: ``records`` are the frame's rows as read
-    (lists, exactly their kind's fields), and ``columns``, unless the reader was asked for none, those fields
-    column by column."""
+    """The records of one frame (``CaptureReader.batches``); where ``columns`` is not None, ``records`` are the
+    frame's rows as read (lists, exactly their kind's fields) and ``columns`` those fields column by column."""
 
     kind: str  # "" for a frame of kernel events (records of several kinds)
     records: list[Any]
     offset: int  # where the frame is in the file, and its length
     length: int
     columns: list[tuple[Any, ...]] | None
-    exact: bool = False
 
 
 # How each frame after the header begins: a msgpack array of 3 or 2 items whose first is the 1-char tag.
@@ -587,12 +566,10 @@ class CaptureReader:
         for batch in self.batches():
             yield from batch.records
 
-    def batches(self, exact: Container[str] = (), *, columns: bool = True) -> Iterator[Batch]:
+    def batches(self, exact: Container[str] = ()) -> Iterator[Batch]:
         """Every record in file order, a frame at a time (``records()`` flattens these). A frame of a kind in
         ``exact`` whose rows are exactly that kind's fields, each of its declared type (``exact_columns``), comes
-        as those rows (``Batch.exact``), with their ``columns`` unless ``columns`` is false (a reader of the rows
-        alone: the check then makes none, ``exact_rows``): no record is made for it, and ``rows_at`` reads them
-        again."""
+        as those rows with their ``columns``: no record is made for it, and ``rows_at`` reads them again."""
         self._file.seek(0)
         self._unpacker = self._new_unpacker()
         self._unpacker.skip()
@@ -652,14 +629,10 @@ class CaptureReader:
                     self.unknown_kinds[name] = self.unknown_kinds.get(name, 0) + len(frame[2])
                 elif tag == "R":
                     kind = frame[1]
-                    if kind in exact and frame[2] and self._observer(kind, decoder) is None:
-                        if not columns:
-                            if exact_rows(kind, frame[2]):
-                                yield Batch(kind, frame[2], offset, length, None, True)
-                                continue
-                        elif (cols := exact_columns(kind, frame[2])) is not None:
-                            yield Batch(kind, frame[2], offset, length, cols, True)
-                            continue
+                    if kind in exact and frame[2] and self._observer(kind, decoder) is None \
+                            and (cols := exact_columns(kind, frame[2])) is not None:
+                        yield Batch(kind, frame[2], offset, length, cols)
+                        continue
                     sound = self._sound_rows(kind, frame[2], decoder)
                     if sound is not None:
                         out = sound

@@ -133,7 +133,7 @@ def _keep(cache: dict[_K, _V], key: _K, value: _V) -> _V:
     cache[key] = value
     return value
 
-# A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_rows), or
+# A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_columns), or
 # the records themselves.
 Rows = Sequence[Sequence[Any]]
 _NO_HOLDER = (0, 0, "")  # an OffCpu row of a capture made before its held_* fields: their defaults
@@ -398,9 +398,9 @@ class _Run(Canvas):
         if batches is None or not fast or self.shift_ns:
             self.feed(reader.records())
             return
-        for batch in batches(exact=frozenset(fast), columns=False):
+        for batch in batches(exact=frozenset(fast)):
             rows, kind = batch.records, batch.kind
-            handler = fast.get(kind) if batch.exact else None
+            handler = fast.get(kind) if batch.columns is not None else None
             if handler is None:
                 self.feed(rows)
             elif len(rows[0]) != len(RECORD_TYPES[kind]._fields) and kind not in _SHORT_ROWS:
