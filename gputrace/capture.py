@@ -408,26 +408,12 @@ def _exact_fields(kind: str) -> tuple[int, int, tuple[tuple[int, frozenset[type]
     return len(cls._fields), len(cls._fields) - len(cls._field_defaults), tuple(checks)
 
 
-def _sound_columns(kind: str, columns: Sequence[Sequence[Any]]) -> bool:
-    """Whether each checked field of ``kind`` among ``columns`` (the first fields, column by column) holds
-    exactly its declared types (a field that holds a list: its items each of their type, as many as declared)."""
-    for i, types, items, n in _exact_fields(kind)[2]:
-        if i >= len(columns):
-            break
-        col = columns[i]
-        if not set(map(type, col)) <= types:
-            return False
-        if items and not (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n})):
-            return False
-    return True
-
-
 def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | None:
     """The fields of ``rows`` column by column (a field older rows lack: its default), where every row is a list
     of ``kind``'s fields, all as long, and each field holds exactly its declared type (no bool for an int:
     stricter than ``row_check``, so every such row is sound, and kept by analysis as it is); None otherwise.
     A frame's values are checked a column at a time, in C loops (``set(map(type, column))``)."""
-    nfields, needed, _ = _exact_fields(kind)
+    nfields, needed, checks = _exact_fields(kind)
     if set(map(type, rows)) != {list} or not needed <= len(rows[0]) <= nfields:
         return None
     try:
@@ -435,9 +421,15 @@ def exact_columns(kind: str, rows: Sequence[Any]) -> list[tuple[Any, ...]] | Non
     except ValueError:  # rows not all as long
         return None
     width = len(columns)
-    if not _sound_columns(kind, columns):
-        return None
-    if width < len(RECORD_TYPES[kind]._fields):
+    for i, types, items, n in checks:
+        if i >= width:
+            break
+        col = columns[i]
+        if not set(map(type, col)) <= types:
+            return None
+        if items and not (set(map(type, chain.from_iterable(col))) <= items and (n < 0 or set(map(len, col)) == {n})):
+            return None
+    if width < nfields:
         defaults = RECORD_TYPES[kind]._field_defaults
         columns += [(defaults[f],) * len(rows) for f in RECORD_TYPES[kind]._fields[width:]]
     return columns

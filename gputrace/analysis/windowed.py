@@ -364,10 +364,7 @@ class WindowedAnalysis:
             for window in self._swept(spool, sweeps, waits, host=True):
                 yield window.found, self._explain(spool, window)
             return
-        windows = []
-        for window in self._swept(spool, sweeps, waits, host=False):
-            window.records = None
-            windows.append(window)
+        windows = list(self._swept(spool, sweeps, waits, host=False))  # (ops alone: no window keeps its records)
         if len(windows) < 2:
             for window in windows:
                 yield window.found, self._explain(spool, window)
