@@ -642,6 +642,78 @@ def test_sleep(tmp_path: Path) -> None:
     assert s["cause"] == "sleep" and s["culprit"]["op"] == "clock_nanosleep"
 
 
+def _parts(s: dict[str, Any]) -> dict[str, int]:
+    return {p["cause"]: p["ns"] for p in s["breakdown"]}
+
+
+# A completed time.sleep(0.01) as recorded on this kernel: clock_nanosleep with TIMER_ABSTIME, its timespec (``arg``)
+# a CLOCK_MONOTONIC deadline (tests/test_ebpf_capture.py); usleep's and coreutils sleep's are durations
+@pytest.mark.parametrize("deadline", ["absolute", "relative"])
+def test_sleep_past_its_deadline_with_no_wakeup_recorded_is_a_wait_for_a_cpu(tmp_path: Path, deadline: str) -> None:
+    """A sleep that lasted past its timer (plus the timer's own lateness) with no wakeup recorded (a switch back
+    the kernel did not report): the time past it was a wait for a CPU, not the sleep's; the sleep is the stall's
+    cause only up to its deadline."""
+    arg = ns(20.2) if deadline == "absolute" else 10_000_000  # due at 20.2 ms either way
+    b = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8, arg=arg)
+    b.offcpu(TRAINER, TRAINER, 10.25, 39.75, "S")
+    s = only_stall(run(b, tmp_path))
+    late = ns(39.75) - (ns(20.2) + 200_000)  # past the deadline and the timer's lateness
+    assert (s["cause"], s["culprit"]["op"]) == ("cpu.runqueue", "woken, waiting for a CPU"), s
+    assert _parts(s)["cpu.runqueue"] == late, s["breakdown"]
+    assert _parts(s)["sleep"] == 29_600_000 - late, s["breakdown"]  # the call's time but that
+    assert s["why"].startswith("clock_nanosleep returned 19.6 ms past its deadline"), s
+    assert s["evidence"][0]["what"] == "clock_nanosleep", s["evidence"]
+
+
+def test_sleep_that_returned_long_after_its_wakeup_with_no_switch_recorded_waited_for_a_cpu(tmp_path: Path) -> None:
+    """As recorded beside two CPU hogs (the ``gil`` scenario): time.sleep's timer woke the thread 0.9 ms late, then
+    the call returned 28 ms later with no off-CPU record in between (a switch the kernel did not report, or the
+    virtual CPU held by the host). Back from its sleep a thread only returns: that time was a wait for a CPU,
+    not the sleep's (it was named ``sleep``, a wrong culprit, before)."""
+    b = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 5.0, 38.0, arg=ns(10.0))
+    b.offcpu(TRAINER, TRAINER, 5.0, 10.9, "S", 10.9, (0, 0, "[timer]"))
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["op"]) == ("cpu.runqueue", "woken, waiting for a CPU"), s
+    assert _parts(s)["cpu.runqueue"] == ns(38.0) - ns(10.9), s["breakdown"]  # the S span's time is the sleep's
+    assert _parts(s)["sleep"] == ns(10.9) - ns(10.0), s["breakdown"]
+    assert "28.0 ms past its deadline" in s["why"] and s["evidence"][0]["what"] == "clock_nanosleep", s
+
+
+@pytest.mark.parametrize(("arg", "ret", "wake"), [
+    (0, 0, None),  # no time asked (a record without it)
+    (ns(20.2), -4, None),  # cut short by a signal (EINTR): never reached its deadline
+    (1_700_000_000_000_000_000, 0, None),  # a CLOCK_REALTIME deadline: on no clock the records are on
+    (39_000_000, 0, None),  # due after the call ended: neither reading fits its times
+    (ns(39.9), 0, None),  # the same for a deadline
+    (ns(20.2), 0, 39.7),  # its wakeup recorded at 39.7: the late part is that wakeup's
+])
+def test_sleep_whose_deadline_is_not_known_is_the_sleeps(tmp_path: Path, arg: int, ret: int,
+                                                          wake: float | None) -> None:
+    b = trainer().syscall(TRAINER, TRAINER, "clock_nanosleep", 10.2, 39.8, arg=arg)
+    b.records[-1] = b.records[-1]._replace(ret=ret)
+    b.offcpu(TRAINER, TRAINER, 10.25, 39.75, "S", wake, (0, 0, "[timer]") if wake else (0, 0, ""))
+    s = only_stall(run(b, tmp_path))
+    assert (s["cause"], s["culprit"]["op"]) == ("sleep", "clock_nanosleep"), s
+    assert _parts(s).get("cpu.runqueue", 0) == (ns(39.75) - ns(39.7) if wake else 0), s["breakdown"]
+
+
+@pytest.mark.parametrize("seen", [False, True])
+def test_sync_past_its_devices_end_with_no_off_cpu_record_is_unknown(tmp_path: Path, seen: bool) -> None:
+    """A sync whose device had finished (at 10 ms), its thread shown by no off-CPU record after that (a switch the
+    kernel did not report; the ``gil`` scenario beside a CPU hog, its trainer's interpreter-lock waits inside the
+    simulated device's sync): not the device's, and nothing says whose: ``unknown``, never ``sync`` (it was). Seen
+    off CPU and woken from an interrupt (the driver), it stays ``sync``."""
+    b = trainer().sync(TRAINER, TRAINER, 10.2, 39.8).syscall(TRAINER, TRAINER, "futex", 10.2, 39.8)
+    if seen:
+        b.offcpu(TRAINER, TRAINER, 10.25, 39.75, "S", 39.7, (0, 0, ""))
+    s = only_stall(run(b, tmp_path))
+    if seen:
+        assert s["cause"] == "sync" and s["culprit"]["pid"] == TRAINER, s
+        return
+    assert s["cause"] == "unknown" and s["why"].startswith("the GPU had finished: no off-CPU record"), s
+    assert _parts(s)["unknown"] == ns(39.8) - ns(10.2) and s["evidence"][0]["what"] == "futex", s
+
+
 def test_gpu_sync_is_not_followed_to_the_device_thread(tmp_path: Path) -> None:
     b = trainer().sync(TRAINER, TRAINER, 10.1, 39.0).syscall(TRAINER, TRAINER, "futex", 10.1, 39.0)
     b.op(TRAINER, TRAINER, 5.0, 5.0, 39.0, "on_device_1", dev=1)  # what the sync waited for

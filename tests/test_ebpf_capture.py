@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from waiting import wait_for
-from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.ebpfcap import driven, ebpf_capture, of, read_capture, tell
 from workloads.loopdev import LoopFs, write_file
 
 from gputrace.probes import procfs
@@ -143,3 +143,47 @@ def test_a_target_that_exited_before_tracing_began_is_not_live(tmp_path: Path) -
         live.kill()
         live.wait()
         zombie.wait()
+
+
+SLEEPER = """
+import ctypes, sys, threading, time
+libc = ctypes.CDLL(None)
+print("ready", flush=True)
+sys.stdin.readline()
+time.sleep(0.02)  # CPython >= 3.11: clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, deadline)
+libc.usleep(20000)  # glibc: clock_nanosleep(CLOCK_REALTIME, 0, 20 ms)
+spinning = True
+def spin():
+    while spinning:
+        pass
+spinner = threading.Thread(target=spin)
+spinner.start()
+libc.clock_nanosleep(2, 0, (ctypes.c_long * 2)(0, 20_000_000), None)  # until 20 ms of the process's CPU time
+spinning = False
+spinner.join()
+"""
+
+
+def test_a_sleeps_time_is_recorded_as_its_deadline_or_its_duration(tmp_path: Path) -> None:
+    """The eBPF source reads a sleep's timespec into ``arg`` without the call's flags: Python's time.sleep gives a
+    CLOCK_MONOTONIC deadline (the records' clock), usleep a duration. The analysis tells them apart by the call's
+    times (explain._sleep_deadline): each is due 20 ms after it began and returned after that. A sleep on a
+    CPU-time clock, due when CPU time has passed, has none (0)."""
+    from gputrace.analysis.explain import _sleep_deadline
+
+    path = tmp_path / "sleep.gputrace"
+    with driven([sys.executable, "-c", SLEEPER]) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().split() == ["ready"]
+        with ebpf_capture(path, [proc.pid]):
+            tell(proc, "go")
+            assert proc.wait(timeout=30) == 0
+    records, _ = read_capture(path)
+    sleeps = [s for s in of(records, Syscall) if s.pid == proc.pid and s.name == "clock_nanosleep"]
+    assert len(sleeps) == 3, sleeps
+    absolute, relative, cpu_time = sleeps
+    assert cpu_time.arg == 0 and _sleep_deadline(cpu_time) is None, cpu_time
+    assert absolute.start_ns < absolute.arg <= absolute.end_ns, absolute
+    assert relative.arg == 20_000_000, relative
+    for s in (absolute, relative):
+        deadline = _sleep_deadline(s)
+        assert deadline is not None and 19_000_000 <= deadline - s.start_ns <= 20_000_000 and deadline <= s.end_ns, s

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from workloads.ebpfcap import ebpf_capture, of, read_capture
+from workloads.ebpfcap import driven, ebpf_capture, of, read_capture, tell
 from workloads.loopdev import LoopFs, loop_filesystem, write_file
 
 from gputrace.probes.ebpf.host import file_faults_supported
@@ -115,15 +115,13 @@ def _inode(records: list[object], path: Path) -> int:
 
 
 def _run(out: Path, fs: LoopFs, mapped: Path, plain: Path, scratch: Path) -> tuple[list[object], int]:
-    proc = subprocess.Popen([sys.executable, str(WORKLOADS / "mmap_reader.py"), str(mapped), str(plain),
-                             str(scratch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
+    argv = [sys.executable, str(WORKLOADS / "mmap_reader.py"), str(mapped), str(plain), str(scratch)]
+    with driven(argv) as proc:
+        assert proc.stdout is not None
         pid = int(proc.stdout.readline().split()[1])
         with ebpf_capture(out, [pid], threshold_ns=0) as src:
             assert not [m for m in src.missing if "filemap" in m]
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            tell(proc, "go")
             tid = int(proc.stdout.readline().split()[1])
             assert proc.stdout.readline().startswith("read ")
             assert proc.stdout.readline().strip() == "synced"
@@ -133,13 +131,8 @@ def _run(out: Path, fs: LoopFs, mapped: Path, plain: Path, scratch: Path) -> tup
             deadline = time.monotonic() + 10
             while not src.named_mapping(*key) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            proc.stdin.write("exit\n")
-            proc.stdin.flush()
+            tell(proc, "exit")
             assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     records, reader = read_capture(out)
     assert reader.complete
     assert reader.drops["ebpf.fault"] == 0 and reader.drops["ebpf.ringbuf"] == 0

@@ -19,7 +19,7 @@ from typing import TypedDict
 from gputrace.analysis import uring
 from gputrace.analysis.blocks import BlockTies, Tie
 from gputrace.analysis.load import DIRTY_OP, FAULT_OP, Capture
-from gputrace.analysis.objects import POLLS, MountTable, classify, filesystem_of, is_kernel_task, is_remote_fs
+from gputrace.analysis.objects import POLLS, SLEEP, MountTable, classify, filesystem_of, is_kernel_task, is_remote_fs
 from gputrace.analysis.throttle import Throttles, runnable_wait
 from gputrace.analysis.timefmt import size_text
 from gputrace.analysis.timeline import HostWait
@@ -32,6 +32,7 @@ TOO_DEEP_WHY = f"the wait chain went on past {MAX_DEPTH} hops: not followed furt
 # was not recorded (the probes lose one now and then, counting no drop: docs/probes.md)
 NO_OFFCPU_WHY = "no off-CPU record of this wait: who ended it is not known"
 LOCK_HOLDER_WHY = "the GPU had finished: the sync then waited for a lock whose holder is not known"
+UNSEEN_SYNC_WHY = "the GPU had finished: no off-CPU record shows what the sync's thread waited for then"
 MAX_EVIDENCE = 12
 MAX_FRAMES = 5  # hottest leaf frames named in a cpu culprit
 GIL_RUNNING = 0.8  # share of a timed-out wait another thread must have run (or been runnable) for to hold the lock
@@ -127,6 +128,12 @@ ETIMEDOUT = 110
 _API_TIMES, _TID = attrgetter("start_ns", "end_ns"), attrgetter("tid")
 FUTEXES = ("futex", "futex_waitv")
 TIMER_WAKER = "[timer]"  # the eBPF source's waker for wakeups from a timer interrupt (hrtimer expiry)
+# How late a sleep's timer may fire: the task's timer slack (50 us unless set otherwise) and the interrupt's own
+# delay (a completed time.sleep here: its timer's wakeup 60-80 us past the deadline)
+TIMER_LATE_NS = 200_000
+# A sync's time past its device's last end that no off-CPU record covers, left to the sync (a spinning wait's
+# last polls, the device's clock placed on the host's)
+UNSEEN_SYNC_NS = 1_000_000
 
 
 def _timed_out(sc: Syscall) -> bool:
@@ -151,6 +158,38 @@ def _timer_woken(sc: Syscall, o: OffCpu) -> OffCpu:
     if o.wake_ns or o.state != "S" or not _timed_out(sc):
         return o
     return o._replace(wake_ns=o.end_ns, waker_pid=0, waker_tid=0, waker_comm=TIMER_WAKER)
+
+
+def _sleep_deadline(sc: Syscall) -> int | None:
+    """When a completed sleep call's timer was due, from the time it asked for (``arg``: the eBPF source reads
+    the call's timespec): a duration from its start (nanosleep; clock_nanosleep without TIMER_ABSTIME, as
+    glibc's nanosleep and usleep call it), or a CLOCK_MONOTONIC deadline, the records' own clock
+    (clock_nanosleep with TIMER_ABSTIME, as Python's time.sleep calls it). The record does not keep the call's
+    flags: the two are told apart by its times, as a completed sleep runs from its start past its deadline.
+    None where neither reading fits them or both do (a sleep longer than the clock's age), or where the call
+    did not complete (a signal cut it short)."""
+    arg = sc.arg
+    if sc.name not in SLEEP or sc.ret != 0 or type(arg) is not int or arg <= 0:
+        return None
+    relative = sc.start_ns + arg <= sc.end_ns
+    absolute = sc.name == "clock_nanosleep" and sc.start_ns <= arg <= sc.end_ns
+    if relative == absolute:
+        return None
+    return sc.start_ns + arg if relative else arg
+
+
+def _woken_when_due(o: OffCpu, due: int) -> OffCpu:
+    """``o``, a sleep's off-CPU span, woken by its timer when ``due`` (its deadline and the timer's lateness) where
+    no wakeup was recorded (a probe run the kernel skipped, or a switch back it did not report) and the span
+    lasted past that: the rest of it was a wait for a CPU, not the sleep."""
+    if o.wake_ns or o.state != "S" or not o.start_ns < due < o.end_ns:
+        return o
+    return o._replace(wake_ns=due, waker_pid=0, waker_tid=0, waker_comm=TIMER_WAKER)
+
+
+def _unseen(offs: list[OffCpu], a: int, b: int) -> int:
+    """The time in [a, b) that none of a thread's off-CPU spans ``offs`` covers (they never overlap)."""
+    return max(b - a, 0) - sum(max(min(o.end_ns, b) - max(o.start_ns, a), 0) for o in offs)
 
 
 def _on_pipe_or_socket(sc: Syscall) -> bool:
@@ -535,21 +574,57 @@ class Explainer:
         runq = sum(min(o.end_ns, y) - max(o.start_ns, x) for o in preempted)
         parts = self._runqueue(sc.tid, "preempted", [(o, x, y) for o in preempted], runq) if runq > 0 else []
         blocked = [o for o in offs if o.state != "R"]
+        deadline = _sleep_deadline(sc) if kind == "sleep" else None
+        due = deadline + TIMER_LATE_NS if deadline is not None else 0
+        filled: set[int] = set()  # id() of the spans woken when due
+        if deadline is not None:
+            woken_due = [_woken_when_due(o, due) for o in blocked]
+            filled = {id(o) for o, was in zip(woken_due, blocked, strict=True) if o is not was}
+            blocked = woken_due
         ns = (y - x) - runq
         if kind == "wait":
             return parts + self._wait(sc, x, y, blocked, ns, depth, end)
         if kind == "sync":
             late_signal = self._late_completion(sc, x, y, blocked, depth)
+            done = self._device_done(self.cap.pid_of(sc.tid), y)
+            if done is not None and (unseen := _unseen(offs, max(done, x), y)) > UNSEEN_SYNC_NS:
+                # the device was done, and no off-CPU record shows the thread (a switch the kernel did not
+                # report): a sync past its device's end does not wait for the device
+                late_signal.append(Part("unknown", unseen, empty_culprit(), evidence=[evidence_syscall(sc)],
+                                        extra=self._no_sched_why() or {"why": UNSEEN_SYNC_WHY}))
             parts += late_signal
             ns -= sum(p.ns for p in late_signal)
         # woken (the disk answered, the sleep ended) but no CPU to run on yet: that part is the run queue's
         late = [(o, max(o.wake_ns, x), min(o.end_ns, y)) for o in blocked if o.wake_ns]
-        woken = sum(max(b - a, 0) for _, a, b in late)
-        if woken > 0:
-            parts += self._runqueue(sc.tid, "woken, waiting for a CPU", [w for w in late if w[2] > w[1]], woken)
+        woken = 0
+        for inferred in (False, True):
+            waits = [w for w in late if w[2] > w[1] and (id(w[0]) in filled) == inferred]
+            if waits:
+                n = sum(b - a for _, a, b in waits)
+                woken += n
+                more = self._runqueue(sc.tid, "woken, waiting for a CPU", waits, n)
+                parts += self._past_deadline(sc, deadline, more) if inferred and deadline is not None else more
+        if deadline is not None and (unseen := _unseen(offs, max(due, x), y)) > TIMER_LATE_NS:
+            # past its deadline, no off-CPU record shows the thread (a switch the kernel did not report, a virtual
+            # CPU the host held): a sleeping thread is off its CPU, and back from its sleep it only returns (less
+            # than TIMER_LATE_NS, left to the sleep)
+            woken += unseen
+            parts += self._past_deadline(sc, deadline, [Part("cpu.runqueue", unseen,
+                                                             self.culprit(sc.tid, "woken, waiting for a CPU"))])
         if requests:
             return parts + [self._request(kind, sc, requests, ns - woken, blocked)]
         return parts + [self._direct(kind, sc, ns - woken, blocked)]
+
+    @staticmethod
+    def _past_deadline(sc: Syscall, deadline: int, parts: list[Part]) -> list[Part]:
+        """``parts``, a sleep's waits for a CPU past its deadline that no record showed as such, with the sleep
+        call as their first evidence and why they are not the sleep's."""
+        why = (f"{sc.name} returned {(sc.end_ns - deadline) / 1e6:.1f} ms past its deadline, no wakeup recorded: "
+               "the time past it is taken as a wait for a CPU, not the sleep")
+        for p in parts:
+            p.evidence.insert(0, evidence_syscall(sc))
+            p.extra.setdefault("why", why)
+        return parts
 
     def _late_completion(self, sc: Syscall, x: int, y: int, blocked: list[OffCpu], depth: int) -> list[Part]:
         """A GPU sync still blocked after the device finished everything it had started: the wait past

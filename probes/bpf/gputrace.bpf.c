@@ -419,7 +419,13 @@ static __always_inline void fill_sys(struct gt_sys_event *e, u32 type, struct gt
     e->arg = c->args[si->arg_idx & 3];
     if (si->flags & GT_F_TIMESPEC) {
         s64 ts[2] = {};
-        if (e->arg && gt_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
+        /* A sleep's time asked for: a duration, or a deadline (TIMER_ABSTIME) on the call's clock. Not on a
+         * CPU-time clock (clock_nanosleep's CLOCK_PROCESS_CPUTIME_ID, or a pid's: a negative id), whose time
+         * passes with CPU time used, not with wall time: 0, unknown. */
+        s32 clock = (s32)c->args[0];
+        if ((si->arg_idx & 3) == 2 && (clock < 0 || clock == 2 || clock == 3))
+            e->arg = 0;
+        else if (e->arg && gt_read_user(ts, sizeof(ts), (void *)e->arg) == 0)
             e->arg = ts[0] * 1000000000ULL + ts[1];
     }
     if (si->flags & GT_F_POLLFD)

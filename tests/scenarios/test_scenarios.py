@@ -297,7 +297,8 @@ def test_scoring_leaves_out_a_wait_for_a_cpu_another_program_held() -> None:
     culprit = {"pid": 7, "tid": 22, "comm": "python", "op": "woken, waiting for a CPU", "object": "", "bytes": 0,
                "duration_ns": 0, "cpu_held_by": held}
     stall = {"device_pid": 7, "start_ns": 0, "end_ns": 10, "duration_ns": 17_000_000, "cause": "cpu.runqueue",
-             "culprit": culprit}
+             "culprit": culprit, "breakdown": [{"cause": "cpu.runqueue", "pid": 7, "object": "", "ns": 8_946_000},
+                                               {"cause": "cpu", "pid": 7, "object": "", "ns": 8_054_000}]}
     right = {**stall, "duration_ns": 83_000_000, "cause": "cpu", "culprit": {**culprit, "tid": 21, "op": "cpu"}}
     report = {"capture": {"pids": [7]}, "stalls": [stall, right]}
     sc = harness.score("t", report, label)
@@ -306,6 +307,13 @@ def test_scoring_leaves_out_a_wait_for_a_cpu_another_program_held() -> None:
     for other in ([{**held[0], "pid": 7, "tid": 23}], []):  # a thread of the job, or no holder known: a miss
         sc = harness.score("t", {**report, "stalls": [{**stall, "culprit": {**culprit, "cpu_held_by": other}}]}, label)
         assert (sc.load_ns, sc.correct_ns, len(sc.misses)) == (0, 0, 1), other
+    # gil beside two CPU hogs (a 34.8 ms stall of a kept run): the sleeping thread's 31.9 ms past its deadline,
+    # most of it with no switch recorded, so no holder known; `sh` seen holding the CPU for 12.6 us of it: a miss
+    seen = [{**held[1], "ns": 12_551}]
+    glimpse = {**stall, "duration_ns": 34_800_000, "culprit": {**culprit, "cpu_held_by": seen},
+               "breakdown": [{"cause": "cpu.runqueue", "pid": 7, "object": "", "ns": 31_942_476}]}
+    sc = harness.score("t", {**report, "stalls": [glimpse]}, label)
+    assert (sc.load_ns, sc.correct_ns, len(sc.misses), sc.wrong_culprits) == (0, 0, 1, [])
     traced = {"capture": {"pids": [7, 900]}, "stalls": [stall]}  # a process the capture traced
     assert harness.score("t", traced, label).load_ns == 0
     # more than MAX_LOAD_PCT of the stall time the machine's load: the run proves too little to pass
