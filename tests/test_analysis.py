@@ -679,6 +679,24 @@ def test_sleep_that_returned_long_after_its_wakeup_with_no_switch_recorded_waite
     assert "28.0 ms past its deadline" in s["why"] and s["evidence"][0]["what"] == "clock_nanosleep", s
 
 
+@pytest.mark.parametrize("timeout_ms", [10, 0, 30])
+def test_poll_that_timed_out_long_after_its_timeout_waited_for_a_cpu_past_it(tmp_path: Path, timeout_ms: int) -> None:
+    """An event loop's timed-out epoll_wait (an ``asyncio.sleep``) with its timeout (``arg``, ms) recorded, asleep
+    past it with no wakeup recorded: woken when due (its timeout and the timer's slack), the rest a wait for a
+    CPU. A timeout not recorded (0), or not reached by its span's end, leaves the whole a timed-out wait."""
+    b = trainer().syscall(TRAINER, TRAINER, "epoll_wait", 10.2, 39.8, arg=timeout_ms)
+    b.offcpu(TRAINER, TRAINER, 10.25, 39.75, "S")
+    s = only_stall(run(b, tmp_path))
+    if timeout_ms != 10:
+        assert (s["cause"], s["culprit"]["op"]) == ("sleep", "epoll_wait") and "cpu.runqueue" not in _parts(s), s
+        return
+    late = ns(39.75) - (ns(20.2) + 200_000)
+    assert (s["cause"], s["culprit"]["op"]) == ("cpu.runqueue", "woken, waiting for a CPU"), s
+    assert _parts(s)["cpu.runqueue"] == late and _parts(s)["sleep"] == ns(20.4) - ns(10.25), s["breakdown"]
+    assert s["why"] == ("epoll_wait returned 19.6 ms past its deadline, no wakeup recorded: the time past it is "
+                        "taken as a wait for a CPU, not the wait"), s
+
+
 @pytest.mark.parametrize(("arg", "ret", "wake"), [
     (0, 0, None),  # no time asked (a record without it)
     (ns(20.2), -4, None),  # cut short by a signal (EINTR): never reached its deadline

@@ -178,6 +178,20 @@ def _sleep_deadline(sc: Syscall) -> int | None:
     return sc.start_ns + arg if relative else arg
 
 
+_POLL_TIMEOUT = frozenset({"poll", "epoll_wait", "epoll_pwait"})  # their ``arg``: the timeout, in ms
+
+
+def _poll_due(sc: Syscall) -> int | None:
+    """When a poll or epoll wait that timed out (returned 0) was due to wake: its start, its timeout (``arg``,
+    in ms) and the timer's slack (the kernel's for a poll: 0.1 % of the timeout at nice 0, more for a niced task;
+    0.5 % taken) or TIMER_LATE_NS, whichever is more. None for another call, or one that returned before that."""
+    if sc.name not in _POLL_TIMEOUT or sc.ret != 0 or type(sc.arg) is not int or sc.arg <= 0:
+        return None
+    timeout = sc.arg * 1_000_000
+    due = sc.start_ns + timeout + max(TIMER_LATE_NS, timeout // 200)
+    return due if due < sc.end_ns else None
+
+
 def _woken_when_due(o: OffCpu, due: int) -> OffCpu:
     """``o``, a sleep's off-CPU span, woken by its timer when ``due`` (its deadline and the timer's lateness) where
     no wakeup was recorded (a probe run the kernel skipped, or a switch back it did not report) and the span
@@ -617,10 +631,10 @@ class Explainer:
 
     @staticmethod
     def _past_deadline(sc: Syscall, deadline: int, parts: list[Part]) -> list[Part]:
-        """``parts``, a sleep's waits for a CPU past its deadline that no record showed as such, with the sleep
-        call as their first evidence and why they are not the sleep's."""
+        """``parts``, the waits for a CPU past a sleep's deadline (or a poll's timeout) that no record showed as
+        such, with the call as their first evidence and why they are not the sleep's (the wait's)."""
         why = (f"{sc.name} returned {(sc.end_ns - deadline) / 1e6:.1f} ms past its deadline, no wakeup recorded: "
-               "the time past it is taken as a wait for a CPU, not the sleep")
+               f"the time past it is taken as a wait for a CPU, not the {'sleep' if sc.name in SLEEP else 'wait'}")
         for p in parts:
             p.evidence.insert(0, evidence_syscall(sc))
             p.extra.setdefault("why", why)
@@ -775,8 +789,9 @@ class Explainer:
         """Blocked on a futex / pipe / poll: the time belongs to whoever the thread waited for."""
         parts: list[Part] = []
         used = 0
-        for o in blocked:
-            o = _timer_woken(sc, o)
+        due = _poll_due(sc)  # a poll that timed out: asleep past its timeout with no wakeup recorded, woken then
+        for seen in blocked:
+            o = _timer_woken(sc, _woken_when_due(seen, due) if due is not None else seen)
             ox, oy = max(o.start_ns, x), min(o.end_ns, y)
             woke = min(max(o.wake_ns, ox), oy) if o.wake_ns else oy  # woken before the window: from its start
             wait_ns = max(woke - ox, 0)
@@ -785,7 +800,10 @@ class Explainer:
             elif wait_ns > 0:
                 parts.extend(self._follow(sc, o, ox, woke, depth))
             if oy > woke:  # woken but not yet running
-                parts += self._runqueue(sc.tid, "woken, waiting for a CPU", [(o, woke, oy)], oy - woke)
+                waits = self._runqueue(sc.tid, "woken, waiting for a CPU", [(o, woke, oy)], oy - woke)
+                if due is not None and o.wake_ns == due and not seen.wake_ns:  # that wakeup inferred
+                    waits = self._past_deadline(sc, sc.start_ns + sc.arg * 1_000_000, waits)
+                parts += waits
             used += oy - ox
         rest = ns - used
         if rest > 0:
