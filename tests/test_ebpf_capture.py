@@ -146,12 +146,14 @@ def test_a_target_that_exited_before_tracing_began_is_not_live(tmp_path: Path) -
 
 
 SLEEPER = """
-import ctypes, sys, threading, time
+import ctypes, select, sys, threading, time
 libc = ctypes.CDLL(None)
 print("ready", flush=True)
 sys.stdin.readline()
 time.sleep(0.02)  # CPython >= 3.11: clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, deadline)
 libc.usleep(20000)  # glibc: clock_nanosleep(CLOCK_REALTIME, 0, 20 ms)
+select.epoll().poll(0.02)  # epoll_wait, 20 ms
+select.poll().poll(20)
 spinning = True
 def spin():
     while spinning:
@@ -168,8 +170,9 @@ def test_a_sleeps_time_is_recorded_as_its_deadline_or_its_duration(tmp_path: Pat
     """The eBPF source reads a sleep's timespec into ``arg`` without the call's flags: Python's time.sleep gives a
     CLOCK_MONOTONIC deadline (the records' clock), usleep a duration. The analysis tells them apart by the call's
     times (explain._sleep_deadline): each is due 20 ms after it began and returned after that. A sleep on a
-    CPU-time clock, due when CPU time has passed, has none (0)."""
-    from gputrace.analysis.explain import _sleep_deadline
+    CPU-time clock, due when CPU time has passed, has none (0). A poll's and an epoll wait's ``arg`` is their
+    timeout in ms (explain._poll_due)."""
+    from gputrace.analysis.explain import _poll_due, _sleep_deadline
 
     path = tmp_path / "sleep.gputrace"
     with driven([sys.executable, "-c", SLEEPER]) as proc:
@@ -184,6 +187,11 @@ def test_a_sleeps_time_is_recorded_as_its_deadline_or_its_duration(tmp_path: Pat
     assert cpu_time.arg == 0 and _sleep_deadline(cpu_time) is None, cpu_time
     assert absolute.start_ns < absolute.arg <= absolute.end_ns, absolute
     assert relative.arg == 20_000_000, relative
+    polls = [s for s in of(records, Syscall) if s.pid == proc.pid and s.name in ("epoll_wait", "epoll_pwait", "poll")]
+    assert [(s.arg, s.ret) for s in polls] == [(20, 0), (20, 0)], polls
+    for s in polls:  # had it returned 10 ms late, it was due 20 ms and the timer's slack after it began
+        assert s.end_ns - s.start_ns >= 20_000_000, s
+        assert _poll_due(s._replace(end_ns=s.start_ns + 30_000_000)) == s.start_ns + 20_200_000, s
     for s in (absolute, relative):
         deadline = _sleep_deadline(s)
         assert deadline is not None and 19_000_000 <= deadline - s.start_ns <= 20_000_000 and deadline <= s.end_ns, s
