@@ -194,4 +194,5 @@ def test_a_sleeps_time_is_recorded_as_its_deadline_or_its_duration(tmp_path: Pat
         assert _poll_due(s._replace(end_ns=s.start_ns + 30_000_000)) == s.start_ns + 20_200_000, s
     for s in (absolute, relative):
         deadline = _sleep_deadline(s)
-        assert deadline is not None and 19_000_000 <= deadline - s.start_ns <= 20_000_000 and deadline <= s.end_ns, s
+        # (time.sleep takes its deadline before the call: a thread preempted between the two enters it later)
+        assert deadline is not None and 0 < deadline - s.start_ns <= 20_000_000 and deadline <= s.end_ns, s
