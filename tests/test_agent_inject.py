@@ -99,6 +99,7 @@ while not arming.current().connected and time.monotonic() < deadline:
     time.sleep(0.01)
 s.launch("after_attach", duration_ms=1)
 s.synchronize()
+arming.current().close(20)  # its records sent before it exits (at exit: 2 s at most, short beside a CPU hog)
 print("done", flush=True)
 """, env=env, stdin=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "up"

@@ -169,8 +169,9 @@ def _check_details(name: str, report: dict[str, Any]) -> None:
         # (resource_sharer round trips with a worker thread that waits for the worker's GIL): its stalls end
         # on the worker's main thread, the process that holds the most stall time, reached by a wait on it:
         # at once, or through the other worker (its feeder waiting for the shared queue's lock, which the slow
-        # worker's feeder held: a chain seen beside a CPU hog)
-        slow = [s for s in stalls if s["culprit"]["pid"] != s["device_pid"] and s["cause"] != "tracing"]
+        # worker's feeder held: a chain seen beside a CPU hog). A stall that names no one (`unknown`: beside a CPU
+        # hog, once a chain of those round trips longer than the 8 hops followed) is the scoring's to count
+        slow = [s for s in stalls if s["culprit"]["pid"] not in (s["device_pid"], 0) and s["cause"] != "tracing"]
         assert slow and report["top_processes"][0]["pid"] == slow[0]["culprit"]["pid"], report["top_processes"]
         hop = 1 if name.endswith("pinned") else 0  # pinned: the pin-memory thread's queue first
         off_path = [s for s in slow if not s["via"][hop:hop + 1]
