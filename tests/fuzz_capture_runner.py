@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import random
@@ -138,10 +139,14 @@ def mutations(data: bytes, rng: random.Random, count: int) -> Iterator[tuple[str
 
 
 def run_cli(argv: list[str]) -> None:
-    from gputrace.cli import main
+    import gputrace.cli
 
+    # The parser is the same for every case and building it is most of a small case's time (argparse looks up a
+    # translation for each of its strings): built once, what each case runs is the command itself.
+    if not hasattr(gputrace.cli.build_parser, "cache_info"):
+        gputrace.cli.build_parser = functools.cache(gputrace.cli.build_parser)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        main(argv)
+        gputrace.cli.main(argv)
 
 
 def _alarm(*_: object) -> None:

@@ -64,10 +64,15 @@ def test_a_running_process_is_followed_through_proc_until_it_exits(tmp_path: Pat
     """-p of an unarmed Python 3.14 (the agent injected), which ends on its own: the capture ends with it."""
     assert PY314.is_file(), f"{PY314} is missing: run ./setup.sh --test"
     work = tmp_path / "loop.py"
+    # it runs until the agent is in it (or for 60 s), then for 200 steps more (a second or so) and ends
     work.write_text("import sys, time\nfrom gputrace.sim import Device\ns = Device(0).stream()\n"
                     "print('up', flush=True)\nend = time.monotonic() + float(sys.argv[1])\n"
-                    "while time.monotonic() < end:\n    s.launch('step', duration_ms=5); s.synchronize()\n")
-    p = subprocess.Popen([str(PY314), str(work), "8"], stdout=subprocess.PIPE, text=True,
+                    "def agent():\n    arming = sys.modules.get('gputrace.agent.arming')\n"
+                    "    return arming is not None and arming.current() is not None\n"
+                    "def step():\n    s.launch('step', duration_ms=5); s.synchronize()\n"
+                    "while time.monotonic() < end and not agent():\n    step()\n"
+                    "for _ in range(200):\n    step()\n")
+    p = subprocess.Popen([str(PY314), str(work), "60"], stdout=subprocess.PIPE, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert p.stdout is not None and p.stdout.readline().strip() == "up"
     out = tmp_path / "attached.gputrace"

@@ -13,6 +13,8 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import pytest
 from signals import with_default
 from test_capture_cli import capture_until_exit
 from waiting import wait_for
+from workloads.cpu_cgroup import remove_group
+from workloads.loopdev import LoopFs, drop_cache
 
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.cli import main
@@ -30,6 +34,7 @@ from gputrace.viewer.serve import trace_for
 
 GPUTRACE = [sys.executable, "-m", "gputrace"]
 TRAINER = 100
+BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
 def _capture(path: Path, *, complete: bool = True, gpu: bool = True, stop_reason: str = "stopped") -> Path:
@@ -247,11 +252,11 @@ def test_export_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.gputrace"]
 
 
-def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, list[str]]:
+def _on_a_terminal(argv: list[str], cwd: Path, prefix: tuple[str, ...] = ()) -> tuple[bytes, list[str]]:
     """Run gputrace with its stderr on a pseudo-terminal: (its stdout, the lines the terminal showed)."""
     primary, secondary = pty.openpty()
     with os.fdopen(primary, "rb", buffering=0) as term:
-        proc = subprocess.Popen([*GPUTRACE, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=secondary)
+        proc = subprocess.Popen([*prefix, *GPUTRACE, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=secondary)
         os.close(secondary)
         out, _ = proc.communicate(timeout=120)
         seen = b""
@@ -262,20 +267,65 @@ def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, list[str]]:
     return out, seen.decode().replace("\r\x1b[K", "\n").replace("\r", "\n").split("\n")
 
 
-@pytest.mark.slow
-def test_long_export_and_report_show_progress_on_a_terminal_only(tmp_path: Path) -> None:
-    # its export takes seconds (2M syscalls: 7 s on the 2-core VM; the first progress line comes after 1 s)
-    cap = _long_capture(tmp_path / "big.gputrace", 2_000_000)
-    out, lines = _on_a_terminal(["export", str(cap), "--perfetto", "a.pftrace"], tmp_path)
-    assert b"Wrote a.pftrace" in out
-    assert [line for line in lines if re.fullmatch(r"gputrace: writing a\.pftrace: \d+% of [\d.]+ MB", line)], lines
-    # its analysis alone takes seconds (5 s on the 2-core VM; the first progress line comes after 1 s)
-    bigger = _long_capture(tmp_path / "bigger.gputrace", 5_000_000)
-    out, lines = _on_a_terminal(["report", str(bigger), "--json"], tmp_path)
-    assert json.loads(out)["schema"] == "gputrace.report/1"
-    assert [line for line in lines if re.fullmatch(r"gputrace: analysing: \d+% of [\d.]+ MB", line)], lines
-    r = _run("export", str(cap), "--perfetto", "b.pftrace", cwd=tmp_path)  # stderr a pipe: nothing
-    assert r.returncode == 0 and r.stderr == ""
+# A loop device's reads and writes throttled to this: a capture read from it, or a trace written to it, takes
+# seconds of wall time on any CPU, while costing little of it
+SLOW_BPS = 2 << 20
+
+
+@contextlib.contextmanager
+def _slow_device(majmin: str) -> Iterator[Callable[[], tuple[str, ...]]]:
+    """Command prefixes, each running its command in a v1 blkio group of its own whose reads and writes (an
+    fsync's) of device ``majmin`` are throttled to SLOW_BPS; the kernel's own writeback of it (the root group's)
+    too."""
+    root = BLKIO / "blkio.throttle.write_bps_device"
+    groups: list[Path] = []
+
+    def prefix() -> tuple[str, ...]:
+        group = BLKIO / f"gputrace-progress-{os.getpid()}-{time.monotonic_ns()}"
+        group.mkdir()
+        groups.append(group)
+        for way in ("read", "write"):
+            (group / f"blkio.throttle.{way}_bps_device").write_text(f"{majmin} {SLOW_BPS}\n")
+        return ("sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs"))
+
+    try:
+        root.write_text(f"{majmin} {SLOW_BPS}\n")
+        yield prefix
+    finally:
+        with contextlib.suppress(OSError):
+            root.write_text(f"{majmin} 0\n")  # 0 removes the rule
+        for group in groups:
+            remove_group(group)
+
+
+def test_long_export_and_report_show_progress_on_a_terminal_only(loopfs: LoopFs) -> None:
+    # On a throttled device, whatever the CPU: the export's trace takes over 2 s to write out (the fsync in its
+    # writing stage), the report's capture over 2 s to read after its first MiB (read before the analysis, with
+    # the header). The first progress line comes after 1 s. The three commands run at once, each throttled alone.
+    here = loopfs.mountpoint
+    cap = _long_capture(here / "big.gputrace", 45_000)  # in the page cache: only the trace's writes are slow
+    bigger = _long_capture(here / "bigger.gputrace", 160_000)
+    assert bigger.stat().st_size > (1 << 20) + 2 * SLOW_BPS
+    drop_cache(bigger)
+    with _slow_device(loopfs.majmin) as slowly, ThreadPoolExecutor(2) as pool:
+        piped = subprocess.Popen([*slowly(), *GPUTRACE, "export", str(cap), "--perfetto", "b.pftrace"], cwd=here,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        export = pool.submit(_on_a_terminal, ["export", str(cap), "--perfetto", "a.pftrace"], here, slowly())
+        report = pool.submit(_on_a_terminal, ["report", str(bigger), "--json"], here, slowly())
+        try:
+            out, lines = export.result()
+            assert b"Wrote a.pftrace" in out and (here / "a.pftrace").stat().st_size > 2 * SLOW_BPS
+            shown = r"gputrace: writing a\.pftrace: \d+% of [\d.]+ MB"
+            assert [line for line in lines if re.fullmatch(shown, line)], lines
+            out, lines = report.result()
+            assert json.loads(out)["schema"] == "gputrace.report/1"
+            assert [line for line in lines if re.fullmatch(r"gputrace: analysing: \d+% of [\d.]+ MB", line)], lines
+            _, err = piped.communicate(timeout=120)  # stderr a pipe: nothing
+        finally:
+            if piped.poll() is None:
+                piped.kill()
+                piped.wait()
+    assert piped.returncode == 0 and err == "" and (here / "b.pftrace").stat().st_size > 2 * SLOW_BPS
 
 
 def test_perfetto_export_never_writes_through_a_planted_temporary(tmp_path: Path) -> None:

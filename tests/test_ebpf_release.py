@@ -5,13 +5,16 @@ tables, their callbacks and what those reach (the source, its sink, the capture 
 from __future__ import annotations
 
 import gc
+import linecache
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from waiting import wait_for
 
 from gputrace.probes.ebpf.host import compile_bpf, unload, unload_in_background, wait_for_unloads
 
@@ -25,6 +28,13 @@ def _still_kept(ref: weakref.ref[Any]) -> str:
     gc.collect()
     kept = ref()
     return "" if kept is None else f"kept by {[type(r).__name__ for r in gc.get_referrers(kept)]}"
+
+
+def _acquiring(t: threading.Thread, lock: str) -> bool:
+    """Thread ``t`` is in ``with <lock>:``, waiting to acquire it: its innermost Python frame is on that line
+    (taking a lock is C code: the frame moves on to the block's first line once it is held)."""
+    frame = sys._current_frames().get(t.ident or -1)
+    return frame is not None and f"with {lock}" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
 
 
 def test_an_unloaded_bpf_object_is_freed() -> None:
@@ -104,7 +114,9 @@ def test_a_module_is_freed_only_between_compiles_and_its_tables_are_opened_at_it
     with host._libbcc:  # a compile under way elsewhere
         t = threading.Thread(target=unload, args=(bpf,))
         t.start()
-        t.join(10)  # long enough for the unload to close its links and free the module, were it not waiting
+        # the unload closes its links, then waits for the lock (or, were it not waiting, frees the module)
+        wait_for(lambda: _acquiring(t, "_libbcc") or not t.is_alive() or bpf.module is None, 60,
+                 "the unload to wait for the lock or to free the module")
         assert t.is_alive() and bpf.module is not None, "the module was freed while the lock was held"
     t.join(60)
     assert not t.is_alive() and bpf.module is None and not bpf.tracepoint_fds
