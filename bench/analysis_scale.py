@@ -24,8 +24,11 @@ processes (``gputrace report --jobs``), side by side; ``job RSS`` is the largest
 ``--baseline-src DIR``: also analyse each capture with the gputrace in DIR (a checkout of another version, e.g.
 ``git archive main | tar -x -C DIR``), run first on PYTHONPATH in its own process, old and new taking turns;
 each line then gives the medians of ``--repeat`` runs of both, the ratio of their times, and whether both made
-the same report. ``--mounts N`` adds N rows to the captures' mount tables, as a container host's (each pod's
-volumes, each container's root): the analysis names each stalled read's filesystem and block device from it.
+the same report. ``--spooled``: every record given to the analysis one by one (``WindowedAnalysis.add``), as the
+kernel events a frame of them decodes to are (a frame of plain rows is otherwise noted where it is and read
+again): the records are written to the analysis's own spool file and read back from it. ``--mounts N`` adds N rows
+to the captures' mount tables, as a container host's (each pod's volumes, each container's root): the analysis
+names each stalled read's filesystem and block device from it.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any
 from gputrace.testing.scale import generate
 
 
-def analyse_one(path: str, jobs: int) -> None:
+def analyse_one(path: str, jobs: int, spooled: bool = False) -> None:
     """Child mode: analyse one capture with whichever gputrace is first on the path, as ``analyze()`` does but
     keeping the analysis to ask how much it held; print times (CPU: with the processes it forked, once they
     ended), peak RSS (its own, and its largest forked process's), the stall count and the report's hash."""
@@ -55,7 +58,14 @@ def analyse_one(path: str, jobs: int) -> None:
 
     t0, c0 = time.perf_counter(), time.process_time()
     with open_capture(path) as reader:
-        if hasattr(windowed, "read_capture"):  # a frame at a time (analysis/windowed.py's analyze_capture)
+        if spooled:  # record by record, as decoded kernel events are
+            an = windowed.WindowedAnalysis(dict(reader.header), jobs=jobs)
+            with windowed.paused_gc():
+                for r in reader.records():
+                    an.add(r)
+                first_pass = time.perf_counter() - t0
+                report = an.report(reader)
+        elif hasattr(windowed, "read_capture"):  # a frame at a time (analysis/windowed.py's analyze_capture)
             with windowed.paused_gc():
                 an = windowed.read_capture(reader, **({"jobs": jobs} if jobs > 1 else {}))
                 first_pass = time.perf_counter() - t0
@@ -78,13 +88,14 @@ def analyse_one(path: str, jobs: int) -> None:
                       "by_cause": by, "held": held, "digest": digest}))
 
 
-def run_one(path: Path, src: str | None, jobs: int = 1) -> dict[str, Any]:
+def run_one(path: Path, src: str | None, jobs: int = 1, spooled: bool = False) -> dict[str, Any]:
     """One analysis of ``path`` in a fresh process (with ``src`` first on PYTHONPATH), its windows explained in
     ``jobs`` processes."""
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
-    out = subprocess.run([sys.executable, __file__, "--one", str(path), "--jobs", str(jobs)], check=True,
+    out = subprocess.run([sys.executable, __file__, "--one", str(path), "--jobs", str(jobs),
+                          *(["--spooled"] if spooled else [])], check=True,
                          capture_output=True, text=True, env=env).stdout
     result: dict[str, Any] = json.loads(out)
     return result
@@ -108,10 +119,12 @@ def main() -> int:
     ap.add_argument("--jobs", default="1",
                     help="processes explaining a capture's windows, comma separated: each analysed that way too "
                          "(the baseline: by one), side by side")
+    ap.add_argument("--spooled", action="store_true",
+                    help="give the analysis every record one by one, as decoded kernel events are")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        analyse_one(args.one, int(args.jobs))
+        analyse_one(args.one, int(args.jobs), args.spooled)
         return 0
     jobs = [int(j) for j in args.jobs.split(",")]
     base = str(Path(args.baseline_src).resolve()) if args.baseline_src else None
@@ -126,7 +139,8 @@ def main() -> int:
         head += f" {'job RSS':>8} {'vs jobs ' + str(jobs[0]):>10} {'same':>5}"
     if base is not None:
         head += f" {'base s':>8} {'base cpu s':>10} {'base rec/s':>10} {'base RSS':>9} {'speedup':>8} {'same':>5}"
-    print(f"median of {args.repeat} run(s) each" + (f"; base: {base}" if base else ""))
+    print(f"median of {args.repeat} run(s) each" + (f"; base: {base}" if base else "")
+          + ("; every record given one by one (--spooled)" if args.spooled else ""))
     print(head)
     with tempfile.TemporaryDirectory(prefix="gputrace-scale-") as tmp:
         for n in sizes:
@@ -137,9 +151,9 @@ def main() -> int:
                 old_runs = []
                 for _ in range(args.repeat):  # taking turns: a busy spell of the machine falls on all
                     for j in jobs:
-                        runs[j].append(run_one(path, None, j))
+                        runs[j].append(run_one(path, None, j, args.spooled))
                     if base is not None:
-                        old_runs.append(run_one(path, base))
+                        old_runs.append(run_one(path, base, 1, args.spooled))
                 mib = path.stat().st_size / 2**20
                 path.unlink()
                 first = medians(runs[jobs[0]])

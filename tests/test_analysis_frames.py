@@ -13,7 +13,7 @@ import pytest
 from recorded import CAPTURES, unpacked
 
 from gputrace.analysis import analyze
-from gputrace.analysis.frames import DEVICE_KINDS, FIELDS, FLUSH_BUCKETS, FLUSH_CHECK, LONG_BUCKETS, Spool
+from gputrace.analysis.frames import DEVICE_KINDS, FIELDS, LONG_BUCKETS, Spool
 from gputrace.analysis.load import COLUMN_KINDS, Lazy, _Loader, load
 from gputrace.analysis.report import assemble
 from gputrace.analysis.windowed import analyze_capture, analyze_records
@@ -345,18 +345,23 @@ def test_the_spool_reads_records_in_the_order_of_a_file_per_bucket(seed: int) ->
     assert starts <= spool.buckets
 
 
-def test_a_sparse_captures_spooled_records_are_not_one_frame_every_window_reads_whole() -> None:
+def test_a_sparse_captures_spooled_records_are_read_a_bucket_at_a_time() -> None:
     """Records given one by one to a sparse capture's spool (a real job's watch-mode dump: 2k records a second,
-    50 ms buckets) are written in frames that each reach a few buckets: one frame reaching the whole capture
-    would be read through, record by record, by every window (the recorded dump's windowed analysis took 30 s
-    against the whole capture's 1 s). A bucket's read gives its records, each once, as before."""
+    50 ms buckets) are written a frame per bucket: a read goes through the frames of the buckets it asks for
+    alone (one frame reaching the whole capture was read through, record by record, by every window: the
+    recorded dump's windowed analysis took 30 s against the whole capture's 1 s). A record reaching into later
+    buckets is in theirs too, and a read gives it once: in the first bucket of the read that it reaches."""
     spool = Spool(1_000)
     for n in range(20_000):  # 50 ns apart: 1000 buckets
-        spool.add("Syscall", Syscall(1, 1, "read", 50 * n, 50 * n + 10, 0, 3, "f", 0, 0))
+        spool.add("Syscall", Syscall(1, 1, "read", 50 * n, 50 * n + (2_990 if n == 10_010 else 10), 0, 3, "f", 0, 0))
     spool.flush()
-    span = max(f.hi - f.lo for f in spool.frames)
-    assert len(spool.frames) > 10 and span <= FLUSH_BUCKETS + FLUSH_CHECK * 50 // 1_000 + 1, (len(spool.frames), span)
+    assert len(spool.frames) == 1_000 and all(f.lo == f.hi == f.first for f in spool.frames)
+    assert [spool.frames[i].lo for i in spool._candidates(500, 501)] == [500, 501]
     assert [r.start_ns for r in spool.read(500, 500)] == list(range(500_000, 501_000, 50))
+    # 500,500 ns begins in bucket 500 and reaches 503: read in 500's, or in the first bucket asked that it reaches
+    assert [r.start_ns for r in spool.read(501, 503)].count(500_500) == 1
+    assert [r.start_ns for r in spool.read(502, 502)][0] == 500_500
+    assert 500_500 not in [r.start_ns for r in spool.read(504, 504)]
     spool.close()
 
 

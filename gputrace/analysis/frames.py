@@ -5,7 +5,9 @@ A frame the capture holds as plain rows (``CaptureReader.batches``: every field 
 its place in the file and the buckets its rows reach are noted, and a window that reaches them reads the frame
 again (``CaptureReader.rows_at``). Records that only exist once decoded (raw kernel events: their fds are resolved
 against tables the whole capture's earlier events built) or that had to be checked one by one are written, in the
-order they came, to a private temporary file (``Spool.add``), a frame of them at a time.
+order they came, to a private temporary file (``Spool.add``): a frame per bucket of those buffered, holding the
+records that start in it and those from earlier buckets that reach it, so that a read goes through the records of
+the buckets it asks for and no others.
 
 A record belongs to the bucket (``bucket_ns``) it starts in and to each later one it overlaps, up to the one it ends
 in; one spanning more than ``LONG_BUCKETS`` buckets (a sleep of minutes: few) is kept in memory instead, as one
@@ -24,6 +26,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import compress, repeat
 from operator import floordiv, itemgetter, ne
 from typing import Any
@@ -36,12 +39,7 @@ from gputrace.records import RECORD_TYPES
 CACHED_READS = 4  # reads whose frames' records are kept for the next reads
 LONG_BUCKETS = 64  # a record spanning more buckets is kept in memory rather than read with every window it reaches
 WIDE_BUCKETS = 256  # a frame reaching more buckets (records flushed long after others) is looked at by every read
-FLUSH_RECORDS = 50_000  # records given one by one, buffered before they are written as one frame
-# ... or once they reach this many buckets, looked at every FLUSH_CHECK records: every read that reaches a frame of
-# the spool's own goes through all its records, so a frame spanning the whole of a sparse capture would be read
-# whole by every window (quadratic in the capture's length)
-FLUSH_BUCKETS = 8
-FLUSH_CHECK = 1024
+FLUSH_RECORDS = 50_000  # records given one by one, buffered before they are written, a frame per bucket
 # Where a time-local record's time span is: (start field, end field)
 EXTENT: dict[str, tuple[str, str]] = {
     "GpuKernel": ("start_ns", "end_ns"), "GpuMemcpy": ("start_ns", "end_ns"), "GpuMemset": ("start_ns", "end_ns"),
@@ -54,6 +52,7 @@ DEVICE_KINDS = frozenset({"GpuKernel", "GpuMemcpy", "GpuMemset", "CudaApi"})  # 
 FIELDS = {k: (RECORD_TYPES[k]._fields.index(a), RECORD_TYPES[k]._fields.index(b)) for k, (a, b) in EXTENT.items()}
 _KINDS = sorted(EXTENT)
 _KIND_ID = {k: i for i, k in enumerate(_KINDS)}
+_MAKE = [partial(tuple.__new__, RECORD_TYPES[k]) for k in _KINDS]  # a row's record, by kind id
 
 Run = tuple[str, list[Any]]  # records of one kind, in order
 Groups = dict[int, list[Run]]  # 2 * bucket (+ 1 for host records) -> the runs read from that bucket's records
@@ -62,8 +61,10 @@ Groups = dict[int, list[Run]]  # 2 * bucket (+ 1 for host records) -> the runs r
 @dataclass
 class _Frame:
     """One frame of records: in the capture (``spilled`` False: rows of ``kind``) or in the spool's file (``kind``
-    None: [kind id, row] items of any kinds). ``lo``..``hi``: the buckets its rows (but those kept in memory) reach;
-    ``first``: the one bucket they all start in, where they do; ``long``: its rows kept in memory, by index.
+    None: [kind id, row] items of any kinds, of one bucket: ``lo``, ``hi`` and ``first``, the records that start
+    in it and those from earlier buckets that reach it). ``lo``..``hi``: the buckets its rows (but those kept in
+    memory) reach; ``first``: the one bucket they all start in, where they do; ``long``: its rows kept in memory,
+    by index.
     ``steps``: where its rows come in the order of the buckets they start in, (bucket, index of its first row)
     of each."""
 
@@ -122,33 +123,47 @@ class Spool:
         """One record, as it came."""
         pending = self._pending
         pending.append([_KIND_ID[kind], r])
-        n = len(pending)
-        if n >= FLUSH_RECORDS or (not n % FLUSH_CHECK and self._pending_buckets() > FLUSH_BUCKETS):
+        if len(pending) >= FLUSH_RECORDS:
             self.flush()
 
-    def _pending_buckets(self) -> int:
-        """How many buckets apart the first and the last buffered record start."""
-        (k0, r0), (k1, r1) = self._pending[0], self._pending[-1]
-        first: int = r0[FIELDS[_KINDS[k0]][0]]
-        last: int = r1[FIELDS[_KINDS[k1]][0]]
-        return abs(last - first) // self.bucket_ns
-
     def flush(self) -> None:
-        """The records given one by one so far, written as one frame."""
+        """The records given one by one so far, written as a frame per bucket: each holds, in the order they came,
+        the records that start in it and those from earlier buckets that reach it (a record spanning more than
+        LONG_BUCKETS is kept in memory instead)."""
         items, self._pending = self._pending, []
         if not items:
             return
-        kinds = [_KINDS[k] for k, _ in items]
-        starts = [r[FIELDS[k][0]] for k, (_, r) in zip(kinds, items, strict=True)]
-        ends = [r[FIELDS[k][1]] for k, (_, r) in zip(kinds, items, strict=True)]
-        data = self._packer.pack(items)
+        bn = self.bucket_ns
+        of: dict[int, list[list[Any]]] = {}  # bucket -> its items
+        for item in items:
+            kind = _KINDS[item[0]]
+            r = item[1]
+            i_s, i_e = FIELDS[kind]
+            start = r[i_s]
+            first = start // bn
+            last = max(start, r[i_e]) // bn
+            if last - first > LONG_BUCKETS:
+                self.long.append((first, last, kind, r))
+                self.buckets.add(first)
+            elif last == first:
+                of.setdefault(first, []).append(item)
+            else:
+                for b in range(first, last + 1):
+                    of.setdefault(b, []).append(item)
+        self.buckets |= of.keys()
+        self.spooled += len(items)
+        self._index = None
+        write = self._file.write
         self._file.seek(self._written)
-        self._file.write(data)
+        for b in sorted(of):
+            got = of[b]
+            data = self._packer.pack(got)
+            write(data)
+            devices = {_KINDS[k] in DEVICE_KINDS for k, _ in got}
+            device = devices.pop() if len(devices) == 1 else None
+            self.frames.append(_Frame(True, self._written, len(data), None, device, b, b, b, frozenset(), None))
+            self._written += len(data)
         self._file.flush()  # (read with pread: _records)
-        devices = {k in DEVICE_KINDS for k in kinds}
-        self._note(True, self._written, len(data), None, devices.pop() if len(devices) == 1 else None, starts, ends,
-                   lambda i: items[i][1])
-        self._written += len(data)
 
     def _note(self, spilled: bool, offset: int, length: int, kind: str | None, device: bool | None,
               starts: Sequence[int], ends: Sequence[int], record: Callable[[int], Any]) -> None:
@@ -247,7 +262,8 @@ class Spool:
             return records_of(f.kind, self._rows_at(f.offset, f.length, lists=has_lists(f.kind)))
         # (pread: processes forked to explain windows share the file's offset; analysis/windowed.py)
         items = msgpack.unpackb(os.pread(self._file.fileno(), f.length, f.offset), raw=False, use_list=True)
-        return [(_KINDS[k], RECORD_TYPES[_KINDS[k]]._make(row)) for k, row in items]
+        kinds, make = _KINDS, _MAKE  # (rows the spool wrote from records: each as long as its kind's)
+        return [(kinds[k], make[k](row)) for k, row in items]
 
     def _group_frame(self, groups: Groups, f: _Frame, kind: str, recs: list[Any], b0: int, b1: int) -> None:
         """The records of a frame of one kind that reach [b0, b1], each onto its group (its first bucket there)."""
@@ -290,19 +306,18 @@ class Spool:
 
     def _group_items(self, groups: Groups, f: _Frame, items: list[Any], b0: int, b1: int, host: bool,
                      api: bool = True) -> None:
-        """The records of a frame of the spool's own that reach [b0, b1], each onto its group, in order."""
-        bn = self.bucket_ns
+        """The records of a frame of the spool's own (one bucket's, in [b0, b1]) onto their groups, in order: in
+        b0's, those from earlier buckets that reach it too; in a later bucket's, only those that start in it."""
+        bucket = f.lo
+        since = bucket * self.bucket_ns if bucket > b0 else None  # where its own records start
         last: dict[int, Run] = {}  # each group's run this frame adds to
-        for n, (kind, r) in enumerate(items):
+        for kind, r in items:
             device = kind in DEVICE_KINDS
-            if (not host and not device) or n in f.long or (not api and kind == "CudaApi"):
+            if (not host and not device) or (not api and kind == "CudaApi"):
                 continue
-            i_s, i_e = FIELDS[kind]
-            start, end = r[i_s], r[i_e]
-            first, reach = start // bn, max(start, end) // bn
-            if first > b1 or reach < b0:
+            if since is not None and r[FIELDS[kind][0]] < since:  # from an earlier bucket: read in that one's
                 continue
-            key = 2 * max(first, b0) + (0 if device else 1)
+            key = 2 * bucket + (0 if device else 1)
             run = last.get(key)
             if run is None or run[0] != kind:
                 run = last[key] = (kind, [])

@@ -11,7 +11,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import and_, attrgetter, le, lt, mul
+from operator import and_, attrgetter, itemgetter, le, lt, mul
 from typing import Any, Protocol, TypeVar
 
 from gputrace.analysis.devices import DeviceKey, DeviceMap, nvml_uuids
@@ -755,10 +755,25 @@ _SHAPES = {
 }
 
 
+def _shape_check(ints: tuple[int, ...], strs: tuple[int, ...]) -> Callable[[Any], bool]:
+    """``shaped``'s test of one kind: the types of its fields taken at once (itemgetter, ``map``: C loops)."""
+    fields = itemgetter(*ints, *strs) if len(ints) + len(strs) > 1 else None
+    want = (int,) * len(ints) + (str,) * len(strs)
+    if not want:
+        return lambda r: True
+    if fields is None:  # a single field: itemgetter gives it alone, not in a tuple
+        only = (ints or strs)[0]
+        return lambda r: type(r[only]) is want[0]
+    return lambda r: tuple(map(type, fields(r))) == want
+
+
+_SHAPED = {kind: _shape_check(ints, strs) for kind, (ints, strs) in _SHAPES.items()}
+
+
 def shaped(kind: str, r: Any) -> bool:
     """Whether the fields attribution computes with hold their types in ``r`` (``_SHAPES``)."""
-    ints, strs = _SHAPES.get(kind, ((), ()))
-    return all(type(r[i]) is int for i in ints) and all(type(r[i]) is str for i in strs)
+    check = _SHAPED.get(kind)
+    return check is None or check(r)
 
 
 _THREAD, _KERNEL = 1, 2
