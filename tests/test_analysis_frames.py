@@ -446,3 +446,28 @@ def test_columns_tell_the_whole_capture_what_records_one_by_one_do(seed: int) ->
     assert list(a.launches.items()) == list(b.launches.items()) and a.ops == b.ops
     assert {k: v.stacks for k, v in a.samples.items()} == {k: v.stacks for k, v in b.samples.items()}
     assert {k: v.requests for k, v in a.uring.items()} == {k: v.requests for k, v in b.uring.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_record_told_teaches_the_whole_capture_what_adding_it_does(seed: int) -> None:
+    """``tell`` of a time-local record (a windowed analysis's first pass, which keeps no index of them): the same
+    counts, threads and their first processes (in order), processes, comms, span and malformed records as
+    ``add``, records of every other kind added in between; a field of the wrong type is counted malformed."""
+    rng = random.Random(seed)
+    added, told = _Loader({}), _Loader({})
+    for _ in range(40):
+        kind = rng.choice(sorted(COLUMN_KINDS - {"ProcInfo", "AgentInfo"}))
+        for row in random_rows(rng, kind, rng.randint(1, 25)):
+            if rng.random() < 0.1:  # a hostile record: any field of another type
+                row[rng.randrange(len(row))] = rng.choice([None, 1.5, "7", True, [1]])
+            r = RECORD_TYPES[kind]._make(row)
+            want = added.add(r)
+            if kind in FIELDS:
+                assert told.tell(r) == want, r
+            else:
+                told.add(r)
+    a, b = added.finish(), told.finish()
+    for name in ("counts", "malformed", "pids", "kernel_pids", "first_ns", "last_ns"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert a.malformed > 0
+    assert list(a.tgid.items()) == list(b.tgid.items()) and list(a.comms.items()) == list(b.comms.items())

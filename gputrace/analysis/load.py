@@ -252,6 +252,38 @@ class _Loader:
         handler(self, r)
         return True
 
+    def tell(self, r: Any) -> bool:
+        """``add`` of a time-local record (``_TOLD``) but its indexing: what the whole capture learns of it, as
+        ``note_columns`` of a frame of it alone (its count, its thread and process, the span, counted malformed);
+        False where it was skipped (a field of the wrong type). A windowed analysis's first pass
+        (analysis/windowed.py) keeps no time-local index of the whole capture."""
+        kind = type(r).__name__
+        cap = self.cap
+        counts = cap.counts
+        counts[kind] = counts.get(kind, 0) + 1
+        if not shaped(kind, r):
+            cap.malformed += 1
+            return False
+        start, end, told = _TOLD_AT[kind]
+        if kind in _ORDERED and r[end] < r[start]:  # passed over (a request's counted malformed), as ``add`` does
+            if kind == "IoUringRequest":
+                cap.malformed += 1
+            return True
+        if told & _THREAD:
+            pid, tid = r.pid, r.tid
+            if tid and pid:
+                cap.tgid.setdefault(tid, pid)
+                cap.pids.add(pid)
+            if kind == "OffCpu" and r.waker_tid and r.waker_pid > 0:  # as _offcpu: a waker may have no records
+                cap.tgid.setdefault(r.waker_tid, r.waker_pid)
+                cap.comms.setdefault(r.waker_tid, r.waker_comm)
+                cap.comms.setdefault(r.waker_pid, r.waker_comm)
+        if told & _KERNEL:
+            cap.kernel_pids.add(r.pid)
+        if start >= 0:
+            self._span(r[start], r[end])
+        return True
+
     def note_columns(self, kind: str, columns: list[tuple[Any, ...]]) -> None:
         """What ``add`` of each row of a frame of one of the ``COLUMN_KINDS`` tells the whole capture (its count,
         the threads and processes, the span, records it counts malformed), but for the indexes a window's

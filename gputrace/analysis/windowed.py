@@ -92,7 +92,6 @@ BUCKET_NS = 1_000_000_000  # a spool bucket's span, and the margin a window is l
 WINDOW_BUCKETS = 8  # buckets a window's stalls end in
 SMALL_RECORDS = 200_000  # time-local records up to which a capture is analysed whole
 LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked for, past a window's margin
-DROP_RECORDS = 50_000  # records indexed one by one on the first pass between two drops of the loader's indexes
 SWITCHED_ONE_BY_ONE = 24  # threads of a frame of off-CPU records up to which each is picked out in a C loop
 COLLECT_WINDOWS = 64  # windows explained between two collections of cyclic garbage while the collector is paused
 WINDOW_WEIGHT = 20  # what loading a window costs, in stalls explained, where windows are shared among processes
@@ -131,7 +130,6 @@ class WindowedAnalysis:
         self.held: list[Held] | None = []  # every record while the capture may still be analysed whole
         self.nheld = 0  # the time-local ones among them
         self.spool: Spool | None = None
-        self._indexed = 0  # records the loader indexed one by one since its indexes were last dropped
         self.futex_words: dict[tuple[int, int], tuple[set[int], set[int]]] = {}
         self.sampled: dict[int, Counter[int]] = {}  # tid -> its samples' stack ids
         self.named_collectives = False  # a kernel named like a collective was seen
@@ -181,7 +179,10 @@ class WindowedAnalysis:
 
     def _add(self, r: Any) -> None:
         kind = type(r).__name__
-        if not self.ld.add(r) or kind not in EXTENT:
+        if kind not in EXTENT:
+            self.ld.add(r)
+            return
+        if not self.ld.tell(r):  # (the windows index it: the whole capture's loader learns what it tells)
             return
         if kind == "Syscall" and r.name in FUTEXES:
             waited, timed_out = self.futex_words.setdefault((r.pid, r.arg), (set(), set()))
@@ -200,9 +201,6 @@ class WindowedAnalysis:
             return
         assert self.spool is not None
         self.spool.add(kind, r)
-        self._indexed += 1
-        if self._indexed >= DROP_RECORDS:
-            self._drop_local()
 
     def _note_columns(self, kind: str, columns: list[tuple[Any, ...]]) -> None:
         """What ``_add`` gathers over the whole capture (futex words, sampled stacks, a collective's name), of
@@ -275,7 +273,6 @@ class WindowedAnalysis:
         ld.raw = {k: {} for k in ld.raw}
         ld.by_dev, ld.faults, ld.samples, ld.uring = {}, {}, {}, {}
         ld.cap.ops, ld.cap.launches = {}, {}
-        self._indexed = 0
 
     def report(self, source: Source) -> Report:
         """The report, once every record was added; ``source`` says the rest (header, metadata, trailer)."""
