@@ -14,6 +14,7 @@ import pytest
 from gputrace.capture import CaptureReader, CaptureWriter, host_header
 from gputrace.exporters import ExportResult
 from gputrace.exporters.perfetto.export import PerfettoExporter
+from gputrace.exporters.perfetto.samples import split_frame
 from gputrace.exporters.perfetto.tracks import EVICT, Lane
 from gputrace.records import (
     BlockIO,
@@ -484,6 +485,30 @@ def test_cpu_samples_are_perf_samples_with_interned_root_first_callstacks(tmp_pa
     assert _interned(tmp_path / "t.pftrace") == {"function_names": 4, "mapping_paths": 3, "mappings": 3,
                                                  "frames": 4, "callstacks": 2}
     assert check.thread(101).name == "loader" and check.thread(201).name == "thread 201"  # described for them
+
+
+def test_stacks_sharing_their_frames_resolve_to_their_own_frames(tmp_path: Path) -> None:
+    """Hundreds of stacks drawn from a few frames (as a Python program's are: the same outer callers, a few
+    leaves), with modules and without, and names holding parentheses: each sample's callstack is its stack's
+    frames, root first, and each function, module, frame and stack is interned once."""
+    rng = random.Random(5)
+    pool = ["main (python3.11)", "run (python3.11)", "_PyEval_EvalFrameDefault (libpython3.11.so)", "[unknown]",
+            "decode (libjpeg.so.62)", "operator() (libtorch.so)", "f(x) (a b.so)", "no_module", "(weird)",
+            "poll (libc.so.6)", "load (python3.11)", "load (libc.so.6)"]  # fmt: skip
+    stacks = {k: [rng.choice(pool) for _ in range(rng.randint(1, 30))] for k in range(300)}
+    recs: list[tuple[Any, ...]] = _proc(100, "trainer")
+    for k, frames in stacks.items():
+        recs.append(StackFrames(100, k, frames))
+        recs += [StackSample(T0 + (k * 3 + i) * MS, 100, 100, k) for i in range(2)]
+    check, result = _export(tmp_path, recs)
+    assert result.notes == [] and check.problems == []
+    assert sorted((s.ts, s.frames) for s in check.samples) == sorted(
+        (r.ts, stacks[r.stack][::-1]) for r in recs if isinstance(r, StackSample))
+    split = {split_frame(f) for frames in stacks.values() for f in frames}
+    assert _interned(tmp_path / "t.pftrace") == {
+        "function_names": len({f for f, _ in split}), "mapping_paths": len({m for _, m in split if m}),
+        "mappings": len({m for _, m in split}), "frames": len(split),
+        "callstacks": len({tuple(frames) for frames in stacks.values()})}
 
 
 def test_samples_whose_frames_never_arrive_are_drawn_unknown_and_noted(tmp_path: Path) -> None:

@@ -512,9 +512,14 @@ def interned_frame(iid: int, name_iid: int, mapping_iid: int) -> bytes:
     return f_bytes(6, f_varint(1, iid) + f_varint(2, name_iid) + f_varint(3, mapping_iid) + f_varint(4, 0))
 
 
+_K_FRAME_ID = _key(2, 0)  # Callstack.frame_ids, one entry per frame (not packed)
+
+
 def interned_callstack(iid: int, frame_iids: Iterable[int]) -> bytes:
     """InternedData.callstacks: frame ids ordered root first (the outermost caller first)."""
-    return f_bytes(7, f_varint(1, iid) + b"".join(f_varint(2, f) for f in frame_iids))
+    small, k = _SMALL, _K_FRAME_ID
+    ids = b"".join([k + (small[f] if 0 <= f < 0x4000 else varint(f)) for f in frame_iids])
+    return f_bytes(7, f_varint(1, iid) + ids)
 
 
 def perf_sample(ts: int, fields: bytes, callstack_iid: int, interned: bytes = b"") -> bytes:

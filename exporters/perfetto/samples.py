@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from gputrace.exporters.perfetto import proto as pp
 from gputrace.records import StackFrames, StackSample
@@ -21,6 +21,7 @@ _U32 = 1 << 32
 _FUNCTION_NAMES, _MAPPING_PATHS = 5, 17  # InternedData fields
 _TAILS_MAX = 1 << 14
 _I64_MAX = (1 << 63) - 1
+_STR_ONLY = frozenset({str})  # the types a list of strings holds
 
 
 def split_frame(frame: str) -> tuple[str, str]:
@@ -41,11 +42,15 @@ class StackInterner:
         self._mappings: dict[str, int] = {}
         self._frames: dict[tuple[int, int], int] = {}
         self._callstacks: dict[tuple[int, ...], int] = {}
+        self._frame_ids: dict[str, int] = {}  # a frame as records name it -> its iid (stacks share most frames)
 
     def callstack(self, frames: list[str]) -> tuple[int, bytes]:
         """The iid of ``frames`` (leaf first, as records hold them) and the InternedData entries it adds."""
         new: list[bytes] = []
-        ids = tuple(self._frame(f, new) for f in reversed(frames or [UNKNOWN]))  # Perfetto wants root first
+        root_first = frames[::-1] if frames else [UNKNOWN]  # Perfetto wants root first
+        known = list(map(self._frame_ids.get, root_first))  # (a dict lookup each, in a C loop)
+        ids = tuple(self._frame(f, new) if i is None else i for f, i in zip(root_first, known, strict=True)) \
+            if None in known else cast(tuple[int, ...], tuple(known))
         iid = self._callstacks.get(ids)
         if iid is None:
             iid = self._callstacks[ids] = len(self._callstacks) + 1
@@ -59,6 +64,7 @@ class StackInterner:
         if iid is None:
             iid = self._frames[key] = len(self._frames) + 1
             new.append(pp.interned_frame(iid, *key))
+        self._frame_ids[frame] = iid
         return iid
 
     def _mapping(self, module: str, new: list[bytes]) -> int:
@@ -111,7 +117,7 @@ class CpuSamples:
         self._tails: dict[tuple[int, int, int, int], bytes] = {}  # (pid, tid, cpu, callstack) -> pp.sample_tail
 
     def frames(self, r: StackFrames) -> None:
-        if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
+        if type(r.frames) is not list or not set(map(type, r.frames)) <= _STR_ONLY:
             raise TypeError("StackFrames.frames must be a list of strings")
         key = (r.pid, r.stack)
         self._stacks[key] = list(r.frames)  # a later StackFrames of the same stack replaces it

@@ -712,7 +712,7 @@ def _sample(ld: _Loader, r: StackSample) -> None:
 
 def _frames(ld: _Loader, r: StackFrames) -> None:
     """A stack's frame names; anything but a list of strings (hostile input) is counted and skipped."""
-    if type(r.frames) is not list or not all(type(f) is str for f in r.frames):
+    if type(r.frames) is not list or not set(map(type, r.frames)) <= _STR_ONLY:
         ld.cap.malformed += 1
         return
     ld.cap.stacks[(r.pid, r.stack)] = r.frames
@@ -809,6 +809,7 @@ def shaped(kind: str, r: Any) -> bool:
 
 
 _THREAD, _KERNEL = 1, 2
+_STR_ONLY = frozenset({str})  # the types a list of strings holds
 # What ``add`` tells the whole capture of a time-local record: (start field, end field) of its span (-1: none),
 # and whether its thread and process (``_THREAD``), and its process as one the kernel source watched (``_KERNEL``)
 _TOLD = {

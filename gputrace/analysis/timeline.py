@@ -6,6 +6,7 @@ only waits for a late rank: that wait is stall time (the GPU spins but does no w
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
@@ -18,6 +19,7 @@ from gputrace.records import CollectiveCall, GpuKernel
 # "broadcast" alone would also match elementwise kernels with broadcasting: not a collective marker
 _COLLECTIVE_WORDS = ("nccl", "rccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
                      "reduce_scatter", "alltoall", "all_to_all")
+_COLLECTIVE_NAME = re.compile("|".join(_COLLECTIVE_WORDS))  # a kernel name (lower case) holding one of them
 
 
 @dataclass
@@ -59,8 +61,7 @@ def is_collective(cap: Capture, op: GpuOp) -> bool:
         return False
     if (op.pid, op.correlation_id) in cap.collectives:
         return True
-    lname = op.name.lower()
-    return any(w in lname for w in _COLLECTIVE_WORDS)
+    return _COLLECTIVE_NAME.search(op.name.lower()) is not None
 
 
 Member = tuple[GpuKernel, int, int]  # kernel, rank (-1 unknown), bytes (-1 unknown)

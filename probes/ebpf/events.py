@@ -209,6 +209,7 @@ class KernelDecoder:
         # snapshot then has each epoll fd's earlier registrations). Earlier versions' captures took the word
         # for the fd in the kernel (F_EPOLLFD waits, read like any fd).
         self._epoll_ctl_traced = "epoll_ctl" in self._names.values()
+        self._ops: dict[int, int] = {}  # syscall nr -> what its call does to the fd table (_fd_op), once asked
 
     # ------------------------------------------------------------------------------ fd tables ---
 
@@ -255,14 +256,18 @@ class KernelDecoder:
 
     def decode(self, blob: bytes) -> Iterator[Any]:
         off, end = 0, len(blob)
+        u32 = _U32.unpack_from
         while off < end:
             if end - off < 4:
                 raise ValueError(f"kernel event cut short at offset {off}")
-            etype = int.from_bytes(blob[off : off + 4], "little")
+            etype = u32(blob, off)[0]
             size = SIZES.get(etype)
             if size is None or off + size > end:
                 raise ValueError(f"bad kernel event type {etype} at offset {off}")
-            rec = self._decode_one(etype, blob, off)
+            if etype == EV_SYS:  # (most events: _decode_one's first case, without its call)
+                rec = self._syscall(SYS.unpack_from(blob, off), b"")
+            else:
+                rec = self._decode_one(etype, blob, off)
             off += size
             if rec is not None:
                 yield rec
@@ -301,8 +306,16 @@ class KernelDecoder:
         elif flags & F_EPOLLDATA:
             fd, obj = self._epoll_ready(pid, a0, a1)
         else:
-            fd = _int(a0) if flags & F_FD else -1
-            obj = self._object(pid, self._table(pid, start), nr, flags, ret, _int(a0), _int(a1), data)
+            a0 = _int(a0)
+            fd = a0 if flags & F_FD else -1
+            op = self._ops.get(nr)
+            if op is None:
+                op = self._ops[nr] = _fd_op(self._names.get(nr, ""), flags)
+            if op == _OP_LOOKUP:  # most calls: the object their fd holds, the table unchanged
+                table = self._fds.get(pid)
+                obj = table.get(a0, "") if table is not None and flags & F_FD else ""
+            else:
+                obj = self._object(op, pid, self._table(pid, start), nr, flags, ret, a0, _int(a1), data)
         if end - start < self.threshold_ns:
             return None  # emitted only to keep the fd table right; its time is in SyscallAgg
         if flags & F_PATH:  # an open returns its fd; chdir (F_PATH0) returns 0, no fd
@@ -333,45 +346,45 @@ class KernelDecoder:
             return -1, ""
         return hit.fd, (self.fd_obj(hit.pid, hit.fd) if hit.pid else "") or hit.obj
 
-    def _object(self, pid: int, table: FdTable, nr: int, flags: int, ret: int, a0: int, a1: int,
+    def _object(self, op: int, pid: int, table: FdTable, nr: int, flags: int, ret: int, a0: int, a1: int,
                 data: bytes) -> str:
-        """The call's object, updating the process's fd table for calls that change it."""
-        name = self._names.get(nr, "")
-        if flags & F_PATH:
+        """The object of a call that may change the process's fd table (``op``: _fd_op's), updating it."""
+        if op == _OP_PATH:
             path = _resolve_path(table, AT_FDCWD if flags & F_PATH0 else a0, cstr(data))
-            if name == "chdir":
+            if self._names.get(nr) == "chdir":
                 if ret == 0:  # a path the event cut short is not the new cwd
                     _put(table, AT_FDCWD, path if path.startswith("/") and len(data) < PATH_MAX_DATA else "")
             elif flags & F_FDTABLE and ret >= 0:
                 table[ret] = path
             return path
-        if flags & F_SOCKADDR:
+        if op == _OP_CLOSE:
+            self._epolls.fd_gone(pid, a0)
+            return table.drop(a0)
+        if op == _OP_SOCKADDR:
             peer = sockaddr_str(data)
             if ret == 0 or ret == -errno.EINPROGRESS:
                 table[a0] = peer
             return peer
-        if flags & F_SOCKADDR_PLEN:
+        if op == _OP_SOCKADDR_PLEN:
             peer = sockaddr_str(data) or "socket"
             if ret >= 0:
                 table[ret] = peer
             return peer
-        if flags & F_PIPE:
+        if op == _OP_PIPE:
             if ret == 0:
                 table[a0] = table[a1] = "pipe"
             return "pipe"
-        if name in _NEW_FD:
+        name = self._names.get(nr, "")
+        if op == _OP_NEW_FD:
             if ret >= 0:
                 table[ret] = _NEW_FD[name]
             return _NEW_FD[name]
-        if name.startswith("epoll_create"):
+        if op == _OP_EPOLL_CREATE:
             if ret >= 0:
                 table[ret] = EVENTPOLL
                 self._epolls.created(pid, ret)
             return EVENTPOLL
-        if name == "close":
-            self._epolls.fd_gone(pid, a0)
-            return table.drop(a0)
-        if name.startswith("dup") or (flags & F_DUPFD and a1 in F_DUPFD_CMDS):
+        if op == _OP_DUP or (op == _OP_FCNTL and a1 in F_DUPFD_CMDS):
             obj = table.get(a0, "")
             if ret >= 0:  # an unknown source leaves the new fd unknown, not what it held before
                 new = a1 if name in ("dup2", "dup3") else ret
@@ -452,6 +465,35 @@ class KernelDecoder:
 
 # Calls whose new fd is known by its kind alone: what the fd table holds for it
 _NEW_FD = {"socket": "socket", "io_uring_setup": "anon_inode:[io_uring]"}
+_U32 = struct.Struct("<I")  # an event's type: its first field
+# What a call does to its process's fd table (_fd_op), each case of KernelDecoder._object
+(_OP_LOOKUP, _OP_PATH, _OP_SOCKADDR, _OP_SOCKADDR_PLEN, _OP_PIPE, _OP_NEW_FD, _OP_EPOLL_CREATE, _OP_CLOSE, _OP_DUP,
+ _OP_FCNTL, _OP_FCHDIR) = range(11)
+
+
+def _fd_op(name: str, flags: int) -> int:
+    """Which of ``KernelDecoder._object``'s cases a call of ``name`` (``flags``) is, by the first that applies:
+    _OP_LOOKUP for a call that changes no fd table (its object is the one its fd holds, or none). _OP_FCNTL:
+    a duplication where its command is F_DUPFD(_CLOEXEC), else a lookup."""
+    if flags & F_PATH:
+        return _OP_PATH
+    if flags & F_SOCKADDR:
+        return _OP_SOCKADDR
+    if flags & F_SOCKADDR_PLEN:
+        return _OP_SOCKADDR_PLEN
+    if flags & F_PIPE:
+        return _OP_PIPE
+    if name in _NEW_FD:
+        return _OP_NEW_FD
+    if name.startswith("epoll_create"):
+        return _OP_EPOLL_CREATE
+    if name == "close":
+        return _OP_CLOSE
+    if name.startswith("dup"):
+        return _OP_DUP
+    if flags & F_DUPFD:
+        return _OP_FCNTL
+    return _OP_FCHDIR if name == "fchdir" else _OP_LOOKUP
 
 
 def proc_record(raw: bytes) -> Any:
