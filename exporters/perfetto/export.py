@@ -795,18 +795,20 @@ class _Run(Canvas):
                     api, flow = hit
                     corr_enc = _CORRELATION(corr)
                     arrow = flow_id(flow)
-                    # The launch's slice here where no stall evidence is looked for and its fields are of their
-                    # declared types (its correlation id the same as its work's), else _write_gpu's.
+                    # The launch's slice here where its fields are of their declared types (its correlation id
+                    # the same as its work's), with the arrows of stall evidence it is, else _write_gpu's.
                     apid, tid, aname, a, b, acorr, kind, result = api
-                    if links.waiting or not (type(a) is type(b) is type(acorr) is type(result) is int
-                                             and type(aname) is type(kind) is str):
+                    if not (type(a) is type(b) is type(acorr) is type(result) is int
+                            and type(aname) is type(kind) is str):
                         write(api, flow)
                     else:
+                        taken = links.take(evidence_key("gpu", apid, 0, a)) if links.waiting else None
                         a, b = (a, b) if 0 <= a <= b <= _I64_MAX else self.span(a, b)
                         alane = (lanes.get(("tl", apid, tid, "CUDA API"))
                                  or self.thread_lanes(apid, tid, "CUDA API")).place(a, b)
                         parts = api_parts.get((aname, kind, result)) or self._api_head(aname, kind, result, typed=True)
-                        out += framed_slice(a, b, alane.uuid, b"".join((parts[0], corr_enc, parts[1], arrow)))
+                        arrows = pp.flow_ids([flow, *taken]) if taken else arrow
+                        out += framed_slice(a, b, alane.uuid, b"".join((parts[0], corr_enc, parts[1], arrows)))
                         packets += 2
                     s, e = (start, end) if 0 <= start <= end <= _I64_MAX else self.span(start, end)
                     lane = (streams.get((pid, device, stream)) or self.gpu_lanes(pid, device, stream)).place(s, e)
