@@ -264,10 +264,7 @@ class KernelDecoder:
             size = SIZES.get(etype)
             if size is None or off + size > end:
                 raise ValueError(f"bad kernel event type {etype} at offset {off}")
-            if etype == EV_SYS:  # (most events: _decode_one's first case, without its call)
-                rec = self._syscall(SYS.unpack_from(blob, off), b"")
-            else:
-                rec = self._decode_one(etype, blob, off)
+            rec = self._decode_one(etype, blob, off)
             off += size
             if rec is not None:
                 yield rec
