@@ -162,13 +162,15 @@ def labels_for(stall: dict[str, Any], t: dict[str, Any] | None) -> list[dict[str
         return []
     if t["cause"] == OWN_CAUSES[0] and not t.get("object") and t.get("culprit_pid") == stall.get("device_pid"):
         return [{**t, "causes": OWN_CAUSES}]
+    own = {"pid": t["pid"], "launch_ns": t["launch_ns"], "cause": OWN_CAUSES[0], "causes": OWN_CAUSES, "object": "",
+           "culprit_pid": stall.get("device_pid", t["pid"])}
+    if t.get("own_ok"):  # the label's calls were this process's own time as much as what they waited for
+        return [t, own]
     own_from = t.get("own_from_ns")
     if not own_from:
         return [t]
     start, end = stall["start_ns"], stall["end_ns"]
     share = max(0, end - max(start, own_from)) / max(end - start, 1)
-    own = {"pid": t["pid"], "launch_ns": t["launch_ns"], "cause": OWN_CAUSES[0], "causes": OWN_CAUSES, "object": "",
-           "culprit_pid": stall.get("device_pid", t["pid"])}
     return ([t] if share <= 2 / 3 else []) + ([own] if share >= 1 / 3 else [])
 
 

@@ -47,15 +47,19 @@ class Truth:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def label(self, cause: str, obj: str = "", pid: int = 0, tid: int = 0, own_from_ns: int = 0) -> None:
+    def label(self, cause: str, obj: str = "", pid: int = 0, tid: int = 0, own_from_ns: int = 0,
+              own_ok: bool = False) -> None:
         """``own_from_ns``: from when what the step waited for was over (a sleep's deadline), so that the rest of
-        the stall was this process's own time (harness.labels_for)."""
+        the stall was this process's own time (harness.labels_for). ``own_ok``: the whole stall may rightly be
+        named this process's own time as well (it was on its CPU for a third of it or more)."""
         line: dict[str, Any] = {"pid": os.getpid(), "launch_ns": now(), "cause": cause, "object": obj,
                                 "culprit_pid": pid}
         if tid:
             line["culprit_tid"] = tid
         if own_from_ns:
             line["own_from_ns"] = own_from_ns
+        if own_ok:
+            line["own_ok"] = True
         os.write(self.fd, (json.dumps(line) + "\n").encode())
 
 
@@ -372,8 +376,9 @@ def dirty_writes(cfg: dict[str, Any]) -> None:
     """Every other step the trainer waits for the device, then saves its state to a new file with write() and
     no fsync, on a device allowed few dirty pages and slow to write them back: the kernel pauses the writer
     (balance_dirty_pages) until writeback catches up, and the GPU waits for that write(). Whether a save is
-    paused depends on the kernel's estimates: one whose writes all returned at once labels the time the
-    trainer's own (copying into the page cache)."""
+    paused depends on the kernel's estimates: a save is labelled its file's, and the trainer's own time as well
+    unless the kernel held it off its CPU for more than two thirds of it (a save not paused is its copying into
+    the page cache)."""
     truth = Truth(cfg["truth"])
     s = Device(0).stream()
     chunk = os.urandom(64 << 10)
@@ -382,17 +387,17 @@ def dirty_writes(cfg: dict[str, Any]) -> None:
         if k % 2:
             s.synchronize()
             path = os.path.join(cfg["dir"], f"state-{k:03d}.bin")
+            began = now()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            longest = 0
+            off_cpu = 0  # the writes' time off this thread's CPU: the kernel's pauses (and any wait for a CPU)
             for _ in range(cfg["save_bytes"] // len(chunk)):
-                t0 = now()
+                t0, c0 = now(), time.thread_time_ns()
                 os.write(fd, chunk)
-                longest = max(longest, now() - t0)
+                off_cpu += max(0, (now() - t0) - (time.thread_time_ns() - c0))
             os.close(fd)
-            if longest >= 20_000_000:
-                truth.label("storage", path, os.getpid())
-            else:
-                truth.label("cpu", "", os.getpid())
+            # the save is the trainer's calls on the file; its own time too unless they held it off its CPU for
+            # more than two thirds of the save
+            truth.label("storage", path, os.getpid(), own_ok=3 * off_cpu <= 2 * (now() - began))
         s.launch(f"train_step_{k}", KERNEL_MS)
     s.synchronize()
 
