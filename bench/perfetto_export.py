@@ -3,6 +3,7 @@
     .venv/bin/python bench/perfetto_export.py [N] [--no-samples]      (default 500000)
     .venv/bin/python bench/perfetto_export.py 500000 --runs 3 --baseline-src /tmp/gputrace-main   # old beside new
     .venv/bin/python bench/perfetto_export.py 500000 --scale          # gputrace/testing/scale.py's capture instead
+    .venv/bin/python bench/perfetto_export.py 1000000 --jobs 2 --runs 3 --baseline-src DIR   # two processes
 
 Prints records/s, packets/s and peak RSS growth, so a streaming regression (memory growing with N) shows.
 Each step holds a syscall, an off-CPU interval, a block request, a launch, its kernel and a CPU sample (one
@@ -13,7 +14,9 @@ their wakers, block requests, aggregates), with the stall report drawn on it whe
 Each export runs in a fresh process. ``--baseline-src DIR`` (another checkout's tree, e.g.
 ``git archive main | tar -x -C DIR``) exports the same capture with DIR first on PYTHONPATH, alternating with this
 tree's export ``--runs`` times, so old and new code meet the same load; it prints each run, the medians and
-their ratio. The capture is written by this tree (the format is the same).
+their ratio. The capture is written by this tree (the format is the same). ``--jobs 2`` has this tree's exporter
+draw the trace in two processes (PerfettoExporter's ``jobs``; the baseline draws it in one): the CPU time shown is
+both processes'. Beside it, the same tree with ``--jobs 1`` as the baseline shows what the second process gives.
 """
 
 from __future__ import annotations
@@ -84,27 +87,34 @@ def write_capture(cap: Path, n: int, samples: bool) -> int:
     return written
 
 
-def export_once(cap: Path, out: Path, report_path: Path | None) -> dict[str, Any]:
-    """Export ``cap`` with whichever gputrace is first on sys.path; what it took."""
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def export_once(cap: Path, out: Path, report_path: Path | None, jobs: int = 1) -> dict[str, Any]:
+    """Export ``cap`` with whichever gputrace is first on sys.path (``jobs`` above 1: given to the exporter); what
+    it took (CPU: this process's and that of the process it forked, once waited for)."""
     import gputrace
     from gputrace.capture import CaptureReader
     from gputrace.exporters.perfetto.export import PerfettoExporter
 
     report = json.loads(report_path.read_text()) if report_path is not None else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    c0, t0 = time.process_time(), time.perf_counter()
+    c0, k0, t0 = time.process_time(), _children_cpu(), time.perf_counter()
     with CaptureReader(cap) as reader:
-        result = PerfettoExporter(out, report=report).write(reader)
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        exporter = PerfettoExporter(out, report=report, **({"jobs": jobs} if jobs > 1 else {}))
+        result = exporter.write(reader)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0 + _children_cpu() - k0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"src": str(Path(gputrace.__file__).parent.parent), "s": dt, "cpu_s": cpu, "packets": result.items,
-            "bytes": out.stat().st_size, "rss_mib": (rss1 - rss0) / 1024}
+            "bytes": out.stat().st_size, "rss_mib": (rss1 - rss0) / 1024, "parts": getattr(exporter, "parts", 1)}
 
 
-def run_export(cap: Path, out: Path, report: Path | None, src: Path | None) -> dict[str, Any]:
+def run_export(cap: Path, out: Path, report: Path | None, src: Path | None, jobs: int = 1) -> dict[str, Any]:
     """``export_once`` in a fresh process, with ``src`` first on PYTHONPATH when given."""
     env = {**os.environ, "PYTHONPATH": str(src or ROOT)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--export-once", str(cap), str(out)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--export-once", str(cap), str(out), "--jobs", str(jobs)]
     if report is not None:
         cmd += ["--report-file", str(report)]
     proc = subprocess.run(cmd, env=env, cwd=src or ROOT, capture_output=True, text=True, check=False)
@@ -119,7 +129,8 @@ def _line(label: str, records: int, row: dict[str, Any]) -> str:
     return (f"{label}: records {records:,}  packets {row['packets']:,}  {row['s']:.2f} s  "
             f"{records / row['s']:,.0f} records/s  {row['packets'] / row['s']:,.0f} packets/s  "
             f"(CPU {row['cpu_s']:.2f} s: {records / row['cpu_s']:,.0f} records/s)  trace {row['bytes'] / 1e6:.1f} MB  "
-            f"peak RSS +{row['rss_mib']:.1f} MiB")
+            f"peak RSS +{row['rss_mib']:.1f} MiB"
+            + (f"  ({row['parts']} processes)" if row.get("parts", 1) > 1 else ""))
 
 
 def _scale_capture(cap: Path, n: int, report: bool, tmp: Path) -> tuple[int, Path | None]:
@@ -145,13 +156,15 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true", help="export gputrace/testing/scale.py's capture")
     ap.add_argument("--report", action="store_true", help="with --scale: draw the capture's stall report too")
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="given to this tree's exporter (2: a trace drawn by two processes; the baseline: one)")
     ap.add_argument("--baseline-src", type=Path)
     ap.add_argument("--export-once", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--report-file", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.export_once:
         once_cap, once_out = args.export_once
-        print(json.dumps(export_once(once_cap, once_out, args.report_file)))
+        print(json.dumps(export_once(once_cap, once_out, args.report_file, args.jobs)))
         return
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -170,7 +183,7 @@ def main() -> None:
             if args.baseline_src is not None:
                 old.append(run_export(cap, out, report, args.baseline_src.resolve()))
                 print(_line(f"{kind}, baseline", written, old[-1]), flush=True)
-            new.append(run_export(cap, out, report, None))
+            new.append(run_export(cap, out, report, None, args.jobs))
             print(_line(f"{kind}, this tree", written, new[-1]), flush=True)
     _summary(kind, written, new, old)
 

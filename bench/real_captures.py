@@ -1,6 +1,6 @@
 """Report and Perfetto export of the captures recorded on real GPU hosts (tests/data/captures), side by side.
 
-    .venv/bin/python bench/real_captures.py [--baseline-src DIR] [--repeat 3] [NAME ...]
+    .venv/bin/python bench/real_captures.py [--baseline-src DIR] [--repeat 3] [--jobs 2] [NAME ...]
 
 Real captures are not the synthetic ones of bench/analysis_scale.py and bench/perfetto_export.py: most of their
 host side is raw kernel events (decoded as they are read, fds resolved against the tables the events before
@@ -9,7 +9,9 @@ built), and their CPU samples name deep Python stacks. Each capture is unpacked 
 --perfetto`` does) runs in a fresh process, the seconds measured inside it. ``--baseline-src DIR`` (another
 checkout's tree, e.g. ``git archive main | tar -x -C DIR``) runs the same with DIR first on PYTHONPATH, the two
 taking turns; each line gives the medians of ``--repeat`` runs, the ratios, and whether both made the same report
-and byte-identical traces.
+and byte-identical traces. ``--jobs 2``: this tree's exports drawn by two processes (``gputrace export --jobs``;
+the baseline's by one): ``same`` then compares the reports alone, the traces' bytes differing by design
+(tests/test_perfetto_parts.py checks that they show the same).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def once(path: str, out: str) -> None:
-    """Child mode: analyse ``path`` and export it to ``out`` with whichever gputrace is first on the path."""
+def once(path: str, out: str, jobs: int = 1) -> None:
+    """Child mode: analyse ``path`` and export it to ``out`` with whichever gputrace is first on the path (``jobs``
+    above 1: given to its exporter)."""
     from gputrace.capture import open_capture
     from gputrace.exporters.perfetto.export import PerfettoExporter
     from gputrace.pipeline import analyse
@@ -40,7 +43,7 @@ def once(path: str, out: str) -> None:
         report = analyse(reader)
     t1 = time.perf_counter()
     with open_capture(path) as reader:
-        PerfettoExporter(out, report=report).write(reader)
+        PerfettoExporter(out, report=report, **({"jobs": jobs} if jobs > 1 else {})).write(reader)
     t2 = time.perf_counter()
     trace = hashlib.sha256(Path(out).read_bytes()).hexdigest()[:16]
     os.unlink(out)
@@ -49,9 +52,10 @@ def once(path: str, out: str) -> None:
                       "trace": trace}))
 
 
-def run(path: Path, out: Path, src: Path) -> dict[str, Any]:
+def run(path: Path, out: Path, src: Path, jobs: int = 1) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    proc = subprocess.run([sys.executable, __file__, "--once", str(path), str(out)], env=env, cwd=src,
+    proc = subprocess.run([sys.executable, __file__, "--once", str(path), str(out), "--jobs", str(jobs)], env=env,
+                          cwd=src,
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"real_captures: {path.name} with {src} failed:\n{proc.stderr[-2000:]}")
@@ -64,10 +68,11 @@ def main() -> int:
     ap.add_argument("names", nargs="*", help="recorded captures (default: all of tests/data/captures)")
     ap.add_argument("--baseline-src", type=Path, help="another checkout's tree to run side by side")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each version (medians)")
+    ap.add_argument("--jobs", type=int, default=1, help="given to this tree's exporter (the baseline's: 1)")
     ap.add_argument("--once", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.once:
-        once(*args.once)
+        once(args.once[0], args.once[1], args.jobs)
         return 0
     sys.path.insert(0, str(ROOT / "tests"))
     from recorded import CAPTURES, unpacked
@@ -93,14 +98,14 @@ def main() -> int:
             for _ in range(args.repeat):  # taking turns: a busy spell of the machine falls on both
                 if base is not None:
                     old.append(run(path, out, base))
-                new.append(run(path, out, ROOT))
+                new.append(run(path, out, ROOT, args.jobs))
             rep, exp = (statistics.median(r[k] for r in new) for k in ("report_s", "export_s"))
             n = new[0]["records"]
             line = (f"{name:<20} {n:>8,} {path.stat().st_size / 1e6:>6.1f} {rep:>9.3f} {n / rep:>8,.0f} {exp:>9.3f} "
                     f"{n / exp:>8,.0f}")
             if old:
                 orep, oexp = (statistics.median(r[k] for r in old) for k in ("report_s", "export_s"))
-                same = len({(r["report"], r["trace"]) for r in old + new}) == 1
+                same = len({(r["report"], r["trace"] if args.jobs == 1 else "") for r in old + new}) == 1
                 line += (f" {orep:>11.3f} {oexp:>11.3f} {orep / rep:>6.2f}x {oexp / exp:>6.2f}x "
                          f"{'yes' if same else 'NO':>5}")
             print(line, flush=True)

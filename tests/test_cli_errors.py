@@ -409,10 +409,14 @@ def test_report_and_export_refuse_bad_min_gap(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.parametrize("jobs", ["0", "-2"])
-def test_report_refuses_a_job_count_below_one(tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: str) -> None:
+def test_report_and_export_refuse_a_job_count_below_one(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        jobs: str) -> None:
     cap = _capture(tmp_path / "a.gputrace")
     assert main(["report", str(cap), "--jobs", jobs]) == 2
     assert capsys.readouterr().err == f"gputrace: error: --jobs must be 1 or more, not {jobs}\n"
+    assert main(["export", str(cap), "--perfetto", str(tmp_path / "o.pftrace"), "--jobs", jobs]) == 2
+    assert capsys.readouterr().err == f"gputrace: error: --jobs must be 1 or more, not {jobs}\n"
+    assert not (tmp_path / "o.pftrace").exists()
 
 
 # ------------------------------------------------------------------------------------------------- view ---

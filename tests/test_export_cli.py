@@ -70,6 +70,27 @@ def test_export_writes_a_valid_trace_with_stalls(capture: Path, tmp_path: Path,
     assert ("trainer", "pread64") in sources and ("lane 0", "R 1 MiB") in sources
 
 
+def test_export_jobs_draw_the_same_trace(capture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # --jobs 2 on a capture as large as PARALLEL_MIN_BYTES (here: any): its kernel records drawn by a second process
+    from gputrace.exporters.perfetto import export
+
+    made: list[int] = []
+    two_parts = export.PerfettoExporter._two_parts
+    monkeypatch.setattr(export, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(export.PerfettoExporter, "_two_parts",
+                        lambda self, *a: made.append(1) or two_parts(self, *a))  # type: ignore[func-returns-value]
+    shown = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"run{jobs}.pftrace"
+        assert main(["export", str(capture), "--perfetto", str(out), "--jobs", jobs]) == 0
+        check = check_trace(out)
+        assert check.problems == [] and f"Wrote {out} ({check.packets:,} packets)" in capsys.readouterr().out
+        shown.append(check.shown())
+    assert made == [1] and shown[0] == shown[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.gputrace", "run1.pftrace", "run2.pftrace"]
+
+
 def test_existing_output_needs_force(capture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run.pftrace"
     out.write_text("keep me")

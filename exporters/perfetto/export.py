@@ -33,8 +33,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
+import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
@@ -43,7 +46,7 @@ from gputrace.analysis.devices import SHARED, DeviceKey, ReportDevices
 from gputrace.analysis.timefmt import size_text
 from gputrace.capture import CaptureReader, records_of
 from gputrace.documents import Report, Stall
-from gputrace.errors import OutputError, UserError
+from gputrace.errors import JobEnded, OutputError, UserError
 from gputrace.exporters import ExportResult
 from gputrace.exporters.perfetto import proto as pp
 from gputrace.exporters.perfetto.args import activity_fields, header_int, stall_args, unit_of, uring_flags
@@ -51,6 +54,7 @@ from gputrace.exporters.perfetto.canvas import Canvas
 from gputrace.exporters.perfetto.links import CaptureLinks, FlowIds, LaunchMatcher, StallLinks, evidence_key
 from gputrace.exporters.perfetto.samples import CpuSamples, StackInterner
 from gputrace.exporters.perfetto.tracks import ID_SPAN, LaneSet, PacketSink, Tracks
+from gputrace.forked import ended_how, quiet_child, receive_last, send
 from gputrace.probes.ebpf import uring
 from gputrace.records import (
     RECORD_TYPES,
@@ -133,6 +137,28 @@ def _keep(cache: dict[_K, _V], key: _K, value: _V) -> _V:
     cache[key] = value
     return value
 
+_WAKER_FIELDS = itemgetter(6, 7, 8)  # an OffCpu row's waker: pid, tid, comm
+_THREAD_FIELDS = itemgetter(0, 1, 2)  # a BlockIO row's thread: pid, tid, comm
+
+
+def _ignore(_: Any) -> None:
+    """A record, or a frame's rows, that the other part of a trace drawn in two parts draws."""
+
+
+def _quietly(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``fn``, which notes names only, with a malformed record let go: the part that draws it counts it."""
+    def noted(r: Any) -> None:
+        with contextlib.suppress(*_MALFORMED):
+            fn(r)
+    return noted
+
+
+def _clamped(s: Any, e: Any) -> tuple[int, int]:
+    """``Canvas.span`` without counting a span fixed (the part that draws it counts it)."""
+    s, e = pp.clamp_ts(s), pp.clamp_ts(e)
+    return s, max(s, e)
+
+
 # A frame's rows: lists of exactly their kind's fields, each of its declared type (capture.exact_columns), or
 # the records themselves.
 Rows = Sequence[Sequence[Any]]
@@ -140,14 +166,36 @@ _NO_HOLDER = (0, 0, "")  # an OffCpu row of a capture made before its held_* fie
 _SHORT_ROWS = frozenset({"OffCpu"})  # kinds whose row handlers also take such older, shorter rows
 
 
+# The kinds the kernel part of a trace written in two parts draws (``PerfettoExporter`` with ``jobs``): the kernel
+# probes' records, whose tracks and lanes (a thread's syscalls, off-CPU time, io_uring requests and dirty pauses;
+# block devices) nothing else draws on. The other part draws the rest.
+KERNEL_KINDS: tuple[type, ...] = (Syscall, OffCpu, BlockIO, PageFault, InProgress, IoUringRequest, DirtyPause)
+KERNEL_PART, REST_PART = "kernel", "rest"
+PARALLEL_MIN_BYTES = 8 << 20  # a smaller capture is drawn in one process: a second would cost more than it saves
+_KERNEL_FLOWS = 1 << 48  # the kernel part's own flow ids (wakeups) start here; the other part's stay below
+_KERNEL_TRACKS = 1 << 24  # likewise its own tracks' uuids (off-CPU, io_uring and block lanes), below SHARED_UUIDS
+
+
 class PerfettoExporter:
-    """Writes one Perfetto trace from a capture in a single streaming pass (bounded memory)."""
+    """Writes one Perfetto trace from a capture in a single streaming pass (bounded memory).
+
+    With ``jobs`` above one, a capture file of ``parallel_min_bytes`` or more is drawn by two processes at once:
+    this one, and one forked from it that reads the same file and draws the kernel probes' records (KERNEL_KINDS)
+    into a file of its own, appended to the trace once both are done. Both name every process and thread alike
+    (each notes the names the other's records give), give a process or thread track the uuid of its key
+    (``Tracks``' hashed uuids), and the stall report's arrows the same ids; each part's own tracks and arrows take
+    ids of their own. The trace holds what one process would write, its packets in another order (the kernel
+    part's last) and some descriptors twice (a thread's, by both parts)."""
 
     def __init__(self, out_path: str | os.PathLike[str], *, report: Report | None = None,
-                 pending_cap: int = 50_000) -> None:
+                 pending_cap: int = 50_000, jobs: int = 1, parallel_min_bytes: int | None = None) -> None:
+        """``parallel_min_bytes``: the smallest capture file drawn in two parts (None: PARALLEL_MIN_BYTES)."""
         self.out_path = Path(out_path)
         self.report = report
         self.pending_cap = pending_cap
+        self.jobs = jobs
+        self.parallel_min_bytes = PARALLEL_MIN_BYTES if parallel_min_bytes is None else parallel_min_bytes
+        self.parts = 1  # processes that drew the last trace written
 
     def write(self, reader: CaptureReader) -> ExportResult:
         """Write the trace, under a temporary name renamed into place: a failed write (a full disk) leaves
@@ -160,7 +208,86 @@ class PerfettoExporter:
             run.finish()
             return run.notes(reader)
 
+        self.parts = 2 if self.jobs > 1 and self._parallel(reader) else 1
+        if self.parts == 2:
+            return self._to_file(lambda sink: self._two_parts(sink, reader))
         return self._to_file(body)
+
+    def _parallel(self, reader: CaptureReader) -> bool:
+        """Whether ``reader`` is a capture file large enough to be drawn in two parts."""
+        if not isinstance(reader, CaptureReader):
+            return False
+        try:
+            st = os.fstat(reader.fileno())
+        except (OSError, ValueError):
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size >= self.parallel_min_bytes
+
+    def _two_parts(self, sink: PacketSink, reader: CaptureReader) -> list[str]:
+        """The trace drawn by this process and, at once, its kernel part by one forked from it (see the class);
+        that part's file is made here, before the fork, and removed whatever happens."""
+        part = self.out_path.with_name(f".{self.out_path.name}.{os.getpid()}.kernel.partial")
+        pid, r, fd = 0, -1, -1
+        try:
+            with held():  # (a stop signal is delivered once ``fd`` names the file, which is then removed)
+                fd = _create_new(part, self.out_path)
+            r, w = os.pipe()
+            parent = os.getpid()
+            pid = os.fork()
+            if pid == 0:  # (the child: never returns)
+                os.close(r)
+                self._kernel_part(reader, fd, w, parent)
+            os.close(w)
+            run = _Run(sink, reader.header, self.report, self.pending_cap, role=REST_PART)
+            run.start()
+            run.feed_reader(reader)
+            result = receive_last(r)  # (read to the end: the child has exited or closed its end)
+            status = os.waitpid(pid, 0)[1]
+            pid = 0
+            if isinstance(result, str):
+                raise UserError(f"the process drawing the trace's kernel records failed: {result}")
+            if not isinstance(result, dict):
+                raise JobEnded("the process drawing the trace's kernel records ended without them "
+                               f"({ended_how(status)}); --jobs 1 draws the whole trace in this process")
+            run.merge_part(result)
+            run.finish()
+            with open(f"/proc/self/fd/{fd}", "rb") as f:  # (made write-only: opened again to be read)
+                sink.append(f, result["packets"])
+            return run.notes(reader)
+        finally:
+            if pid:  # failed or interrupted here: the other part is of no use
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+            if r >= 0:
+                os.close(r)
+            if fd >= 0:  # (else the file is not ours, or was never made)
+                os.close(fd)
+                part.unlink(missing_ok=True)
+
+    def _kernel_part(self, reader: CaptureReader, fd: int, w: int, parent: int) -> None:
+        """The forked process: the kernel part of the trace drawn into ``fd`` from the capture ``reader`` reads
+        (opened again: the file's offset is the other process's), what the other part needs of it sent on ``w``
+        (an error as its text), then gone."""
+        code = 1
+        try:
+            quiet_child(parent, nice=0)  # (at the export's own priority: it waits for this part)
+            with CaptureReader(f"/proc/self/fd/{reader.fileno()}") as own, \
+                    open(fd, "wb", buffering=1 << 20, closefd=False) as f:
+                sink = PacketSink(_Named(f, self.out_path))
+                run = _Run(sink, own.header, self.report, self.pending_cap, role=KERNEL_PART)
+                run.feed_reader(own)
+                sink.flush()
+                with _writing(self.out_path):
+                    f.flush()
+                send(w, run.part_result())
+            code = 0
+        except BaseException as e:
+            with contextlib.suppress(BaseException):
+                send(w, str(e) or type(e).__name__)
+        finally:
+            os._exit(code)
 
     def write_joined(self, readers: Sequence[CaptureReader], names: Sequence[str], joined: Joined) -> ExportResult:
         """One trace of a job's captures from several hosts, on the joined report's clock (``joined``:
@@ -322,10 +449,14 @@ class _Run(Canvas):
     """The state of one export: tracks, lanes and pending flow ends — nothing per event."""
 
     def __init__(self, sink: PacketSink, header: dict[str, Any], report: Report | None,
-                 pending_cap: int, *, part: _Part | None = None) -> None:
+                 pending_cap: int, *, part: _Part | None = None, role: str = "") -> None:
+        """``role``: KERNEL_PART or REST_PART, for one of the two processes drawing a trace at once
+        (``PerfettoExporter``); "" to draw all of it."""
         tracks = None
         if part is not None:  # 2^32 uuids a capture: no two captures' tracks meet
             tracks = Tracks(sink, uuid_base=part.index << 32, id_base=part.index * ID_SPAN, host=part.host)
+        elif role:  # the parts' own tracks apart: the kernel part's from 2^24 (4-byte varints)
+            tracks = Tracks(sink, hashed=True, uuid_base=_KERNEL_TRACKS if role == KERNEL_PART else 0)
         super().__init__(sink, tracks)
         self.header = header
         self.flows = part.flows if part is not None else FlowIds()
@@ -376,6 +507,86 @@ class _Run(Canvas):
         self._woken_heads: dict[tuple[Any, ...], bytes] = {}
         self._api_parts: dict[tuple[str, str, int], tuple[bytes, bytes]] = {}  # a launch's name, api and result
         self._kernel_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        if role == KERNEL_PART:
+            self._draw_kernel_part()
+        elif role == REST_PART:
+            self._draw_rest_part()
+
+    # -- a trace drawn in two parts -------------------------------------------------------------------
+
+    def _draw_kernel_part(self) -> None:
+        """Draw the kernel probes' records alone (KERNEL_KINDS), and note the names of processes and threads that
+        the others give; any other record is the other part's, to draw and to count."""
+        full: dict[type, Any] = {cls: self.handlers[cls] for cls in KERNEL_KINDS}
+        names = {ProcInfo: _quietly(self.proc_info), ThreadInfo: _quietly(self.thread_info),
+                 ProcFork: _quietly(self._fork_names), ProcExec: _quietly(self._exec_names)}
+        self.handlers = {**dict.fromkeys(RECORD_TYPES.values(), _ignore), **names, **full}
+        kinds = {cls.__name__ for cls in KERNEL_KINDS}
+        self.row_handlers = {k: h if k in kinds else _ignore for k, h in self.row_handlers.items()}
+        self.flows.skip_to(_KERNEL_FLOWS)
+        assert isinstance(self.stall_links, StallLinks)
+        self._evidence = self.stall_links.pending()
+
+    def _draw_rest_part(self) -> None:
+        """Draw every record but the kernel probes', whose part notes only the threads' names they give."""
+        self.handlers.update(dict.fromkeys(KERNEL_KINDS, _ignore))
+        self.handlers.update({OffCpu: _quietly(self._offcpu_wakers), BlockIO: _quietly(self._block_threads)})
+        self.row_handlers.update({"Syscall": _ignore, "OffCpu": self._offcpu_wakers_rows,
+                                  "BlockIO": self._block_threads_rows})
+
+    def part_result(self) -> dict[str, Any]:
+        """What the kernel part tells the other once drawn: its packets, what it could not draw, and the stall
+        evidence it found the slices of."""
+        assert isinstance(self.stall_links, StallLinks)
+        return {"packets": self.sink.count, "malformed": self.malformed, "fixed": self.fixed,
+                "taken": sorted(self._evidence - self.stall_links.pending())}
+
+    def merge_part(self, result: dict[str, Any]) -> None:
+        """The kernel part's ``part_result``, taken into this one's counts and stall arrows."""
+        self.malformed += result["malformed"]
+        self.fixed += result["fixed"]
+        assert isinstance(self.stall_links, StallLinks)
+        self.stall_links.take_entries(result["taken"])
+
+    def _fork_names(self, r: ProcFork) -> None:
+        if r.is_thread:
+            self.tracks.note_thread(r.child_pid, r.child_tid, r.comm)
+        else:
+            self.tracks.note_process(r.child_pid, r.comm)
+
+    def _exec_names(self, r: ProcExec) -> None:
+        self.tracks.note_process(r.pid, r.comm)
+        self.tracks.note_thread(r.pid, r.tid, r.comm)
+
+    def _offcpu_wakers(self, r: OffCpu) -> None:
+        s, e = _clamped(r.start_ns, r.end_ns)
+        if r.wake_ns and s <= r.wake_ns <= e and r.waker_tid:
+            self.tracks.name_waker(r.waker_pid, r.waker_tid, r.waker_comm)
+
+    def _offcpu_wakers_rows(self, rows: Rows) -> None:
+        """``offcpu_rows``' naming of the threads that woke others, alone: nothing where every waker of the frame
+        is known by its name already, as they mostly are."""
+        settled = self.tracks.settled_waker
+        if all(not tid or settled(pid, tid, comm) for pid, tid, comm in set(map(_WAKER_FIELDS, rows))):
+            return
+        for row in rows:
+            start, end, wake_ns, waker_tid = row[2], row[3], row[5], row[7]
+            s, e = (start, end) if 0 <= start <= end <= _I64_MAX else _clamped(start, end)
+            if wake_ns and s <= wake_ns <= e and waker_tid:
+                self.tracks.name_waker(row[6], waker_tid, row[8])
+
+    def _block_threads(self, r: BlockIO) -> None:
+        _clamped(r.issue_ns, r.complete_ns)
+        self.tracks.refresh_comm(r.pid, r.tid, r.comm)
+
+    def _block_threads_rows(self, rows: Rows) -> None:
+        """``block_rows``' naming of the threads whose requests they are, alone."""
+        names = self.tracks.thread_name
+        if all(not comm or names.get((pid, tid)) == comm for pid, tid, comm in set(map(_THREAD_FIELDS, rows))):
+            return
+        for pid, tid, comm, *_ in rows:
+            if comm and names.get((pid, tid)) != comm:
+                self.tracks.refresh_comm(pid, tid, comm)
 
     # -- frame ----------------------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 from gputrace.documents import Report, Stall
 from gputrace.records import CudaApi
@@ -33,6 +33,10 @@ class FlowIds:
     @property
     def count(self) -> int:
         return self._next
+
+    def skip_to(self, n: int) -> None:
+        """Give ids above ``n`` from now on: another writer of the same trace gives those below."""
+        self._next = max(self._next, n)
 
 
 class LaunchMatcher:
@@ -190,6 +194,16 @@ class StallLinks:
 
     def flows_of(self, index: int) -> list[int]:
         return self._stall_flows[index]
+
+    def pending(self) -> frozenset[tuple[int, str, int, int, int]]:
+        """The evidence entries no slice took yet, by (capture, *key)."""
+        return frozenset(self._by_key)
+
+    def take_entries(self, entries: Iterable[tuple[int, str, int, int, int]]) -> None:
+        """``take`` of each entry another writer of the same trace found its slice for (``pending``'s keys; ids
+        are assigned alike in every writer of one report): the stalls get their flows."""
+        for where, *key in entries:
+            self.take(cast(EvidenceKey, tuple(key)), where)
 
     @property
     def unmatched(self) -> int:

@@ -7,6 +7,7 @@ number of events.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO, Protocol
@@ -55,6 +56,13 @@ class PacketSink:
             data = bytes(self.buf)
             self.buf.clear()
             self._write(data)
+
+    def append(self, f: BinaryIO, packets: int) -> None:
+        """The ``packets`` framed packets another writer left in ``f``, written after what this one wrote."""
+        self.flush()
+        while chunk := f.read(1 << 20):
+            self._write(chunk)
+        self.count += packets
 
 
 EVICT = 256  # slices a full sequential lane forgets at once
@@ -177,14 +185,30 @@ class LaneSet:
         return lane
 
 
+SHARED_KEYS = ("p", "t")  # the keys of process and thread tracks, which both parts of a trace drawn in two describe
+SHARED_UUIDS = 1 << 47  # their uuids (hashed) from here; every other track's below
+
+
+def shared_uuid(key: tuple[object, ...]) -> int:
+    """A process or thread track's uuid from its key alone (its repr the same in any process): 47 bits of its hash,
+    above SHARED_UUIDS. Two of 10,000 threads share one with odds of 4e-7."""
+    digest = hashlib.blake2b(repr(key).encode("utf-8", "backslashreplace"), digest_size=8).digest()
+    return SHARED_UUIDS | (int.from_bytes(digest, "little") & (SHARED_UUIDS - 1))
+
+
 class Tracks:
     """Allocates track uuids and writes each descriptor before the track's first event."""
 
-    def __init__(self, sink: PacketSink, *, uuid_base: int = 0, id_base: int = 0, host: str = "") -> None:
+    def __init__(self, sink: PacketSink, *, uuid_base: int = 0, id_base: int = 0, host: str = "",
+                 hashed: bool = False) -> None:
         """``uuid_base``, ``id_base`` and ``host`` set one capture apart in a trace of several hosts: its track
         uuids, its pids and tids as Perfetto sees them (Perfetto merges processes by pid, and two hosts' pids
-        may be equal), and the host its top-level tracks and processes are named by."""
+        may be equal), and the host its top-level tracks and processes are named by. ``hashed``: a process or
+        thread track's uuid is its key's hash (``shared_uuid``), not its place in the order of first use, so that
+        the two writers of a trace drawn in two parts (export._Run's roles), each drawing its own records, give it
+        the same one; their other tracks are their own, numbered from their own ``uuid_base``."""
         self._put = sink.put
+        self._hashed = hashed
         self._uuid_base = uuid_base
         self._id_base = id_base
         self.host = host
@@ -199,7 +223,8 @@ class Tracks:
     def _uuid(self, key: tuple[object, ...]) -> int:
         u = self._uuids.get(key)
         if u is None:
-            u = self._uuids[key] = self._uuid_base + len(self._uuids) + 1
+            u = self._uuids[key] = (shared_uuid(key) if self._hashed and key[0] in SHARED_KEYS
+                                    else self._uuid_base + len(self._uuids) + 1)
         return u
 
     def perfetto_id(self, n: int) -> int:
@@ -282,13 +307,28 @@ class Tracks:
 
     def untraced_thread(self, pid: int, tid: int, comm: str) -> int:
         """A thread seen only as a waker: described by its comm and marked untraced."""
+        self._note_untraced(pid, tid, comm)
+        return self.thread(pid, tid)
+
+    def _note_untraced(self, pid: int, tid: int, comm: str) -> None:
         if (pid, tid) not in self.thread_name:
             self.thread_name[(pid, tid)] = comm
             self.untraced_threads.add((pid, tid))
             if pid not in self.proc_name:
                 self.proc_name[pid] = (comm, [])
                 self.untraced_pids.add(pid)
-        return self.thread(pid, tid)
+
+    def settled_waker(self, pid: int, tid: int, comm: str) -> bool:
+        """Whether ``waker(pid, tid, comm)`` would name nothing anew (the thread is known by that name)."""
+        name = self.thread_name.get((pid, tid))
+        return name is not None and (name == comm or not comm)
+
+    def name_waker(self, pid: int, tid: int, comm: str) -> None:
+        """What ``waker`` notes of a thread's name, its track not described: for a writer that draws no wakeups
+        but must name the threads as the one that does."""
+        if not self.settled_waker(pid, tid, comm):
+            self._note_untraced(pid, tid, comm)
+            self.refresh_comm(pid, tid, comm)
 
     def waker(self, pid: int, tid: int, comm: str) -> int:
         """``untraced_thread`` then ``refresh_comm``: the track of a thread seen waking another, by the comm its

@@ -41,7 +41,6 @@ A capture whose time-local records number at most ``small_records`` is analysed 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import pickle
@@ -86,6 +85,7 @@ from gputrace.capture import Batch, CaptureReader, RowsAt, exact_columns, record
 from gputrace.documents import Report
 from gputrace.documents import Stall as StallDoc
 from gputrace.errors import JobEnded
+from gputrace.forked import ended_how, quiet_child, send
 from gputrace.records import GpuKernel
 
 BUCKET_NS = 1_000_000_000  # a spool bucket's span, and the margin a window is loaded with on each side
@@ -95,7 +95,6 @@ LAUNCH_LOOKBACK_NS = 30_000_000_000  # how long before its op a launch is looked
 SWITCHED_ONE_BY_ONE = 24  # threads of a frame of off-CPU records up to which each is picked out in a C loop
 COLLECT_WINDOWS = 64  # windows explained between two collections of cyclic garbage while the collector is paused
 WINDOW_WEIGHT = 20  # what loading a window costs, in stalls explained, where windows are shared among processes
-JOB_NICE = 10  # how much lower the CPU priority of the processes explaining windows is than the analysis's
 SHARES_PER_JOB = 4  # shares of the windows per process explaining them: one slowed by other work holds back less
 _FUTEX_NAMES = frozenset(FUTEXES)
 # What a capture that may still be analysed whole holds: records, or where a frame of rows of one kind is in the
@@ -582,19 +581,19 @@ class _Jobs:
         try:
             for fd in self.pipes:  # (the read ends of the processes forked before)
                 os.close(fd)
-            _quiet_job(self.parent)
+            quiet_child(self.parent)
             an, spool, windows = self.an, self.spool, self.windows
             for share in self.shares[k::self.n]:
                 an.windows = an.peak_window_records = 0
                 docs = [an._explain(spool, windows[i]) for i in share]
-                _send(w, (docs, an.windows, an.peak_window_records))
+                send(w, (docs, an.windows, an.peak_window_records))
             code = 0
         except BaseException as e:
             with contextlib.suppress(BaseException):
                 try:
-                    _send(w, e)
+                    send(w, e)
                 except Exception:  # not picklable: said as text
-                    _send(w, RuntimeError(f"explaining windows: {type(e).__name__}: {e}"))
+                    send(w, RuntimeError(f"explaining windows: {type(e).__name__}: {e}"))
         finally:
             os._exit(code)
 
@@ -638,10 +637,7 @@ class _Jobs:
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:
             return "its exit status is unknown"
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            return f"killed by {signal.Signals(sig).name}" + (" (out of memory?)" if sig == signal.SIGKILL else "")
-        return f"exit status {os.WEXITSTATUS(status)}"
+        return ended_how(status)
 
     def __exit__(self, failed: type[BaseException] | None = None, *_: object) -> None:
         """Every process waited for; where the analysis failed or was interrupted, ended first."""
@@ -658,31 +654,6 @@ class _Jobs:
 
 
 PIPE_READ = 1 << 20  # bytes read from a job's pipe at a time
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
-
-
-def _quiet_job(parent: int) -> None:
-    """A process explaining windows leaves Ctrl-C to the one that forked it, ``parent`` (which ends it then),
-    ends quietly when that one ends it (SIGTERM, SIGHUP: not the handlers it may have inherited, gputrace.cli's)
-    and when that one dies (killed: nothing would read its results), and runs at a lower CPU priority
-    (``JOB_NICE``): a job running beside the analysis keeps the CPUs it needs."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before that was set
-        os._exit(1)
-    os.nice(JOB_NICE)
-
-
-def _send(fd: int, message: Any) -> None:
-    """``message`` pickled, after its length, on the pipe ``fd``."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(len(data).to_bytes(8, "little") + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _shares(weights: list[int], n: int) -> list[list[int]]:
     """Indexes 0..len(weights)-1 cut into at most ``n`` runs of consecutive ones of about equal total weight."""
     total, acc = sum(weights), 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from gputrace import pipeline
 from gputrace.capture import CaptureReader, check_output_path, open_capture
 from gputrace.cli import common
+from gputrace.cli.report import default_jobs
 from gputrace.errors import UserError
 from gputrace.exporters import ExportResult
 
@@ -19,6 +20,7 @@ HELP = "export a capture as a Perfetto trace or as OpenTelemetry (OTLP) spans"
 EXAMPLES = """\
   gputrace export run.gputrace --perfetto run.pftrace          a Perfetto trace, stalls included
   gputrace export run.gputrace --perfetto run.pftrace -f       overwrite an existing trace
+  gputrace export run.gputrace --perfetto run.pftrace --jobs 1 analysed and drawn in this process alone
   gputrace export run.gputrace --otlp localhost:4317           stall spans to an OTLP collector (gRPC)
   gputrace export run.gputrace --otlp http://tempo:4318 --protocol http
   gputrace export hostA.gputrace hostB.gputrace --perfetto job.pftrace
@@ -48,10 +50,18 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="OTLP transport (default grpc; http is HTTP/protobuf)")
     common.add_force(p)
     common.add_min_gap(p)
+    jobs = default_jobs()
+    p.add_argument("--jobs", type=int, metavar="N", default=jobs,
+                   help="processes at once: a long capture's analysis explains its windows in up to N (as "
+                        "`gputrace report --jobs`), and a capture of 8 MiB or more is drawn into the Perfetto trace "
+                        f"by two when N is above 1 (the kernel probes' records by the second); default {jobs} here, "
+                        "as for report; 1: this process alone")
 
 
 def run(args: argparse.Namespace) -> int:
     common.require_positive("--min-gap-ms", args.min_gap_ms)
+    if args.jobs < 1:
+        raise UserError(f"--jobs must be 1 or more, not {args.jobs}")
     min_gap_ns = max(1, int(args.min_gap_ms * 1e6))
     if args.otlp is not None:
         if not args.otlp.strip():
@@ -64,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_perfetto_joined(args, paths, min_gap_ns)
     out = Path(args.perfetto)
     result = pipeline.export_perfetto(paths[0], out, force=args.force, analyse=True, min_gap_ns=min_gap_ns,
-                                      stage=common.progress, warn=_warn,
+                                      stage=common.progress, warn=_warn, jobs=args.jobs,
                                       done=lambda r: _warn_losses(r, "the trace has what was readable"))
     _print_notes(result)
     print(f"Wrote {out} ({result.items:,} packets)")
@@ -113,7 +123,7 @@ def _otlp_one(args: argparse.Namespace, path: str, min_gap_ns: int) -> int:
     exporter = OtlpExporter(args.otlp, args.protocol, min_gap_ns=min_gap_ns)
     with open_capture(path) as reader:
         with common.progress(reader, "analysing"):
-            report, why = pipeline.report_or_why(reader, min_gap_ns)
+            report, why = pipeline.report_or_why(reader, min_gap_ns, args.jobs)
         if report is None:
             raise UserError(f"cannot build OTLP spans: {why}")
         exporter.report = report

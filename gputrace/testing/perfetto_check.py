@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +164,30 @@ class TraceCheck:
 
     def flows_from(self, t: Track) -> list[tuple[Slice, Slice]]:
         return [f for f in self.flows if f[0].track == t.uuid]
+
+    def shown(self) -> dict[str, Any]:
+        """What the trace shows, whatever its uuids, arrow ids and packet order (two traces of one capture drawn
+        differently compare equal): each track by its kind, name, ids, description and parent's; each slice and
+        instant by its track, times, name, arguments, categories and how many arrows it has (a slice's depth too;
+        an instant's follows the order of packets at one time); each arrow by its ends; the counters' values; the
+        CPU samples in order."""
+        tracks: dict[int, tuple[Any, ...]] = {}
+
+        def track(uuid: int) -> tuple[Any, ...]:
+            if uuid not in tracks:
+                t = self.tracks[uuid]
+                tracks[uuid] = (t.kind, t.name, t.pid, t.tid, t.description,
+                                track(t.parent) if t.parent in self.tracks else None)
+            return tracks[uuid]
+
+        def drawn(s: Slice) -> tuple[Any, ...]:
+            return (track(s.track), s.name, s.ts, s.dur, None if s.instant else s.depth,
+                    repr(sorted((k, repr(v)) for k, v in s.args.items())), tuple(s.categories), len(s.flow_ids))
+
+        return {"tracks": Counter(map(track, self.tracks)), "slices": Counter(map(drawn, self.all_slices())),
+                "arrows": Counter((drawn(a), drawn(b)) for a, b in self.flows),
+                "counters": Counter((track(u), ts, v) for u, values in self.counters.items() for ts, v in values),
+                "samples": [(s.ts, s.pid, s.tid, tuple(s.frames), s.cpu) for s in self.samples]}
 
     def tree(self) -> str:
         """The track hierarchy as indented text (children in uuid order), for golden comparisons."""
