@@ -311,3 +311,17 @@ def test_an_interrupted_export_ends_its_kernel_part_and_leaves_nothing(tmp_path:
     with _Interrupted(cap) as reader, pytest.raises(KeyboardInterrupt):
         PerfettoExporter(tmp_path / "t.pftrace", jobs=2, parallel_min_bytes=0).write(reader)
     _leaves_nothing(tmp_path, cap)
+
+
+def test_no_process_to_fork_draws_the_trace_in_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = _capture(tmp_path / "c.gputrace", _names_from_both_parts())
+
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with CaptureReader(cap) as reader:
+        exporter = PerfettoExporter(tmp_path / "t.pftrace", jobs=2, parallel_min_bytes=0)
+        exporter.write(reader)
+    assert exporter.parts == 1 and check_trace(tmp_path / "t.pftrace").ok
+    assert sorted(os.listdir(tmp_path)) == ["c.gputrace", "t.pftrace"]

@@ -201,17 +201,18 @@ class PerfettoExporter:
         """Write the trace, under a temporary name renamed into place: a failed write (a full disk) leaves
         nothing behind and is an OutputError naming the file (write() errors carry no name); the reader's own
         errors pass through as they are."""
-        def body(sink: PacketSink) -> list[str]:
-            run = _Run(sink, reader.header, self.report, self.pending_cap)
-            run.start()
-            run.feed_reader(reader)
-            run.finish()
-            return run.notes(reader)
-
         self.parts = 2 if self.jobs > 1 and self._parallel(reader) else 1
         if self.parts == 2:
             return self._to_file(lambda sink: self._two_parts(sink, reader))
-        return self._to_file(body)
+        return self._to_file(lambda sink: self._whole(sink, reader))
+
+    def _whole(self, sink: PacketSink, reader: CaptureReader) -> list[str]:
+        """The trace drawn by this process alone; its notes."""
+        run = _Run(sink, reader.header, self.report, self.pending_cap)
+        run.start()
+        run.feed_reader(reader)
+        run.finish()
+        return run.notes(reader)
 
     def _parallel(self, reader: CaptureReader) -> bool:
         """Whether ``reader`` is a capture file large enough to be drawn in two parts."""
@@ -233,7 +234,12 @@ class PerfettoExporter:
                 fd = _create_new(part, self.out_path)
             r, w = os.pipe()
             parent = os.getpid()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:  # (no process to be had: EAGAIN, ENOMEM) drawn here alone, as with --jobs 1
+                os.close(w)
+                self.parts = 1
+                return self._whole(sink, reader)
             if pid == 0:  # (the child: never returns)
                 os.close(r)
                 self._kernel_part(reader, fd, w, parent)
