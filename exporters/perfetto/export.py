@@ -582,7 +582,7 @@ class _Run(Canvas):
                 self.tracks.name_waker(row[6], waker_tid, row[8])
 
     def _block_threads(self, r: BlockIO) -> None:
-        _clamped(r.issue_ns, r.complete_ns)
+        _clamped(r.issue_ns, r.complete_ns)  # (raises where ``block`` would, before it names the thread)
         self.tracks.refresh_comm(r.pid, r.tid, r.comm)
 
     def _block_threads_rows(self, rows: Rows) -> None:
